@@ -1,0 +1,274 @@
+"""The exceptions dsclient raises, and the one place where lower-layer errors are translated.
+
+Exception tree::
+
+    DSClientError
+    ├── TransportError            the request never got a complete answer
+    │   ├── TimeoutError          the call's time ran out (waiting for a slot included)
+    │   └── ConnectionError       connecting failed, or the connection dropped mid-body
+    └── ServerError               the server answered, but not with a usable result
+        ├── RequestRefused        any non-2xx status (``status``, ``body`` kept)
+        │   ├── Overloaded        429 / 503, or the client's own queue bound is full
+        │   └── ContextOverflow   prompt + max_tokens cannot fit the model's context
+        └── MalformedResponse     a 2xx whose body is not what the API promises
+
+``ContextOverflow`` is also raised *before* sending when dsclient can tell the prompt cannot fit.
+Programmer mistakes (bad arguments) stay ``ValueError`` / ``TypeError``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import httpx
+
+__all__ = [
+    "ConnectionError",
+    "ContextOverflow",
+    "DSClientError",
+    "MalformedResponse",
+    "Overloaded",
+    "RequestRefused",
+    "ServerError",
+    "TimeoutError",
+    "TransportError",
+    "context_overflow_from_response",
+    "error_from_response",
+    "translate_transport_error",
+]
+
+_BODY_KEEP = 4000  # characters of a refused body kept on the exception
+
+
+class DSClientError(Exception):
+    """Root of every error dsclient raises on purpose."""
+
+
+class TransportError(DSClientError):
+    """The request did not get a complete answer from the server."""
+
+
+class TimeoutError(TransportError):  # noqa: A001 - mirrors httpx.TimeoutException's role
+    """The call's time budget ran out (client-side queueing included)."""
+
+
+class ConnectionError(TransportError):  # noqa: A001
+    """Connecting failed, or the connection dropped before the body was complete."""
+
+
+class ServerError(DSClientError):
+    """The server answered, but not with a usable result."""
+
+
+class MalformedResponse(ServerError):
+    """A 2xx answer whose body is not valid JSON or lacks the fields the API promises."""
+
+    def __init__(self, message: str, *, body: str = "") -> None:
+        super().__init__(message)
+        self.body = body[:_BODY_KEEP]
+
+
+class RequestRefused(ServerError):
+    """The server refused the request with a non-2xx status.
+
+    ``status`` is the HTTP status, ``body`` the (possibly truncated) response text and
+    ``message`` the server's own message when the body had one.
+    """
+
+    def __init__(self, status: int, body: str = "", message: str | None = None) -> None:
+        self.status = status
+        self.body = body[:_BODY_KEEP]
+        self.message = message if message is not None else _server_message(body)
+        super().__init__(f"server refused the request: HTTP {status}: {self.message}")
+
+
+class Overloaded(RequestRefused):
+    """The server (429/503) or the client's own bounded queue cannot take the request now.
+
+    ``retry_after`` is the server's hint in seconds, when it gave one.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        body: str = "",
+        message: str | None = None,
+        *,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(status, body, message)
+        self.retry_after = retry_after
+
+
+class ContextOverflow(RequestRefused):
+    """The prompt plus ``max_tokens`` cannot fit the model's context.
+
+    ``prompt_tokens``, ``requested_tokens`` and ``context_length`` are filled in when known
+    (from dsclient's own count, or parsed from the server's message).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        prompt_tokens: int | None = None,
+        requested_tokens: int | None = None,
+        context_length: int | None = None,
+        status: int = 400,
+        body: str = "",
+    ) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.requested_tokens = requested_tokens
+        self.context_length = context_length
+        super().__init__(status, body, message)
+        # Replace RequestRefused's wording: for a check done before sending there is no HTTP.
+        self.args = (message if not body else f"HTTP {status}: {message}",)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def _server_message(body: str) -> str:
+    """The human message inside an error body (OpenAI, TGI or llama.cpp shape), else the text."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.strip()[:500] or "(empty body)"
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        if isinstance(err, dict):
+            msg = err.get("message") or err.get("error") or err.get("detail")
+            if isinstance(msg, str):
+                return msg
+        if isinstance(err, str):
+            return err
+        if isinstance(data.get("detail"), str):
+            return str(data["detail"])
+        if isinstance(data.get("message"), str):
+            return str(data["message"])
+    return body.strip()[:500]
+
+
+# --- context-overflow wordings ---------------------------------------------------------------
+# Each pattern yields some of the named groups ``ctx``, ``prompt``, ``req`` (output tokens
+# requested) and ``total``. Sources: ../shared/ENVIRONMENT.md (vLLM 0.4-0.6, 2025, 2026, the
+# renderer, the engine, TGI 422, llama.cpp), plus the pre-tokenization character bound.
+_N = r"(\d[\d,]*)"
+_OVERFLOW_PATTERNS: tuple[re.Pattern[str], ...] = tuple(
+    re.compile(p, re.IGNORECASE | re.DOTALL)
+    for p in (
+        # vLLM 2026: "... maximum context length is 2048 tokens. However, you requested 1900
+        # output tokens and your prompt contains at least 1200 input tokens, for a total ..."
+        rf"maximum context length is (?P<ctx>{_N}) tokens\. However, you requested (?P<req>{_N})"
+        rf" output tokens and your prompt contains (?:at least )?(?P<prompt>{_N}) input tokens",
+        # vLLM 0.4-0.6: "... However, you requested 3100 tokens (1200 in the messages, 1900 in
+        # the completion)."
+        rf"maximum context length is (?P<ctx>{_N}) tokens\. However, you requested (?P<total>{_N})"
+        rf" tokens \((?P<prompt>{_N}) in the messages, (?P<req>{_N}) in the completion\)",
+        # vLLM 0.32 prompt alone: "... However, your prompt contains at least 2049 input tokens"
+        rf"maximum context length is (?P<ctx>{_N}) tokens\. However, your prompt contains"
+        rf" (?:at least )?(?P<prompt>{_N}) input tokens",
+        # vLLM's character bound, before tokenizing: "... your prompt contains 18000 characters
+        # (more than 12288 characters, which is the upper bound for 2048 input tokens)"
+        rf"(?:maximum context length is (?P<ctx>{_N}) tokens.*?)?your prompt contains {_N}"
+        rf" characters \(more than {_N} characters, which is the upper bound for {_N} input",
+        # vLLM 2025: "'max_tokens' or 'max_completion_tokens' is too large: 1900. This model's
+        # maximum context length is 2048 tokens and your request has 1200 input tokens"
+        rf"is too large: (?P<req>{_N})\. This model's maximum context length is (?P<ctx>{_N})"
+        rf" tokens and your request has (?P<prompt>{_N}) input tokens",
+        # vLLM renderer: "You passed 1200 input tokens and requested 1900 output tokens. However,
+        # the model's context length is only 2048 tokens"
+        rf"You passed (?P<prompt>{_N}) input tokens and requested (?P<req>{_N}) output tokens\."
+        rf" However, the model's context length is only (?P<ctx>{_N}) tokens",
+        # vLLM engine: "The decoder prompt (length 2300) is longer than the maximum model length
+        # of 2048."
+        rf"prompt \(length (?P<prompt>{_N})\) is longer than the maximum model length of"
+        rf" (?P<ctx>{_N})",
+        # TGI: "`inputs` tokens + `max_new_tokens` must be <= 2048. Given: 1200 `inputs` tokens
+        # and 1900 `max_new_tokens`"
+        rf"`inputs` tokens \+ `max_new_tokens` must be <= (?P<ctx>{_N})\. Given: (?P<prompt>{_N})"
+        rf" `inputs` tokens and (?P<req>{_N}) `max_new_tokens`",
+        # TGI: "`inputs` must have less than 2047 tokens. Given: 2300"
+        rf"`inputs` must have less than (?P<ctx>{_N}) tokens\. Given: (?P<prompt>{_N})",
+        # Generic OpenAI-style fallback.
+        rf"maximum context length is (?P<ctx>{_N}) tokens",
+    )
+)
+
+
+def _int(text: str | None) -> int | None:
+    return int(text.replace(",", "")) if text else None
+
+
+def context_overflow_from_response(status: int, body: str) -> ContextOverflow | None:
+    """Recognise a context-overflow refusal in any known server wording, else ``None``."""
+    if status not in (400, 413, 422):
+        return None
+    message = _server_message(body)
+    data: Any
+    try:
+        data = json.loads(body)
+    except ValueError:
+        data = None
+    # llama.cpp: {"error": {"type": "exceed_context_size_error", "n_prompt_tokens", "n_ctx"}}
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        err = data["error"]
+        if err.get("type") == "exceed_context_size_error":
+            return ContextOverflow(
+                message,
+                prompt_tokens=_as_int(err.get("n_prompt_tokens")),
+                context_length=_as_int(err.get("n_ctx")),
+                status=status,
+                body=body,
+            )
+    for pattern in _OVERFLOW_PATTERNS:
+        m = pattern.search(message)
+        if m is None:
+            continue
+        groups = m.groupdict()
+        return ContextOverflow(
+            message,
+            prompt_tokens=_int(groups.get("prompt")),
+            requested_tokens=_int(groups.get("req")),
+            context_length=_int(groups.get("ctx")),
+            status=status,
+            body=body,
+        )
+    return None
+
+
+def _as_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def parse_retry_after_header(headers: httpx.Headers) -> float | None:
+    """Seconds the server asked us to wait, from ``retry-after-ms`` or ``Retry-After``."""
+    from ._retry import parse_retry_after  # local import: _retry is pure and imports nothing back
+
+    return parse_retry_after(headers.get("retry-after-ms"), headers.get("retry-after"))
+
+
+def error_from_response(response: httpx.Response) -> RequestRefused:
+    """Map a non-2xx response to the exception a caller can act on."""
+    status = response.status_code
+    try:
+        body = response.text
+    except (UnicodeDecodeError, httpx.ResponseNotRead):  # pragma: no cover - defensive
+        body = ""
+    overflow = context_overflow_from_response(status, body)
+    if overflow is not None:
+        return overflow
+    if status in (429, 503):
+        return Overloaded(status, body, retry_after=parse_retry_after_header(response.headers))
+    return RequestRefused(status, body)
+
+
+def translate_transport_error(exc: httpx.TransportError) -> TransportError:
+    """Translate httpx's transport errors; the caller raises the result ``from exc``."""
+    if isinstance(exc, httpx.TimeoutException):
+        return TimeoutError(f"request timed out ({type(exc).__name__})")
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return ConnectionError(f"connection dropped before the answer was complete: {exc}")
+    return ConnectionError(f"could not talk to the server ({type(exc).__name__}): {exc}")

@@ -1,0 +1,108 @@
+"""Typed results: what ``generate()``, ``chat()`` and ``map()`` return."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+from pydantic import BaseModel, ConfigDict, PrivateAttr
+
+__all__ = ["ChatResult", "CompletionResult", "Failure", "Result", "Usage"]
+
+
+class Usage(BaseModel):
+    """Token counts the server reported."""
+
+    model_config = ConfigDict(frozen=True)
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Result(BaseModel):
+    """One finished request.
+
+    ``text`` is the generated text, ``latency_s`` the time from the call to the answer (waiting
+    for a slot included), ``queued_s`` the part of it spent waiting in the client's governor,
+    ``attempts`` how many tries it took, ``max_tokens`` what was sent, ``lane`` which lane
+    carried it. ``raw`` is the server's answer as openai's own type.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    text: str
+    finish_reason: str | None
+    usage: Usage
+    latency_s: float
+    queued_s: float = 0.0
+    attempts: int = 1
+    max_tokens: int | None = None
+    lane: str = "short"
+    index: int | None = None
+    _raw_data: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return True
+
+    def _repr_html_(self) -> str:  # notebooks
+        from ._display import result_html
+
+        return result_html(self)
+
+
+class CompletionResult(Result):
+    """The result of ``generate()`` (the completions endpoint)."""
+
+    _raw: Completion | None = PrivateAttr(default=None)
+
+    @property
+    def raw(self) -> Completion:
+        """The response as ``openai.types.Completion`` (validated on first access)."""
+        if self._raw is None:
+            self._raw = Completion.model_validate(self._raw_data)
+        return self._raw
+
+
+class ChatResult(Result):
+    """The result of ``chat()`` (the chat completions endpoint)."""
+
+    _raw: ChatCompletion | None = PrivateAttr(default=None)
+
+    @property
+    def raw(self) -> ChatCompletion:
+        """The response as ``openai.types.chat.ChatCompletion`` (validated on first access)."""
+        if self._raw is None:
+            self._raw = ChatCompletion.model_validate(self._raw_data)
+        return self._raw
+
+
+class Failure(BaseModel):
+    """An item of a batch that failed: its input ``index``, ``id`` and the ``error``.
+
+    ``text`` is always ``None`` so code that reads ``result.text`` over a batch keeps working.
+    """
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    index: int
+    id: str | None = None
+    error: BaseException
+    attempts: int = 1
+    text: None = None
+
+    @property
+    def ok(self) -> bool:
+        return False
+
+    @property
+    def error_type(self) -> str:
+        return type(self.error).__name__
+
+    def __repr__(self) -> str:
+        return f"Failure(index={self.index}, id={self.id!r}, error={self.error_type}: {self.error})"

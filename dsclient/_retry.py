@@ -1,0 +1,217 @@
+"""Retry policy: which failures to retry, how long to wait, and how many retries to allow.
+
+Everything here is pure (no network, no sleeping); the client asks and sleeps. The waiting is
+tenacity's ``wait`` protocol, so the client drives it with ``tenacity.AsyncRetrying``.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._exceptions import (
+    ConnectionError,
+    DSClientError,
+    Overloaded,
+    RequestRefused,
+    TimeoutError,
+)
+
+__all__ = [
+    "RETRYABLE_STATUSES",
+    "Retry",
+    "RetryBudget",
+    "compute_backoff",
+    "is_retryable",
+    "parse_retry_after",
+]
+
+#: Statuses worth another try: timeouts, conflicts, rate limits and the server's own failures.
+RETRYABLE_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Retry:
+    """How a client retries failed requests.
+
+    ==========================================  =============================================
+    ``Retry()``                                  4 attempts, 0.5 s base, 8 s cap, full jitter
+    ``Retry(attempts=1)``                        never retry
+    ``Retry(base=0.1, cap=2.0)``                 faster backoff for a local server
+    ``Retry(budget_ratio=0.2, budget_floor=3)``  retries may be 20% of recent requests
+    ==========================================  =============================================
+
+    Parameters:
+        attempts: total tries per call, the first included (>= 1).
+        base: the first backoff cap in seconds; attempt ``n`` waits up to ``base * 2**(n-1)``.
+        cap: no single wait is longer than this, a server's ``Retry-After`` included.
+        budget_ratio: retries allowed, as a share of the requests in the last ``budget_window``
+            seconds (see :class:`RetryBudget`).
+        budget_floor: retries always allowed per window, so a lone request is still retried.
+        budget_window: the sliding window of the budget, in seconds.
+    """
+
+    attempts: int = 4
+    base: float = 0.5
+    cap: float = 8.0
+    budget_ratio: float = 0.1
+    budget_floor: int = 10
+    budget_window: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ValueError(f"Retry.attempts must be an int >= 1, got {self.attempts!r}")
+        if not self.base > 0:
+            raise ValueError(f"Retry.base must be > 0 seconds, got {self.base!r}")
+        if not self.cap >= self.base:
+            raise ValueError(f"Retry.cap must be >= base ({self.base}), got {self.cap!r}")
+        if not 0 <= self.budget_ratio <= 1:
+            raise ValueError(f"Retry.budget_ratio must be in [0, 1], got {self.budget_ratio!r}")
+        if self.budget_floor < 0:
+            raise ValueError(f"Retry.budget_floor must be >= 0, got {self.budget_floor!r}")
+        if not self.budget_window > 0:
+            raise ValueError(f"Retry.budget_window must be > 0, got {self.budget_window!r}")
+
+
+def compute_backoff(
+    attempt: int,
+    *,
+    base: float,
+    cap: float,
+    retry_after: float | None = None,
+    rng: random.Random | None = None,
+) -> float:
+    """Seconds to wait after failed attempt ``attempt`` (1-based): exponential, full jitter.
+
+    ``wait = uniform(0, min(cap, base * 2**(attempt - 1)))``; a server hint wins over the jitter:
+    ``wait = min(cap, retry_after)`` when ``retry_after`` is given.
+
+        >>> compute_backoff(1, base=0.5, cap=8.0, rng=random.Random(0))  # in [0, 0.5]
+        0.42...
+    """
+    if attempt < 1:
+        raise ValueError(f"attempt is 1-based, got {attempt}")
+    if retry_after is not None:
+        return max(0.0, min(cap, retry_after))
+    # 2**attempt overflows float for absurd attempts; clamp the exponent first.
+    ceiling = min(cap, base * math.pow(2.0, min(attempt - 1, 60)))
+    return (rng or random).uniform(0.0, ceiling)
+
+
+def parse_retry_after(
+    retry_after_ms: str | None, retry_after: str | None, *, now: float | None = None
+) -> float | None:
+    """Seconds to wait from ``retry-after-ms`` (milliseconds) or ``Retry-After`` (seconds or an
+    HTTP date); ``None`` when neither is present or parseable."""
+    if retry_after_ms:
+        try:
+            ms = float(retry_after_ms)
+        except ValueError:
+            ms = math.nan
+        if math.isfinite(ms) and ms >= 0:
+            return ms / 1000.0
+    if not retry_after:
+        return None
+    value = retry_after.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when is None:  # pragma: no cover - older Pythons
+            return None
+        seconds = when.timestamp() - (time.time() if now is None else now)
+        return max(0.0, seconds)
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether a failed attempt may be tried again (budget permitting)."""
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return True
+    if isinstance(exc, Overloaded):
+        # The client's own queue bound (status 0) is a decision, not a server hiccup.
+        return exc.status != 0
+    if isinstance(exc, RequestRefused):
+        return exc.status in RETRYABLE_STATUSES and type(exc) is RequestRefused
+    return False
+
+
+def retry_after_of(exc: BaseException) -> float | None:
+    """The server's wait hint carried by an exception, if any."""
+    return exc.retry_after if isinstance(exc, Overloaded) else None
+
+
+@dataclass
+class RetryBudget:
+    """Keeps retries to a bounded share of recent requests, so a failing server is not hammered.
+
+    Rule: within the last ``window`` seconds, a retry is allowed while
+    ``retries < floor + ratio * requests``. Each first attempt counts as a request; each allowed
+    retry counts as a retry. With the defaults (floor 10, ratio 0.1) a lone caller still gets its
+    retries, while 1000 failing calls a window produce at most ~110 retries instead of 3000.
+    """
+
+    ratio: float = 0.1
+    floor: int = 10
+    window: float = 10.0
+    clock: Callable[[], float] = time.monotonic
+    _requests: deque[float] = field(default_factory=deque, repr=False)
+    _retries: deque[float] = field(default_factory=deque, repr=False)
+
+    def _trim(self, now: float) -> None:
+        horizon = now - self.window
+        for q in (self._requests, self._retries):
+            while q and q[0] < horizon:
+                q.popleft()
+
+    def record_request(self) -> None:
+        """Count a first attempt."""
+        now = self.clock()
+        self._requests.append(now)
+        if len(self._requests) > 4096:  # keep the deque small on hot paths
+            self._trim(now)
+
+    def try_spend(self) -> bool:
+        """Take one retry from the budget; ``False`` when the budget is spent."""
+        now = self.clock()
+        self._trim(now)
+        if len(self._retries) < self.floor + self.ratio * len(self._requests):
+            self._retries.append(now)
+            return True
+        return False
+
+
+def describe(exc: BaseException) -> str:
+    """A short label of a failure for logs (never includes headers, so never a secret)."""
+    if isinstance(exc, RequestRefused):
+        return f"HTTP {exc.status}"
+    if isinstance(exc, DSClientError):
+        return type(exc).__name__
+    return type(exc).__name__
+
+
+def tenacity_wait(
+    retry: Retry, rng: random.Random | None = None
+) -> Callable[[Any], float]:
+    """A tenacity ``wait`` callable applying :func:`compute_backoff` to a retry state."""
+
+    def wait(state: Any) -> float:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        return compute_backoff(
+            state.attempt_number,
+            base=retry.base,
+            cap=retry.cap,
+            retry_after=retry_after_of(exc) if exc is not None else None,
+            rng=rng,
+        )
+
+    return wait
