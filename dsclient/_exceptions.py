@@ -216,10 +216,13 @@ def context_overflow_from_response(status: int, body: str) -> ContextOverflow | 
     if isinstance(data, dict) and isinstance(data.get("error"), dict):
         err = data["error"]
         if err.get("type") == "exceed_context_size_error":
+            n_prompt, n_ctx = _as_int(err.get("n_prompt_tokens")), _as_int(err.get("n_ctx"))
+            if n_prompt is not None and n_ctx is not None:
+                message = f"{message} (prompt has {n_prompt} tokens; model context is {n_ctx})"
             return ContextOverflow(
                 message,
-                prompt_tokens=_as_int(err.get("n_prompt_tokens")),
-                context_length=_as_int(err.get("n_ctx")),
+                prompt_tokens=n_prompt,
+                context_length=n_ctx,
                 status=status,
                 body=body,
             )

@@ -155,7 +155,7 @@ class RetryBudget:
     """Keeps retries to a bounded share of recent requests, so a failing server is not hammered.
 
     Rule: within the last ``window`` seconds, a retry is allowed while
-    ``retries < floor + ratio * requests``. Each first attempt counts as a request; each allowed
+    ``retries < floor + int(ratio * requests)``. Each first attempt counts as a request; each allowed
     retry counts as a retry. With the defaults (floor 10, ratio 0.1) a lone caller still gets its
     retries, while 1000 failing calls a window produce at most ~110 retries instead of 3000.
     """
@@ -184,7 +184,7 @@ class RetryBudget:
         """Take one retry from the budget; ``False`` when the budget is spent."""
         now = self.clock()
         self._trim(now)
-        if len(self._retries) < self.floor + self.ratio * len(self._requests):
+        if len(self._retries) < self.floor + int(self.ratio * len(self._requests)):
             self._retries.append(now)
             return True
         return False

@@ -1,0 +1,733 @@
+"""The async client: validation, discovery, token budget, governor and retries around httpx."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import logging
+import os
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import anyio
+import httpx
+import tenacity
+
+from ._discovery import ServerInfo, discover
+from ._exceptions import (
+    DSClientError,
+    MalformedResponse,
+    TimeoutError,
+    error_from_response,
+    translate_transport_error,
+)
+from ._governor import Governor, GovernorStats, choose_lane, compute_limit, default_long_threshold
+from ._models import ChatResult, CompletionResult, Result, Usage
+from ._retry import Retry, RetryBudget, compute_backoff, describe, is_retryable, retry_after_of
+from ._streaming import delta_of, iter_sse_data
+from ._tokens import TokenCounter, count_exact, needs_exact_count, plan_max_tokens
+
+if TYPE_CHECKING:
+    from ._governor import Slot
+
+__all__ = ["AsyncClient", "Stream", "USE_DEFAULT"]
+
+logger = logging.getLogger("dsclient")
+
+Messages = Sequence[Mapping[str, Any]]
+Prompt = str | Messages
+T = TypeVar("T")
+
+
+class _UseDefault:
+    """Sentinel: "use the client's default" (``None`` means "turn it off")."""
+
+    _instance: _UseDefault | None = None
+
+    def __new__(cls) -> _UseDefault:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "USE_DEFAULT"
+
+
+USE_DEFAULT: Any = _UseDefault()
+
+
+class _Secret:
+    """Holds the API key so that no repr, log line or traceback local shows it."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "'***'"
+
+    __str__ = __repr__
+
+
+def _root_url(base_url: str) -> str:
+    """``http://h:8000/v1/`` → ``http://h:8000``; validates the scheme."""
+    if not isinstance(base_url, str):
+        raise TypeError(f"base_url must be a str or a launched Server, got {type(base_url).__name__}")
+    url = base_url.strip().rstrip("/")
+    parsed = httpx.URL(url) if "://" in url else None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"base_url must be an http(s) URL like 'http://127.0.0.1:8000', got {base_url!r}")
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")]
+    return url
+
+
+def _check_messages(messages: Any) -> None:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages is empty; give at least one {'role': ..., 'content': ...}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or "role" not in m:
+            raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content', got {m!r:.80}")
+
+
+def _check_prompt(prompt: Any) -> None:
+    if not isinstance(prompt, str):
+        raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+    if not prompt:
+        raise ValueError("prompt is empty")
+
+
+def _check_max_tokens(max_tokens: Any) -> None:
+    if max_tokens is None:
+        return
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__}")
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+
+
+class _Plan:
+    """What one call will send: endpoint, body, lane and the governor's options."""
+
+    __slots__ = ("body", "kind", "lane", "max_tokens", "path", "prompt_tokens")
+
+    def __init__(
+        self, kind: Literal["completion", "chat"], body: dict[str, Any], lane: str, max_tokens: int,
+        prompt_tokens: int,
+    ) -> None:
+        self.kind = kind
+        self.path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
+        self.body = body
+        self.lane = lane
+        self.max_tokens = max_tokens
+        self.prompt_tokens = prompt_tokens
+
+
+class AsyncClient:
+    """An async client for an OpenAI-compatible LLM server that governs its own concurrency.
+
+        async with dsclient.AsyncClient("http://127.0.0.1:8000") as client:
+            result = await client.generate("Once upon a time", max_tokens=32)
+            print(result.text, result.latency_s)
+
+    Parameters:
+        base_url: the server's URL, with or without ``/v1``, or a launched ``Server`` handle.
+        model: the model to ask for; ``None`` takes the server's only model.
+        api_key: bearer token; falls back to ``DSCLIENT_API_KEY``, then ``OPENAI_API_KEY``.
+        timeout: seconds for a whole call, waiting for a slot and retries included.
+        retry: the retry policy (:class:`dsclient.Retry`); ``Retry(attempts=1)`` turns it off.
+        transport: any ``httpx.AsyncBaseTransport`` (tests pass ``httpx.MockTransport``).
+        max_num_seqs: the server's batch size, if you know it better than discovery.
+        headroom: in-flight cap as a share of ``max_num_seqs`` (0 < headroom <= 2; default 0.7).
+        max_model_len: the model's context, if you know it better than discovery.
+        max_queue: bound on calls waiting in the client; beyond it calls fail with
+            :class:`dsclient.Overloaded` at once. ``None`` (default) waits.
+        long_threshold: estimated prompt + max_tokens above which a call takes the long lane;
+            default a quarter of the context.
+        long_share: the share of the cap the long lane may hold (default 0.5).
+        group_caps: caps per traffic group as shares of the cap, e.g. ``{"batch": 0.5}``.
+        default_max_tokens: ``max_tokens`` sent when a call gives none, cut to the room left.
+        tokenizer: a ``tokenizer.json`` path, a tiktoken encoding name or a ``str -> int``
+            callable for local token estimates.
+        sleep, rng, clock: injectable for tests (retry sleeps, jitter source, latency clock).
+    """
+
+    def __init__(
+        self,
+        base_url: Any,
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout: float | None = 600.0,
+        retry: Retry | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        max_num_seqs: int | None = None,
+        headroom: float = 0.7,
+        max_model_len: int | None = None,
+        max_queue: int | None = None,
+        long_threshold: int | None = None,
+        long_share: float = 0.5,
+        group_caps: Mapping[str, float] | None = None,
+        default_max_tokens: int = 256,
+        tokenizer: Any = None,
+        headers: Mapping[str, str] | None = None,
+        sleep: Callable[[float], Awaitable[None]] | None = None,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        handle = None
+        if not isinstance(base_url, str) and hasattr(base_url, "url"):
+            handle = base_url  # a launched dsclient.launcher.Server
+            base_url = handle.url
+            model = model if model is not None else getattr(handle, "model", None)
+            max_num_seqs = max_num_seqs if max_num_seqs is not None else getattr(handle, "max_num_seqs", None)
+            if max_model_len is None:
+                max_model_len = getattr(handle, "max_model_len", None)
+        self._url = _root_url(base_url)
+        if model is not None and not isinstance(model, str):
+            raise TypeError(f"model must be a str, got {type(model).__name__}")
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
+                            ("max_queue", max_queue), ("long_threshold", long_threshold)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+        if not isinstance(default_max_tokens, int) or default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be an int >= 1, got {default_max_tokens!r}")
+        key = api_key or os.environ.get("DSCLIENT_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        self._api_key = _Secret(key) if key else None
+        self._model = model
+        self._timeout = float(timeout) if timeout is not None else None
+        self._retry = retry if retry is not None else Retry()
+        self._budget = RetryBudget(
+            ratio=self._retry.budget_ratio, floor=self._retry.budget_floor,
+            window=self._retry.budget_window,
+        )
+        self._headroom = headroom
+        self._explicit_max_num_seqs = max_num_seqs
+        self._explicit_max_model_len = max_model_len
+        self._long_threshold = long_threshold
+        self._default_max_tokens = default_max_tokens
+        self._sleep = sleep or anyio.sleep
+        self._rng = rng or random.Random()
+        self._clock = clock
+        # Until discovery runs, the cap uses the explicit value or a cautious single slot's worth.
+        self._governor = Governor(
+            limit=compute_limit(max_num_seqs or 8, headroom),
+            long_share=long_share,
+            max_queue=max_queue,
+            group_caps=group_caps,
+            clock=clock,
+        )
+        self._tokens = TokenCounter(tokenizer)
+        request_headers = {"User-Agent": "dsclient/0.1"}
+        request_headers.update(headers or {})
+        if self._api_key is not None:
+            request_headers["Authorization"] = f"Bearer {self._api_key.reveal()}"
+        # The governor is the only concurrency limit: the pool must never be the tighter one,
+        # so it is unbounded; keep-alive connections cover a large cap without reconnects.
+        self._http = httpx.AsyncClient(
+            transport=transport,
+            headers=request_headers,
+            timeout=httpx.Timeout(self._timeout, connect=min(self._timeout or 10.0, 10.0)),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+        )
+        self._server: ServerInfo | None = None
+        self._discover_lock = anyio.Lock()
+        self._tokenize_limiter = anyio.CapacityLimiter(8)
+        self._closed = False
+        self._launched = handle
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def __aenter__(self) -> AsyncClient:
+        await self.discover()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connections. The client cannot be used afterwards."""
+        self._closed = True
+        await self._http.aclose()
+
+    def __repr__(self) -> str:
+        return (
+            f"AsyncClient(url={self._url!r}, model={self._model!r}, limit={self.limit}, "
+            f"in_flight={self.in_flight}, api_key={'***' if self._api_key else None})"
+        )
+
+    # -- observable state --------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """The server's root URL (without ``/v1``)."""
+        return self._url
+
+    @property
+    def model(self) -> str | None:
+        return self._model
+
+    @property
+    def server(self) -> ServerInfo | None:
+        """What discovery found (``None`` before it ran); see :meth:`discover`."""
+        return self._server
+
+    @property
+    def limit(self) -> int:
+        """The in-flight cap: ``max(1, floor(headroom * max_num_seqs))``."""
+        return self._governor.limit
+
+    @property
+    def in_flight(self) -> int:
+        return self._governor.in_flight
+
+    def stats(self) -> GovernorStats:
+        """Per-lane in flight, waiting, done, failed and sliding-window latency percentiles."""
+        return self._governor.stats()
+
+    # -- discovery ---------------------------------------------------------------------------
+    async def discover(self, *, refresh: bool = False) -> ServerInfo:
+        """Find the server's kind, model, context and ``max_num_seqs`` (once; cached)."""
+        if self._server is not None and not refresh:
+            return self._server
+        async with self._discover_lock:
+            if self._server is not None and not refresh:
+                return self._server
+            info = await discover(
+                self._http,
+                self._url,
+                model=self._model,
+                max_num_seqs=self._explicit_max_num_seqs,
+                max_model_len=self._explicit_max_model_len,
+            )
+            self._server = info
+            self._model = info.model if info.model is not None else self._model
+            self._governor.set_limit(compute_limit(info.max_num_seqs, self._headroom))
+            logger.info(
+                "dsclient: %s at %s, model %s, max_num_seqs %s (%s), cap %d",
+                info.kind, self._url, info.model, info.max_num_seqs,
+                info.sources.get("max_num_seqs", "?"), self._governor.limit,
+            )
+            return info
+
+    async def _ready(self) -> ServerInfo:
+        if self._closed:
+            raise RuntimeError("this AsyncClient is closed")
+        return self._server if self._server is not None else await self.discover()
+
+    # -- token budget ------------------------------------------------------------------------
+    async def count_tokens(self, prompt: Prompt, *, exact: bool = True) -> int:
+        """Tokens in a prompt or message list: exact via the server's ``/tokenize`` when it
+        has one and ``exact`` is true, else the local (corrected) estimate."""
+        if isinstance(prompt, str):
+            _check_prompt(prompt)
+        else:
+            _check_messages(prompt)
+        info = await self._ready()
+        local = self._local_count(prompt)
+        if exact and info.has_tokenize:
+            counted = await self._count_exact(prompt)
+            if counted is not None:
+                self._tokens.learn(local, counted)
+                return counted
+        return self._tokens.estimate_from(local)
+
+    def _local_count(self, prompt: Prompt) -> int:
+        if isinstance(prompt, str):
+            return self._tokens.count(prompt)
+        return self._tokens.count_messages(list(prompt))
+
+    async def _count_exact(self, prompt: Prompt) -> int | None:
+        async with self._tokenize_limiter:
+            return await count_exact(
+                self._http, self._url, model=self._model,
+                prompt=prompt if isinstance(prompt, str) else None,
+                messages=None if isinstance(prompt, str) else [dict(m) for m in prompt],
+                timeout=10.0,
+            )
+
+    async def _plan(
+        self, kind: Literal["completion", "chat"], prompt: Prompt, max_tokens: int | None,
+        sampling: dict[str, Any],
+    ) -> _Plan:
+        info = await self._ready()
+        ctx = info.max_model_len
+        wanted = max_tokens if max_tokens is not None else self._default_max_tokens
+        local = self._local_count(prompt)
+        estimate = self._tokens.estimate_from(local)
+        bound = self._tokens.error_bound(estimate)
+        margin = self._tokens.margin
+        prompt_tokens = estimate + bound  # conservative unless counted exactly
+        if needs_exact_count(
+            estimate=estimate, error_bound=bound, wanted=wanted, max_model_len=ctx, margin=margin
+        ):
+            counted = await self._count_exact(prompt) if info.has_tokenize else None
+            if counted is not None:
+                self._tokens.learn(local, counted)
+                prompt_tokens = counted
+            send = plan_max_tokens(
+                prompt_tokens=prompt_tokens, requested=max_tokens,
+                default=self._default_max_tokens, max_model_len=ctx, margin=margin,
+            )
+        else:
+            send = wanted
+        threshold = self._long_threshold or default_long_threshold(ctx)
+        lane = choose_lane(estimated_total_tokens=estimate + send, threshold=threshold)
+        body: dict[str, Any] = {"model": self._model}
+        if kind == "completion":
+            body["prompt"] = prompt
+        else:
+            body["messages"] = [dict(m) for m in prompt]
+        body["max_tokens"] = send
+        body.update(sampling)
+        if body.get("model") is None:
+            body.pop("model")
+        return _Plan(kind, body, lane, send, prompt_tokens)
+
+    # -- public calls ------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int | None = None,
+        urgency: int = 0,
+        group: str | None = None,
+        timeout: Any = USE_DEFAULT,
+        **sampling: Any,
+    ) -> CompletionResult:
+        """Complete ``prompt`` with the completions endpoint.
+
+            result = await client.generate("The capital of France is", max_tokens=8)
+
+        Parameters:
+            prompt: the text to continue.
+            max_tokens: the most tokens to generate; cut to the room the context leaves.
+                ``None`` sends the client's default (cut likewise).
+            urgency: higher is admitted first among waiting calls (client side only; vLLM's own
+                ``priority`` field, where lower runs first, can still be passed in ``sampling``).
+            group: the traffic group, for ``group_caps``.
+            timeout: seconds for this call (default: the client's).
+            sampling: anything else goes into the request body as given (``temperature``,
+                vLLM's ``ignore_eos``, ``top_k``, ``min_tokens``, ...).
+        """
+        _check_prompt(prompt)
+        _check_max_tokens(max_tokens)
+        result = await self._call("completion", prompt, max_tokens, urgency, group, timeout, sampling)
+        assert isinstance(result, CompletionResult)
+        return result
+
+    async def chat(
+        self,
+        messages: Messages,
+        *,
+        max_tokens: int | None = None,
+        urgency: int = 0,
+        group: str | None = None,
+        timeout: Any = USE_DEFAULT,
+        **sampling: Any,
+    ) -> ChatResult:
+        """Answer a conversation with the chat completions endpoint.
+
+            result = await client.chat([{"role": "user", "content": "Hi"}], max_tokens=16)
+
+        Parameters are those of :meth:`generate`, with ``messages`` in OpenAI's shape.
+        """
+        _check_messages(messages)
+        _check_max_tokens(max_tokens)
+        result = await self._call("chat", messages, max_tokens, urgency, group, timeout, sampling)
+        assert isinstance(result, ChatResult)
+        return result
+
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        max_tokens: int | None = None,
+        urgency: int = 0,
+        group: str | None = None,
+        timeout: Any = USE_DEFAULT,
+        **sampling: Any,
+    ) -> Stream:
+        """Stream text deltas over SSE: a string prompt uses completions, a list uses chat.
+
+            async with client.stream("Once upon a time", max_tokens=64) as s:
+                async for delta in s:
+                    print(delta, end="")
+            print(s.ttft_s, s.finish_reason)
+
+        Leaving the block early closes the response and gives the connection and the slot back.
+        """
+        if isinstance(prompt, str):
+            _check_prompt(prompt)
+        else:
+            _check_messages(prompt)
+        _check_max_tokens(max_tokens)
+        return Stream(self, prompt, max_tokens, urgency, group, self._timeout_of(timeout), sampling)
+
+    def _timeout_of(self, timeout: Any) -> float | None:
+        if timeout is USE_DEFAULT:
+            return self._timeout
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        return float(timeout) if timeout is not None else None
+
+    # -- the request path --------------------------------------------------------------------
+    async def _call(
+        self, kind: Literal["completion", "chat"], prompt: Prompt, max_tokens: int | None,
+        urgency: int, group: str | None, timeout: Any, sampling: dict[str, Any],
+        *, index: int | None = None,
+    ) -> Result:
+        limit_s = self._timeout_of(timeout)
+        start = self._clock()
+        try:
+            with anyio.fail_after(limit_s):
+                plan = await self._plan(kind, prompt, max_tokens, sampling)
+                async with self._governor.slot(lane=plan.lane, urgency=urgency, group=group) as slot:
+                    data, attempts = await self._send_with_retries(plan.path, plan.body, slot)
+        except builtins.TimeoutError as exc:
+            raise TimeoutError(f"call did not finish within its timeout of {limit_s} s") from exc
+        latency = self._clock() - start
+        return _build_result(kind, data, latency, slot.queued_s, attempts, plan, index)
+
+    async def _post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One attempt: POST, check the status, parse JSON. Raises dsclient errors only."""
+        try:
+            response = await self._http.post(self._url + path, json=body)
+        except httpx.TransportError as exc:
+            raise translate_transport_error(exc) from exc
+        if response.status_code >= 400:
+            raise error_from_response(response)
+        try:
+            data = json.loads(response.content)
+        except ValueError as exc:
+            raise MalformedResponse(
+                f"server answered HTTP {response.status_code} with a body that is not JSON",
+                body=response.text,
+            ) from exc
+        if not isinstance(data, dict):
+            raise MalformedResponse("server answered with JSON that is not an object", body=response.text)
+        return data
+
+    async def _send_with_retries(
+        self, path: str, body: dict[str, Any], slot: Slot | None
+    ) -> tuple[dict[str, Any], int]:
+        self._budget.record_request()
+        try:
+            # The common path: one attempt, no retry machinery.
+            return await self._post_json(path, body), 1
+        except DSClientError as first:
+            if self._retry.attempts <= 1 or not self._should_retry(first):
+                if slot is not None:
+                    slot.fail()
+                raise
+            failure: DSClientError = first
+        return await self._retry_loop(path, body, failure, slot)
+
+    def _should_retry(self, exc: BaseException) -> bool:
+        if not is_retryable(exc):
+            return False
+        if not self._budget.try_spend():
+            logger.warning("dsclient: retry budget spent; not retrying %s", describe(exc))
+            return False
+        return True
+
+    async def _retry_loop(
+        self, path: str, body: dict[str, Any], first: DSClientError, slot: Slot | None,
+        op: Callable[[], Awaitable[T]] | None = None,
+    ) -> tuple[Any, int]:
+        retry = self._retry
+        delay = compute_backoff(1, base=retry.base, cap=retry.cap,
+                                retry_after=retry_after_of(first), rng=self._rng)
+        logger.info("dsclient: %s failed with %s; retry 2/%d in %.2fs",
+                    path, describe(first), retry.attempts, delay)
+        await self._sleep(delay)
+
+        def wait(state: tenacity.RetryCallState) -> float:
+            exc = state.outcome.exception() if state.outcome is not None else None
+            seconds = compute_backoff(state.attempt_number + 1, base=retry.base, cap=retry.cap,
+                                      retry_after=retry_after_of(exc) if exc else None, rng=self._rng)
+            logger.info("dsclient: %s failed with %s; retry %d/%d in %.2fs", path,
+                        describe(exc) if exc else "?", state.attempt_number + 2, retry.attempts, seconds)
+            return seconds
+
+        attempts = 1
+        retrying = tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_attempt(retry.attempts - 1),
+            wait=wait,
+            retry=tenacity.retry_if_exception(self._should_retry),
+            sleep=self._sleep,
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    attempts += 1
+                    result = await (op() if op is not None else self._post_json(path, body))
+        except DSClientError:
+            if slot is not None:
+                slot.fail()
+            raise
+        return result, attempts
+
+
+def _build_result(
+    kind: Literal["completion", "chat"], data: dict[str, Any], latency: float, queued: float,
+    attempts: int, plan: _Plan, index: int | None,
+) -> Result:
+    try:
+        choice = data["choices"][0]
+        if kind == "completion":
+            text = choice["text"]
+        else:
+            text = choice["message"].get("content") or ""
+        usage_data = data.get("usage") or {}
+        usage = Usage(
+            prompt_tokens=usage_data.get("prompt_tokens") or 0,
+            completion_tokens=usage_data.get("completion_tokens") or 0,
+        )
+        cls = CompletionResult if kind == "completion" else ChatResult
+        result = cls(
+            text=text, finish_reason=choice.get("finish_reason"), usage=usage,
+            latency_s=latency, queued_s=queued, attempts=attempts, max_tokens=plan.max_tokens,
+            lane=plan.lane, index=index,
+        )
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
+        raise MalformedResponse(
+            f"server's answer lacks the fields of a {kind} response ({type(exc).__name__}: {exc})",
+            body=json.dumps(data)[:2000],
+        ) from exc
+    result._raw_data = data
+    return result
+
+
+class Stream:
+    """A streaming call: ``async with`` opens it, ``async for`` yields text deltas.
+
+    After (or during) iteration: ``text`` (all deltas so far), ``ttft_s`` (seconds from the call
+    to the first token), ``finish_reason``, ``attempts``, ``lane``, ``max_tokens``.
+    """
+
+    def __init__(
+        self, client: AsyncClient, prompt: Prompt, max_tokens: int | None, urgency: int,
+        group: str | None, timeout: float | None, sampling: dict[str, Any],
+    ) -> None:
+        self._client = client
+        self._prompt = prompt
+        self._max_tokens = max_tokens
+        self._urgency = urgency
+        self._group = group
+        self._timeout = timeout
+        self._sampling = sampling
+        self._slot_cm: Any = None
+        self._slot: Slot | None = None
+        self._response: httpx.Response | None = None
+        self._events: AsyncIterator[dict[str, Any]] | None = None
+        self._deadline: float | None = None
+        self.text = ""
+        self.ttft_s: float | None = None
+        self.finish_reason: str | None = None
+        self.attempts = 0
+        self.lane = "short"
+        self.max_tokens: int | None = None
+        self._start = 0.0
+        self._chunks: list[str] = []
+
+    async def __aenter__(self) -> Stream:
+        client = self._client
+        self._start = client._clock()
+        try:
+            with anyio.fail_after(self._timeout):
+                kind: Literal["completion", "chat"] = "completion" if isinstance(self._prompt, str) else "chat"
+                plan = await client._plan(kind, self._prompt, self._max_tokens, dict(self._sampling))
+                self.lane, self.max_tokens = plan.lane, plan.max_tokens
+                body = dict(plan.body, stream=True)
+                self._slot_cm = client._governor.slot(lane=plan.lane, urgency=self._urgency, group=self._group)
+                self._slot = await self._slot_cm.__aenter__()
+                try:
+                    await self._open(plan.path, body)
+                except BaseException as exc:
+                    await self._release(exc)
+                    raise
+        except builtins.TimeoutError as exc:
+            raise TimeoutError(f"stream did not open within its timeout of {self._timeout} s") from exc
+        return self
+
+    async def _open(self, path: str, body: dict[str, Any]) -> None:
+        """Open the response; retried only while nothing has been received."""
+        client = self._client
+
+        async def attempt() -> None:
+            self.attempts += 1
+            request = client._http.build_request("POST", client._url + path, json=body)
+            try:
+                response = await client._http.send(request, stream=True)
+            except httpx.TransportError as exc:
+                raise translate_transport_error(exc) from exc
+            if response.status_code >= 400:
+                try:
+                    await response.aread()
+                except httpx.TransportError:
+                    pass
+                finally:
+                    await response.aclose()
+                raise error_from_response(response)
+            self._response = response
+            self._events = iter_sse_data(response.aiter_lines())
+
+        client._budget.record_request()
+        try:
+            await attempt()
+            return
+        except DSClientError as first:
+            if client._retry.attempts <= 1 or not client._should_retry(first):
+                raise
+            failure = first
+        await client._retry_loop(path, body, failure, None, op=attempt)
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[str]:
+        if self._events is None:
+            raise RuntimeError("use the stream inside 'async with client.stream(...) as s:'")
+        try:
+            async for event in self._events:
+                delta, finish = delta_of(event)
+                if finish is not None:
+                    self.finish_reason = finish
+                if delta:
+                    if self.ttft_s is None:
+                        self.ttft_s = self._client._clock() - self._start
+                    self._chunks.append(delta)
+                    self.text += delta
+                    yield delta
+        except httpx.TransportError as exc:
+            raise translate_transport_error(exc) from exc
+
+    async def _release(self, exc: BaseException | None) -> None:
+        if self._response is not None:
+            await self._response.aclose()
+            self._response = None
+        if self._slot_cm is not None:
+            cm, self._slot_cm = self._slot_cm, None
+            if exc is not None:
+                await cm.__aexit__(type(exc), exc, exc.__traceback__)
+            else:
+                await cm.__aexit__(None, None, None)
+
+    async def __aexit__(self, et: Any, ev: Any, tb: Any) -> None:
+        with anyio.CancelScope(shield=True):
+            await self._release(ev)
+
+    @property
+    def latency_s(self) -> float:
+        return self._client._clock() - self._start
+

@@ -1,0 +1,159 @@
+"""A synchronous facade over :class:`AsyncClient` for scripts and notebooks.
+
+The async client runs on an event loop in a background thread (an anyio blocking portal), so
+``Client`` works the same in a plain script and inside a Jupyter cell, where the notebook's own
+loop is already running in the caller's thread and ``asyncio.run`` would fail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack
+from typing import Any
+
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from ._client import USE_DEFAULT, AsyncClient, Messages, Prompt, Stream
+from ._discovery import ServerInfo
+from ._governor import GovernorStats
+from ._models import ChatResult, CompletionResult
+
+__all__ = ["Client", "SyncStream"]
+
+
+class Client:
+    """The synchronous client: same constructor and methods as :class:`AsyncClient`.
+
+        with dsclient.Client("http://127.0.0.1:8000") as client:
+            print(client.generate("Hello", max_tokens=8).text)
+
+    Works inside Jupyter cells (the event loop lives in a background thread).
+    """
+
+    def __init__(self, base_url: Any, **kwargs: Any) -> None:
+        self._stack = ExitStack()
+        portal_cm: AbstractContextManager[BlockingPortal] = start_blocking_portal("asyncio")
+        self._portal = self._stack.enter_context(portal_cm)
+        try:
+            self._async: AsyncClient = self._portal.call(_make_client, base_url, kwargs)
+        except BaseException:
+            self._stack.close()
+            raise
+        self._closed = False
+
+    # lifecycle
+    def __enter__(self) -> Client:
+        self.discover()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close connections and stop the background loop."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._portal.call(self._async.aclose)
+        finally:
+            self._stack.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        try:
+            if not getattr(self, "_closed", True):
+                self.close()
+        except Exception:  # noqa: S110 - nothing to do about it in a finalizer
+            pass
+
+    def __repr__(self) -> str:
+        return repr(self._async).replace("AsyncClient(", "Client(", 1)
+
+    # observable state
+    @property
+    def url(self) -> str:
+        return self._async.url
+
+    @property
+    def model(self) -> str | None:
+        return self._async.model
+
+    @property
+    def server(self) -> ServerInfo | None:
+        return self._async.server
+
+    @property
+    def limit(self) -> int:
+        return self._async.limit
+
+    @property
+    def in_flight(self) -> int:
+        return self._async.in_flight
+
+    @property
+    def aclient(self) -> AsyncClient:
+        """The underlying async client (runs on the facade's background loop)."""
+        return self._async
+
+    def stats(self) -> GovernorStats:
+        return self._async.stats()
+
+    # calls
+    def discover(self, *, refresh: bool = False) -> ServerInfo:
+        return self._portal.call(lambda: self._async.discover(refresh=refresh))
+
+    def count_tokens(self, prompt: Prompt, *, exact: bool = True) -> int:
+        return self._portal.call(lambda: self._async.count_tokens(prompt, exact=exact))
+
+    def generate(self, prompt: str, *, max_tokens: int | None = None, **kwargs: Any) -> CompletionResult:
+        """See :meth:`AsyncClient.generate`."""
+        return self._portal.call(lambda: self._async.generate(prompt, max_tokens=max_tokens, **kwargs))
+
+    def chat(self, messages: Messages, *, max_tokens: int | None = None, **kwargs: Any) -> ChatResult:
+        """See :meth:`AsyncClient.chat`."""
+        return self._portal.call(lambda: self._async.chat(messages, max_tokens=max_tokens, **kwargs))
+
+    def stream(
+        self, prompt: Prompt, *, max_tokens: int | None = None, timeout: Any = USE_DEFAULT,
+        **kwargs: Any,
+    ) -> SyncStream:
+        """See :meth:`AsyncClient.stream`; iterate with a plain ``for``."""
+        inner = self._async.stream(prompt, max_tokens=max_tokens, timeout=timeout, **kwargs)
+        return SyncStream(self._portal, inner)
+
+    def map(self, items: Any, **kwargs: Any) -> Any:
+        """See :meth:`AsyncClient.map`."""
+        return self._portal.call(lambda: self._async.map(items, **kwargs))
+
+
+class SyncStream:
+    """``with client.stream(...) as s: for delta in s: ...`` for the synchronous client."""
+
+    def __init__(self, portal: BlockingPortal, inner: Stream) -> None:
+        self._portal = portal
+        self._inner = inner
+        self._iter: Any = None
+
+    def __enter__(self) -> SyncStream:
+        self._portal.call(self._inner.__aenter__)
+        self._iter = self._inner.__aiter__()
+        return self
+
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> None:
+        self._portal.call(self._inner.__aexit__, et, ev, tb)
+
+    def __iter__(self) -> Iterator[str]:
+        if self._iter is None:
+            raise RuntimeError("use the stream inside 'with client.stream(...) as s:'")
+        while True:
+            try:
+                yield self._portal.call(self._iter.__anext__)
+            except StopAsyncIteration:
+                return
+
+    def __getattr__(self, name: str) -> Any:  # text, ttft_s, finish_reason, ...
+        return getattr(self._inner, name)
+
+
+async def _make_client(base_url: Any, kwargs: dict[str, Any]) -> AsyncClient:
+    return AsyncClient(base_url, **kwargs)

@@ -1,0 +1,420 @@
+"""AsyncClient against httpx.MockTransport: endpoints, retries, errors, bad input, secrets."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+
+import anyio
+import httpx
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+
+import dsclient
+from dsclient import (
+    AsyncClient,
+    ConnectionError,
+    ContextOverflow,
+    MalformedResponse,
+    Overloaded,
+    RequestRefused,
+    Retry,
+    TimeoutError,
+)
+
+from .fakes import FakeServer, RecordedSleep, chat_body, completion_body
+
+pytestmark = pytest.mark.anyio
+
+SECRET = "sk-test-very-secret-key-123"
+
+
+def make_client(fake: FakeServer, **kwargs) -> AsyncClient:
+    kwargs.setdefault("sleep", RecordedSleep())
+    kwargs.setdefault("rng", random.Random(0))
+    return AsyncClient("http://127.0.0.1:8000", transport=fake.transport, **kwargs)
+
+
+async def test_generate_returns_a_typed_result():
+    fake = FakeServer(script=[httpx.Response(200, json=completion_body("world", "stop", 4, 1))])
+    async with make_client(fake) as client:
+        result = await client.generate("hello", max_tokens=5, temperature=0.0, ignore_eos=True)
+    assert result.text == "world"
+    assert result.finish_reason == "stop"
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (4, 1)
+    assert result.attempts == 1
+    assert result.latency_s >= 0
+    assert isinstance(result.raw, Completion)
+    assert result.raw.choices[0].text == "world"
+    body = fake.bodies[0]
+    assert body == {"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0.0,
+                    "ignore_eos": True}
+    assert fake.requests[0].url.path == "/v1/completions"
+
+
+async def test_chat_returns_a_typed_result():
+    fake = FakeServer(script=[httpx.Response(200, json=chat_body("hey", "stop"))])
+    messages = [{"role": "user", "content": "hi"}]
+    async with make_client(fake) as client:
+        result = await client.chat(messages, max_tokens=8, top_k=5)
+    assert result.text == "hey"
+    assert isinstance(result.raw, ChatCompletion)
+    assert fake.bodies[0]["messages"] == messages
+    assert fake.bodies[0]["top_k"] == 5
+    assert fake.requests[0].url.path == "/v1/chat/completions"
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://127.0.0.1:8000/",
+                                 "http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1/"])
+async def test_base_url_with_or_without_v1(url):
+    fake = FakeServer()
+    async with AsyncClient(url, transport=fake.transport) as client:
+        await client.generate("x", max_tokens=1)
+    assert str(fake.requests[0].url) == "http://127.0.0.1:8000/v1/completions"
+
+
+async def test_model_defaults_to_the_only_one():
+    fake = FakeServer(models=["only-model"])
+    async with make_client(fake) as client:
+        assert client.model == "only-model"
+
+
+async def test_several_models_and_none_chosen_lists_them():
+    fake = FakeServer(models=["a", "b"])
+    client = make_client(fake)
+    with pytest.raises(ValueError, match="a.*b"):
+        await client.generate("x")
+    await client.aclose()
+    async with make_client(fake, model="b") as client:
+        await client.generate("x", max_tokens=1)
+    assert fake.bodies[0]["model"] == "b"
+
+
+@pytest.mark.parametrize("status", [408, 409, 429, 500, 502, 503, 504])
+@pytest.mark.parametrize("retry_after", [None, "2"])
+async def test_retryable_statuses_are_retried(status, retry_after):
+    headers = {"Retry-After": retry_after} if retry_after else {}
+    fake = FakeServer(script=[httpx.Response(status, headers=headers, text="nope"),
+                              httpx.Response(status, headers=headers, text="nope"),
+                              httpx.Response(200, json=completion_body())])
+    sleep = RecordedSleep()
+    async with make_client(fake, sleep=sleep, retry=Retry(attempts=4, base=0.5, cap=8.0)) as client:
+        result = await client.generate("x", max_tokens=1)
+    assert result.attempts == 3
+    assert len(sleep.delays) == 2
+    if retry_after:
+        assert sleep.delays == [2.0, 2.0]
+    else:
+        assert 0 <= sleep.delays[0] <= 0.5 and 0 <= sleep.delays[1] <= 1.0
+
+
+async def test_retry_after_ms_header_is_honoured():
+    fake = FakeServer(script=[httpx.Response(429, headers={"retry-after-ms": "150"}),
+                              httpx.Response(200, json=completion_body())])
+    sleep = RecordedSleep()
+    async with make_client(fake, sleep=sleep) as client:
+        await client.generate("x", max_tokens=1)
+    assert sleep.delays == [0.15]
+
+
+async def test_retries_stop_after_the_attempts_and_raise_the_last_error():
+    fake = FakeServer(script=[httpx.Response(503, text="busy")])
+    sleep = RecordedSleep()
+    async with make_client(fake, sleep=sleep, retry=Retry(attempts=3)) as client:
+        with pytest.raises(Overloaded) as info:
+            await client.generate("x", max_tokens=1)
+    assert info.value.status == 503
+    assert len(fake.requests) == 3
+    assert len(sleep.delays) == 2
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 422])
+async def test_other_4xx_are_never_retried(status):
+    fake = FakeServer(script=[httpx.Response(status, json={"error": {"message": "no"}})])
+    sleep = RecordedSleep()
+    async with make_client(fake, sleep=sleep) as client:
+        with pytest.raises(RequestRefused) as info:
+            await client.generate("x", max_tokens=1)
+    assert info.value.status == status
+    assert info.value.body
+    assert len(fake.requests) == 1 and sleep.delays == []
+
+
+async def test_server_context_overflow_is_raised_with_counts():
+    msg = ("This model's maximum context length is 2048 tokens. However, your prompt contains at "
+           "least 2049 input tokens, which exceeds this limit even without any output tokens.")
+    fake = FakeServer(script=[httpx.Response(400, json={"error": {"message": msg, "code": 400}})])
+    async with make_client(fake) as client:
+        with pytest.raises(ContextOverflow) as info:
+            await client.generate("x", max_tokens=1)
+    assert (info.value.prompt_tokens, info.value.context_length) == (2049, 2048)
+
+
+async def test_malformed_json_body():
+    fake = FakeServer(script=[httpx.Response(200, text="{not json")])
+    async with make_client(fake) as client:
+        with pytest.raises(MalformedResponse, match="not JSON"):
+            await client.generate("x", max_tokens=1)
+
+
+async def test_json_without_choices_is_malformed():
+    fake = FakeServer(script=[httpx.Response(200, json={"object": "text_completion"})])
+    async with make_client(fake) as client:
+        with pytest.raises(MalformedResponse, match="lacks the fields"):
+            await client.generate("x", max_tokens=1)
+
+
+class _DroppingStream(httpx.AsyncByteStream):
+    async def __aiter__(self):
+        yield b'{"choices": [{"te'
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+
+async def test_connection_dropped_mid_body_is_a_connection_error_and_retried():
+    fake = FakeServer(script=[lambda req: httpx.Response(200, stream=_DroppingStream())])
+    sleep = RecordedSleep()
+    async with make_client(fake, sleep=sleep, retry=Retry(attempts=2)) as client:
+        with pytest.raises(ConnectionError, match="dropped"):
+            await client.generate("x", max_tokens=1)
+    assert len(fake.requests) == 2
+
+
+async def test_connect_error_is_translated_keeping_the_cause():
+    fake = FakeServer(script=[httpx.ConnectError("refused")])
+    async with make_client(fake, retry=Retry(attempts=1)) as client:
+        with pytest.raises(ConnectionError) as info:
+            await client.generate("x", max_tokens=1)
+    assert isinstance(info.value.__cause__, httpx.ConnectError)
+
+
+async def test_httpx_timeout_is_translated():
+    fake = FakeServer(script=[httpx.ReadTimeout("slow")])
+    async with make_client(fake, retry=Retry(attempts=1)) as client:
+        with pytest.raises(TimeoutError):
+            await client.generate("x", max_tokens=1)
+
+
+async def test_retry_budget_stops_hammering_a_failing_server():
+    fake = FakeServer(script=[httpx.Response(500, text="boom")])
+    retry = Retry(attempts=4, budget_ratio=0.0, budget_floor=2)
+    async with make_client(fake, retry=retry) as client:
+        for _ in range(5):
+            with pytest.raises(RequestRefused):
+                await client.generate("x", max_tokens=1)
+    # 5 first attempts + only the 2 retries the budget allows
+    assert len(fake.requests) == 7
+
+
+async def test_cancelling_a_waiting_call_frees_everything():
+    gate = anyio.Event()
+
+    async def slow_handler_response():
+        await gate.wait()
+
+    fake = FakeServer()
+    async with make_client(fake, max_num_seqs=1, headroom=1.0) as client:
+        # hold the only slot with a call that never finishes until cancelled
+        async with anyio.create_task_group() as tg:
+            async def hold():
+                async with client._governor.slot(lane="short"):
+                    await gate.wait()
+            tg.start_soon(hold)
+            await anyio.sleep(0.01)
+            with anyio.move_on_after(0.05) as scope:
+                await client.generate("x", max_tokens=1)
+            assert scope.cancelled_caught
+            assert client.stats().waiting == 0
+            gate.set()
+        assert client.in_flight == 0
+        result = await client.generate("x", max_tokens=1)
+        assert result.text == "hello"
+
+
+async def test_call_timeout_covers_waiting_for_a_slot():
+    fake = FakeServer()
+    async with make_client(fake, max_num_seqs=1, headroom=1.0) as client:
+        gate = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            async def hold():
+                async with client._governor.slot(lane="short"):
+                    await gate.wait()
+            tg.start_soon(hold)
+            await anyio.sleep(0.01)
+            with pytest.raises(TimeoutError, match="timeout"):
+                await client.generate("x", max_tokens=1, timeout=0.05)
+            gate.set()
+        assert client.in_flight == 0
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "match"),
+    [
+        (lambda c: c.generate(""), ValueError, "prompt is empty"),
+        (lambda c: c.generate(123), TypeError, "prompt must be a str"),
+        (lambda c: c.generate("x", max_tokens=0), ValueError, "max_tokens must be > 0"),
+        (lambda c: c.generate("x", max_tokens=-5), ValueError, "max_tokens must be > 0"),
+        (lambda c: c.generate("x", max_tokens=2.5), TypeError, "max_tokens must be an int"),
+        (lambda c: c.chat([]), ValueError, "messages is empty"),
+        (lambda c: c.chat("hi"), TypeError, "messages must be a list"),
+        (lambda c: c.chat([{"content": "no role"}]), TypeError, r"messages\[0\]"),
+    ],
+)
+async def test_bad_input_is_refused_before_sending(call, exc, match):
+    fake = FakeServer()
+    client = make_client(fake)
+    with pytest.raises(exc, match=match):
+        await call(client)
+    await client.aclose()
+    assert fake.requests == []
+
+
+@pytest.mark.parametrize("url", ["ftp://host", "127.0.0.1:8000", "", "http://"])
+def test_base_url_must_be_http(url):
+    with pytest.raises(ValueError, match="base_url"):
+        AsyncClient(url)
+
+
+def test_base_url_type_checked():
+    with pytest.raises(TypeError, match="base_url"):
+        AsyncClient(8000)
+
+
+async def test_api_key_env_fallbacks(monkeypatch):
+    seen = []
+
+    def handler(request):
+        seen.append(request.headers.get("authorization"))
+        return FakeServer()(request)
+
+    monkeypatch.setenv("OPENAI_API_KEY", "from-openai")
+    monkeypatch.setenv("DSCLIENT_API_KEY", "from-dsclient")
+    async with AsyncClient("http://h:1", transport=httpx.MockTransport(handler)) as c:
+        await c.generate("x", max_tokens=1)
+    assert seen[-1] == "Bearer from-dsclient"
+    monkeypatch.delenv("DSCLIENT_API_KEY")
+    async with AsyncClient("http://h:1", transport=httpx.MockTransport(handler)) as c:
+        await c.generate("x", max_tokens=1)
+    assert seen[-1] == "Bearer from-openai"
+    async with AsyncClient("http://h:1", api_key="explicit", transport=httpx.MockTransport(handler)) as c:
+        await c.generate("x", max_tokens=1)
+    assert seen[-1] == "Bearer explicit"
+
+
+async def test_api_key_never_in_repr_logs_or_errors(caplog, monkeypatch):
+    monkeypatch.delenv("DSCLIENT_API_KEY", raising=False)
+    caplog.set_level(logging.DEBUG)
+    fake = FakeServer(script=[httpx.Response(503, text="busy"), httpx.Response(401, text="bad key")])
+    client = make_client(fake, api_key=SECRET)
+    async with client:
+        with pytest.raises(RequestRefused) as info:
+            await client.generate("x", max_tokens=1)
+    texts = [repr(client), str(client), str(info.value), repr(info.value), caplog.text,
+             repr(client.__dict__), json.dumps(info.value.body)]
+    for t in texts:
+        assert SECRET not in t
+    sync = dsclient.Client("http://h:1", api_key=SECRET, transport=fake.transport)
+    try:
+        assert SECRET not in repr(sync)
+    finally:
+        sync.close()
+
+
+async def test_stream_yields_deltas_and_records_ttft():
+    sse = (
+        'data: {"choices": [{"index": 0, "text": "Hel", "finish_reason": null}]}\n\n'
+        'data: {"choices": [{"index": 0, "text": "lo", "finish_reason": null}]}\n\n'
+        'data: {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}\n\n'
+        "data: [DONE]\n\n"
+    )
+    fake = FakeServer(script=[httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})])
+    async with make_client(fake) as client:
+        async with client.stream("hi", max_tokens=2) as s:
+            deltas = [d async for d in s]
+        assert client.in_flight == 0
+    assert deltas == ["Hel", "lo"]
+    assert s.text == "Hello"
+    assert s.finish_reason == "length"
+    assert s.ttft_s is not None and s.ttft_s >= 0
+    assert fake.bodies[0]["stream"] is True
+
+
+async def test_chat_stream_reads_delta_content():
+    sse = (
+        'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": null}]}\n\n'
+        'data: {"choices": [{"index": 0, "delta": {"content": "Yo"}, "finish_reason": "stop"}]}\n\n'
+        "data: [DONE]\n\n"
+    )
+    fake = FakeServer(script=[httpx.Response(200, text=sse)])
+    async with make_client(fake) as client:
+        async with client.stream([{"role": "user", "content": "hi"}], max_tokens=2) as s:
+            assert [d async for d in s] == ["Yo"]
+    assert fake.requests[0].url.path == "/v1/chat/completions"
+
+
+class _EndlessSSE(httpx.AsyncByteStream):
+    def __init__(self):
+        self.closed = False
+
+    async def __aiter__(self):
+        i = 0
+        while True:
+            i += 1
+            yield f'data: {{"choices": [{{"text": "t{i}", "finish_reason": null}}]}}\n\n'.encode()
+
+    async def aclose(self):
+        self.closed = True
+
+
+async def test_stream_left_half_read_gives_back_connection_and_slot():
+    body = _EndlessSSE()
+    fake = FakeServer(script=[lambda req: httpx.Response(200, stream=body)])
+    async with make_client(fake) as client:
+        async with client.stream("hi", max_tokens=100) as s:
+            async for _ in s:
+                break
+        assert body.closed
+        assert client.in_flight == 0
+
+
+async def test_stream_retried_only_before_the_first_byte():
+    sse = 'data: {"choices": [{"text": "ok", "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
+    fake = FakeServer(script=[httpx.Response(503), httpx.Response(200, text=sse)])
+    sleep = RecordedSleep()
+    async with make_client(fake, sleep=sleep) as client:
+        async with client.stream("hi", max_tokens=2) as s:
+            assert [d async for d in s] == ["ok"]
+    assert s.attempts == 2 and len(sleep.delays) == 1
+
+    class _DropAfterFirst(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield b'data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n'
+            raise httpx.RemoteProtocolError("dropped")
+
+    fake = FakeServer(script=[lambda req: httpx.Response(200, stream=_DropAfterFirst())])
+    async with make_client(fake) as client:
+        with pytest.raises(ConnectionError):
+            async with client.stream("hi", max_tokens=2) as s:
+                async for _ in s:
+                    pass
+        assert client.in_flight == 0
+    assert len(fake.requests) == 1  # never retried after bytes arrived
+
+
+async def test_error_event_mid_stream_is_reported():
+    sse = 'data: {"error": {"message": "engine died", "code": 500}}\n\n'
+    fake = FakeServer(script=[httpx.Response(200, text=sse)])
+    async with make_client(fake) as client:
+        with pytest.raises(MalformedResponse, match="engine died"):
+            async with client.stream("hi", max_tokens=2) as s:
+                async for _ in s:
+                    pass
+
+
+async def test_client_is_unusable_after_close():
+    fake = FakeServer()
+    client = make_client(fake)
+    await client.aclose()
+    with pytest.raises(RuntimeError, match="closed"):
+        await client.generate("x", max_tokens=1)
