@@ -1,0 +1,597 @@
+"""Admission control: how many requests may be in flight at once, and who goes next.
+
+The client wraps every request in a slot::
+
+    async with governor.slot(lane="short", urgency=0, group=None) as slot:
+        ...  # send the request; slot.queued_s is the time it waited for admission
+        slot.fail()  # optional: an exception leaving the block counts as a failure too
+
+**The cap.** At most ``limit`` requests are in flight, with
+``limit = max(1, floor(headroom * max_num_seqs))`` (:func:`compute_limit`). A client cap does
+not make the server faster; it moves the queue from the server to the client, where it can be
+ordered. ``set_limit`` changes the cap at run time: raising it admits waiters at once, lowering
+it never cancels running work, it only admits nobody until in-flight drops below the new cap.
+
+**Lanes.** A request is ``"short"`` or ``"long"`` (:func:`choose_lane`). Long requests may hold
+at most ``max(1, floor(long_share * limit))`` slots; short requests may use every slot, including
+those the long lane leaves idle. This is a ceiling on one lane, not a fixed split: on the
+reference CPU vLLM server a burst of long requests held short ones up to 10 s behind a plain
+semaphore, and 0.4 s with long requests held to half of the cap, at the same makespan, while a
+fixed 4 + 1 split made a mixed batch 2.5x slower. A long request that waits because its lane is
+full never blocks short requests queued behind it.
+
+**Urgency, not priority.** Among waiters, higher ``urgency`` is admitted first, FIFO within
+equal urgency. It is deliberately not called ``priority``: vLLM's own request field ``priority``
+(honoured with ``--scheduling-policy priority``) means the opposite, lower values run first.
+The governor never reads or sets that field; the client passes it to the server untouched. A
+caller who wants both sides to agree sends ``urgency=u`` here and ``priority=-u`` to vLLM.
+
+**Groups.** ``group_caps={"batch": 0.5}`` lets requests tagged ``group="batch"`` hold at most
+half of the slots, so interactive traffic keeps the other half under a batch load. Groups not
+named in ``group_caps`` are not capped.
+
+**Queue bound.** With ``max_queue=n``, a request that would have to wait while ``n`` others
+already wait raises :class:`~dsclient._exceptions.Overloaded` with status 0 at once.
+
+**Cancellation never leaks capacity.** A task cancelled (or timed out) while waiting leaves the
+queue; one cancelled after being granted a slot but before it ran passes that slot to the next
+waiter. A slot is released exactly once, whatever leaves the ``async with`` block.
+
+The governor belongs to one event loop (asyncio or trio, through anyio) and is not thread-safe.
+The uncontended path neither yields nor allocates anything beyond the slot object: like
+``asyncio.Semaphore``, entering a free slot is not a checkpoint.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType, TracebackType
+from typing import Final, Literal
+
+import anyio
+
+from ._exceptions import Overloaded
+
+__all__ = [
+    "Governor",
+    "GovernorStats",
+    "LaneStats",
+    "Slot",
+    "choose_lane",
+    "compute_limit",
+    "default_long_threshold",
+]
+
+Lane = Literal["short", "long"]
+
+#: ``default_long_threshold`` as a share of the context, and its value when the context is unknown.
+LONG_THRESHOLD_SHARE: Final = 0.25
+LONG_THRESHOLD_FALLBACK: Final = 1024
+
+# floor(share * n) must not lose a slot to binary rounding: 0.57 * 100 is 56.99999999999999.
+_EPS: Final = 1e-9
+
+
+def _floor_share(share: float, n: int) -> int:
+    return max(1, math.floor(share * n + _EPS))
+
+
+def _check_share(name: str, share: float) -> None:
+    # `not (0 < x <= 1)` also rejects NaN.
+    if not 0 < share <= 1:
+        raise ValueError(f"{name} must be in (0, 1], got {share!r}")
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+
+
+def compute_limit(max_num_seqs: int, headroom: float) -> int:
+    """The client's in-flight cap for a server that runs ``max_num_seqs`` sequences at once.
+
+    ``limit = max(1, floor(headroom * max_num_seqs))``::
+
+        compute_limit(8, 0.7)    # 5
+        compute_limit(256, 0.7)  # 179
+        compute_limit(8, 2.0)    # 16: keep the server's own queue fed
+
+    Parameters:
+        max_num_seqs: the server's batch size (vLLM ``--max-num-seqs``), >= 1.
+        headroom: the cap as a share of it, in (0, 2]; above 1 oversubscribes the server.
+    """
+    _check_int("max_num_seqs", max_num_seqs, 1)
+    if not 0 < headroom <= 2:
+        raise ValueError(f"headroom must be in (0, 2], got {headroom!r}")
+    return _floor_share(headroom, max_num_seqs)
+
+
+def default_long_threshold(max_model_len: int | None) -> int:
+    """Total tokens (prompt + output) above which a request takes the long lane.
+
+    A quarter of the context, or 1024 tokens when the context is unknown::
+
+        default_long_threshold(2048)  # 512
+        default_long_threshold(None)  # 1024
+
+    Why a quarter: on the reference server (2048-token context) short requests were small
+    prompts + 64 tokens out (~100-200 tokens) and long ones ~1000-token prompts + 256 out
+    (~1250). 512 sits near their geometric mean (~450), far from both, and a request using a
+    quarter of the context costs several short ones. 1024 is that rule for a 4096 context, the
+    smallest common one, so an unknown context errs towards the short lane.
+
+    Parameters:
+        max_model_len: the model's context length in tokens (>= 1), or ``None`` if unknown.
+    """
+    if max_model_len is None:
+        return LONG_THRESHOLD_FALLBACK
+    _check_int("max_model_len", max_model_len, 1)
+    return _floor_share(LONG_THRESHOLD_SHARE, max_model_len)
+
+
+def choose_lane(*, estimated_total_tokens: int, threshold: int) -> Lane:
+    """The lane for a request: ``"long"`` when its tokens exceed ``threshold``, else ``"short"``.
+
+        choose_lane(estimated_total_tokens=1256, threshold=512)  # "long"
+        choose_lane(estimated_total_tokens=512, threshold=512)   # "short"
+
+    Parameters:
+        estimated_total_tokens: prompt tokens plus ``max_tokens`` (an estimate is fine), >= 0.
+        threshold: see :func:`default_long_threshold`, >= 1.
+    """
+    _check_int("estimated_total_tokens", estimated_total_tokens, 0)
+    _check_int("threshold", threshold, 1)
+    return "long" if estimated_total_tokens > threshold else "short"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaneStats:
+    """One lane's counters.
+
+    ``done`` counts slots released normally and ``failed`` those marked failed or left by an
+    exception (cancellation included); requests cancelled before admission count in neither.
+    ``p50``/``p95``/``p99`` are nearest-rank percentiles, in seconds, of the time from entering
+    ``slot()`` (waiting included) to release, over the lane's last ``latency_window`` released
+    slots, failures included (so timeouts show in p99); ``None`` before the first release.
+    ``limit`` is the lane's cap: the whole limit for ``"short"``, the long share for ``"long"``.
+    """
+
+    in_flight: int
+    waiting: int
+    done: int
+    failed: int
+    p50: float | None
+    p95: float | None
+    p99: float | None
+    limit: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class GovernorStats:
+    """A snapshot of a :class:`Governor`: totals, and one :class:`LaneStats` per lane."""
+
+    limit: int
+    in_flight: int
+    waiting: int
+    lanes: Mapping[str, LaneStats]
+
+
+def _nearest_rank(ordered: list[float], percent: int) -> float:
+    # Nearest rank: the smallest sample with at least `percent`% of samples <= it. Integer
+    # arithmetic so that 95% of 100 samples is rank 95, not 96 through float error.
+    rank = max(1, (percent * len(ordered) + 99) // 100)
+    return ordered[rank - 1]
+
+
+class _LaneState:
+    __slots__ = ("cap", "done", "failed", "in_flight", "name", "samples", "waiting")
+
+    def __init__(self, name: str, cap: int, window: int) -> None:
+        self.name = name
+        self.cap = cap
+        self.in_flight = 0
+        self.waiting = 0
+        self.done = 0
+        self.failed = 0
+        # A bounded deque: appending is O(1) and old samples fall off; stats() sorts a copy.
+        self.samples: deque[float] = deque(maxlen=window)
+
+    def snapshot(self) -> LaneStats:
+        ordered = sorted(self.samples)
+        p50 = p95 = p99 = None
+        if ordered:
+            p50 = _nearest_rank(ordered, 50)
+            p95 = _nearest_rank(ordered, 95)
+            p99 = _nearest_rank(ordered, 99)
+        return LaneStats(
+            in_flight=self.in_flight,
+            waiting=self.waiting,
+            done=self.done,
+            failed=self.failed,
+            p50=p50,
+            p95=p95,
+            p99=p99,
+            limit=self.cap,
+        )
+
+
+class _GroupState:
+    __slots__ = ("cap", "in_flight", "share")
+
+    def __init__(self, share: float, cap: int) -> None:
+        self.share = share
+        self.cap = cap
+        self.in_flight = 0
+
+
+# Heap entries: (-urgency, arrival sequence, slot). The sequence is unique, so the slot itself
+# is never compared, and equal urgencies come out in arrival order.
+_Entry = tuple[int, int, "Slot"]
+
+
+class _Queue:
+    """Waiters of one (lane, capped group) class; all of them are blocked by the same caps."""
+
+    __slots__ = ("group", "heap", "lane", "live")
+
+    def __init__(self, lane: _LaneState, group: _GroupState | None) -> None:
+        self.lane = lane
+        self.group = group
+        self.heap: list[_Entry] = []
+        # Cancelled waiters stay in the heap until they reach the top (or a compaction); `live`
+        # counts the others.
+        self.live = 0
+
+    def head(self) -> _Entry:
+        heap = self.heap
+        while heap[0][2]._cancelled:
+            heapq.heappop(heap)
+        return heap[0]
+
+
+_NEW, _WAITING, _ACTIVE, _DONE = range(4)
+
+
+class Slot:
+    """One admission to a :class:`Governor`, used as ``async with governor.slot(...) as slot``.
+
+    Attributes:
+        lane: ``"short"`` or ``"long"``.
+        urgency: higher is admitted first among waiters.
+        group: the caller's group tag, or ``None``.
+        queued_s: seconds spent waiting for admission (0.0 when admitted at once).
+    """
+
+    __slots__ = (
+        "_cancelled",
+        "_event",
+        "_failed",
+        "_governor",
+        "_granted",
+        "_group_state",
+        "_lane_state",
+        "_started",
+        "_state",
+        "group",
+        "lane",
+        "queued_s",
+        "urgency",
+    )
+
+    def __init__(
+        self,
+        governor: Governor,
+        lane: Lane,
+        urgency: int,
+        group: str | None,
+        lane_state: _LaneState,
+        group_state: _GroupState | None,
+    ) -> None:
+        self.lane = lane
+        self.urgency = urgency
+        self.group = group
+        self.queued_s = 0.0
+        self._governor = governor
+        self._lane_state = lane_state
+        self._group_state = group_state
+        self._state = _NEW
+        self._failed = False
+        self._granted = False
+        self._cancelled = False
+        self._started = 0.0
+        self._event: anyio.Event | None = None
+
+    @property
+    def failed(self) -> bool:
+        """Whether :meth:`fail` was called (an exception leaving the block also counts)."""
+        return self._failed
+
+    def fail(self) -> None:
+        """Count this request as failed when the slot is released."""
+        self._failed = True
+
+    async def __aenter__(self) -> Slot:
+        if self._state != _NEW:
+            raise RuntimeError("a Slot can be entered only once; call governor.slot() again")
+        governor = self._governor
+        self._started = governor._clock()
+        if governor._admissible(self._lane_state, self._group_state):
+            governor._take(self)
+            self._state = _ACTIVE
+        else:
+            await governor._wait(self)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._state == _ACTIVE:
+            self._state = _DONE
+            self._governor._release(self, failed=self._failed or exc_type is not None)
+
+    def __repr__(self) -> str:
+        return f"Slot(lane={self.lane!r}, urgency={self.urgency}, group={self.group!r})"
+
+
+class Governor:
+    """Caps the requests in flight, with a short and a long lane, urgency and group caps.
+
+        governor = Governor(compute_limit(8, 0.7), group_caps={"batch": 0.5})  # 5 slots
+        async with governor.slot(lane="long", group="batch") as slot:
+            response = await send(request)
+        governor.stats().lanes["long"].p99
+
+    Parameters:
+        limit: the most requests in flight at once, >= 1 (see :func:`compute_limit`).
+        long_share: the long lane holds at most ``max(1, floor(long_share * limit))`` slots;
+            in (0, 1], default 0.5. Short requests may use every slot.
+        group_caps: group name to its cap as a share of the limit, each in (0, 1]; a group
+            holds at most ``max(1, floor(share * limit))`` slots. Other groups are uncapped.
+        max_queue: the most requests waiting for a slot (>= 0); one more raises
+            :class:`~dsclient._exceptions.Overloaded` with status 0. ``None``: unbounded.
+        latency_window: recent releases per lane kept for the percentiles, >= 100.
+        clock: seconds from a monotonic source, for ``queued_s`` and latencies.
+    """
+
+    __slots__ = (
+        "_clock",
+        "_groups",
+        "_in_flight",
+        "_lanes",
+        "_limit",
+        "_long_share",
+        "_max_queue",
+        "_queues",
+        "_seq",
+        "_waiting",
+    )
+
+    def __init__(
+        self,
+        limit: int,
+        *,
+        long_share: float = 0.5,
+        group_caps: Mapping[str, float] | None = None,
+        max_queue: int | None = None,
+        latency_window: int = 1000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        _check_int("limit", limit, 1)
+        _check_share("long_share", long_share)
+        if max_queue is not None:
+            _check_int("max_queue", max_queue, 0)
+        _check_int("latency_window", latency_window, 100)
+        groups: dict[str, _GroupState] = {}
+        for name, share in (group_caps or {}).items():
+            _check_share(f"group_caps[{name!r}]", share)
+            groups[name] = _GroupState(share, _floor_share(share, limit))
+        self._limit = limit
+        self._long_share = long_share
+        self._max_queue = max_queue
+        self._clock = clock
+        self._groups = groups
+        self._lanes: dict[str, _LaneState] = {
+            "short": _LaneState("short", limit, latency_window),
+            "long": _LaneState("long", _floor_share(long_share, limit), latency_window),
+        }
+        # One queue per class of waiters that the same caps block: lane x (capped group or
+        # none). Uncapped groups share the None class, so the number of queues stays small and
+        # dispatch looks at each queue's head only.
+        self._queues: list[_Queue] = [
+            _Queue(lane, group)
+            for lane in self._lanes.values()
+            for group in (None, *groups.values())
+        ]
+        self._in_flight = 0
+        self._waiting = 0
+        self._seq = itertools.count()
+
+    # --- public ------------------------------------------------------------------------------
+
+    @property
+    def limit(self) -> int:
+        """The most requests in flight at once."""
+        return self._limit
+
+    @property
+    def in_flight(self) -> int:
+        """Requests holding a slot now (granted waiters included)."""
+        return self._in_flight
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot now."""
+        return self._waiting
+
+    def slot(self, *, lane: Lane = "short", urgency: int = 0, group: str | None = None) -> Slot:
+        """A slot to enter with ``async with``; it waits there until admitted.
+
+            async with governor.slot(lane="long", urgency=1) as slot:
+                ...
+
+        Parameters:
+            lane: ``"short"`` or ``"long"`` (see :func:`choose_lane`).
+            urgency: higher is admitted first among waiters; FIFO within equal urgency. Not
+                vLLM's ``priority``, which runs lower values first.
+            group: a tag; capped when named in ``group_caps``.
+        """
+        lane_state = self._lanes.get(lane)
+        if lane_state is None:
+            raise ValueError(f"lane must be 'short' or 'long', got {lane!r}")
+        if isinstance(urgency, bool) or not isinstance(urgency, int):
+            raise TypeError(f"urgency must be an int, got {type(urgency).__name__}")
+        group_state = self._groups.get(group) if group is not None else None
+        return Slot(self, lane, urgency, group, lane_state, group_state)
+
+    def set_limit(self, limit: int) -> None:
+        """Change the cap now; lane and group caps follow their shares.
+
+        Raising it admits waiters at once; lowering it cancels nothing, it only admits nobody
+        until in-flight drops below the new cap.
+        """
+        _check_int("limit", limit, 1)
+        self._limit = limit
+        self._lanes["short"].cap = limit
+        self._lanes["long"].cap = _floor_share(self._long_share, limit)
+        for group in self._groups.values():
+            group.cap = _floor_share(group.share, limit)
+        self._dispatch()
+
+    def stats(self) -> GovernorStats:
+        """A frozen snapshot of the counters; sorts each lane's latency window (up to 1000)."""
+        return GovernorStats(
+            limit=self._limit,
+            in_flight=self._in_flight,
+            waiting=self._waiting,
+            lanes=MappingProxyType({name: lane.snapshot() for name, lane in self._lanes.items()}),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Governor(limit={self._limit}, in_flight={self._in_flight}, waiting={self._waiting})"
+        )
+
+    # --- internals (Slot calls these) --------------------------------------------------------
+
+    def _admissible(self, lane: _LaneState, group: _GroupState | None) -> bool:
+        # Dispatch runs after every change that frees capacity, so whenever this is true no
+        # waiter could use the slot: a caller taking it at once jumps nobody who could go.
+        return (
+            self._in_flight < self._limit
+            and lane.in_flight < lane.cap
+            and (group is None or group.in_flight < group.cap)
+        )
+
+    def _take(self, slot: Slot) -> None:
+        self._in_flight += 1
+        slot._lane_state.in_flight += 1
+        if slot._group_state is not None:
+            slot._group_state.in_flight += 1
+
+    def _untake(self, slot: Slot) -> None:
+        self._in_flight -= 1
+        slot._lane_state.in_flight -= 1
+        if slot._group_state is not None:
+            slot._group_state.in_flight -= 1
+
+    def _queue_for(self, slot: Slot) -> _Queue:
+        for queue in self._queues:
+            if queue.lane is slot._lane_state and queue.group is slot._group_state:
+                return queue
+        raise AssertionError("every (lane, group) class has a queue")  # pragma: no cover
+
+    async def _wait(self, slot: Slot) -> None:
+        if self._max_queue is not None and self._waiting >= self._max_queue:
+            raise Overloaded(
+                0,
+                message=(
+                    f"client queue is full: {self._waiting} requests already wait for a slot "
+                    f"(max_queue={self._max_queue}, limit={self._limit})"
+                ),
+            )
+        queue = self._queue_for(slot)
+        event = slot._event = anyio.Event()
+        heapq.heappush(queue.heap, (-slot.urgency, next(self._seq), slot))
+        queue.live += 1
+        slot._lane_state.waiting += 1
+        self._waiting += 1
+        slot._state = _WAITING
+        try:
+            await event.wait()
+        except BaseException:
+            if slot._granted:
+                # Granted, then cancelled before running: the slot goes to the next waiter as
+                # if never taken, so neither capacity nor the wake-up is lost.
+                slot._state = _DONE
+                self._untake(slot)
+                self._dispatch()
+            else:
+                self._withdraw(slot, queue)
+            raise
+        slot._state = _ACTIVE
+        slot.queued_s = self._clock() - slot._started
+
+    def _withdraw(self, slot: Slot, queue: _Queue) -> None:
+        slot._cancelled = True
+        slot._state = _DONE
+        queue.live -= 1
+        slot._lane_state.waiting -= 1
+        self._waiting -= 1
+        # Removing from the middle of a heap is O(n), so the entry stays as a tombstone. Drop
+        # them all when the queue holds no live waiter, and compact when they dominate, so that
+        # thousands of timed-out waiters leave nothing behind.
+        if queue.live == 0:
+            queue.heap.clear()
+        elif len(queue.heap) > 2 * queue.live + 32:
+            queue.heap = [entry for entry in queue.heap if not entry[2]._cancelled]
+            heapq.heapify(queue.heap)
+
+    def _release(self, slot: Slot, *, failed: bool) -> None:
+        self._untake(slot)
+        lane = slot._lane_state
+        if failed:
+            lane.failed += 1
+        else:
+            lane.done += 1
+        lane.samples.append(self._clock() - slot._started)
+        if self._waiting:
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Admit waiters, best (urgency, arrival) first, while any of them fits its caps."""
+        while self._waiting and self._in_flight < self._limit:
+            best: _Queue | None = None
+            best_entry: _Entry | None = None
+            for queue in self._queues:
+                # A queue whose lane or group is full is skipped, not waited on: no
+                # head-of-line blocking across lanes or groups.
+                if not queue.live or queue.lane.in_flight >= queue.lane.cap:
+                    continue
+                if queue.group is not None and queue.group.in_flight >= queue.group.cap:
+                    continue
+                entry = queue.head()
+                if best_entry is None or entry < best_entry:
+                    best, best_entry = queue, entry
+            if best is None:
+                return
+            slot = heapq.heappop(best.heap)[2]
+            best.live -= 1
+            if not best.live:
+                best.heap.clear()  # only tombstones are left
+            slot._lane_state.waiting -= 1
+            self._waiting -= 1
+            slot._granted = True
+            self._take(slot)
+            assert slot._event is not None
+            slot._event.set()
