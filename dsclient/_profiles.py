@@ -1,0 +1,606 @@
+"""Launch profiles and the vLLM command builder: pure policy, no I/O.
+
+A *profile* is a named preset of server settings. :func:`build_command` turns a model, a profile,
+the machine's facts (:class:`Hardware`, detected elsewhere) and the user's overrides into a
+:class:`LaunchPlan`: the exact argv and environment to start vLLM with, plus notes that say where
+each derived number came from. Values vLLM would refuse (or silently mangle) are refused here with
+a ``ValueError`` that names the setting and what is allowed.
+
+=========================  =======================================================================
+``latency-sensitive``      small batch, 4096-token context, fp8 KV cache where the hardware has it
+``throughput-first``       larger batch, 2048-token context
+``balanced`` (default)     in between, 4096-token context
+=========================  =======================================================================
+
+Example::
+
+    plan = build_command("/models/tiny", hardware=Hardware(cpu_ids=(0, 1), mem_gib=24),
+                         python="/venv/bin/python", port=8000)
+    subprocess.Popen(plan.argv, env={**os.environ, **plan.env})
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "DEFAULT_PROFILE",
+    "PROFILES",
+    "Hardware",
+    "LaunchPlan",
+    "ModelFacts",
+    "Profile",
+    "VllmCaps",
+    "build_command",
+    "caps_for_version",
+    "describe_profiles",
+    "format_cpu_list",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """Facts about the machine the server will run on (detected in ``_hardware``, or injected).
+
+    ==============================================================  ============================
+    ``Hardware(cpu_ids=(0, 1), mem_gib=24)``                         a 2-core box with no GPU
+    ``Hardware(gpu_count=1, gpu_mem_gib=80, fp8_kv_supported=True)``  one H100-class card
+    ==============================================================  ============================
+
+    Parameters:
+        gpu_count: NVIDIA GPUs visible (0: run on the CPU backend).
+        gpu_mem_gib: memory of the smallest visible card, GiB.
+        gpu_name: the card's name, for messages.
+        fp8_kv_supported: the accelerator can store the KV cache in fp8 (CUDA compute
+            capability >= 8.9, vLLM's own ``supports_fp8`` rule).
+        cpu_ids: the logical CPUs this process may run on (its affinity mask).
+        mem_gib: the machine's total memory, GiB.
+        has_avx512: the CPU has AVX-512 (informational; vLLM's CPU build works on AVX2).
+    """
+
+    gpu_count: int = 0
+    gpu_mem_gib: float = 0.0
+    gpu_name: str | None = None
+    fp8_kv_supported: bool = False
+    cpu_ids: tuple[int, ...] = (0,)
+    mem_gib: float = 8.0
+    has_avx512: bool = False
+
+    def __post_init__(self) -> None:
+        if self.gpu_count < 0:
+            raise ValueError(f"Hardware.gpu_count must be >= 0, got {self.gpu_count!r}")
+        if self.gpu_count > 0 and not self.gpu_mem_gib > 0:
+            raise ValueError(f"Hardware.gpu_mem_gib must be > 0 with a GPU, got {self.gpu_mem_gib}")
+        if not self.cpu_ids:
+            raise ValueError("Hardware.cpu_ids must list at least one CPU")
+        if not self.mem_gib > 0:
+            raise ValueError(f"Hardware.mem_gib must be > 0, got {self.mem_gib!r}")
+
+    @property
+    def cpu_count(self) -> int:
+        """Logical CPUs available to the server."""
+        return len(self.cpu_ids)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFacts:
+    """What the model's ``config.json`` says, as far as sizing the server needs.
+
+    Build it with :meth:`from_config` from the parsed JSON; unknown fields stay ``None``.
+    """
+
+    max_position_embeddings: int | None = None
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    dtype: str | None = None
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ModelFacts:
+        """Read a Hugging Face ``config.json`` mapping (text models; nested ``text_config`` too)."""
+        cfg: Mapping[str, Any] = config.get("text_config") or config
+        heads = _opt_int(cfg.get("num_attention_heads"))
+        hidden = _opt_int(cfg.get("hidden_size"))
+        head_dim = _opt_int(cfg.get("head_dim"))
+        if head_dim is None and heads and hidden:
+            head_dim = hidden // heads
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype")
+        return cls(
+            max_position_embeddings=_opt_int(cfg.get("max_position_embeddings")),
+            num_layers=_opt_int(cfg.get("num_hidden_layers")),
+            num_kv_heads=_opt_int(cfg.get("num_key_value_heads")) or heads,
+            head_dim=head_dim,
+            dtype=dtype if isinstance(dtype, str) else None,
+        )
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int | None:
+        """Bytes of KV cache one token takes (K and V, all layers), when the shape is known."""
+        if self.num_layers and self.num_kv_heads and self.head_dim:
+            return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        return None
+
+
+def _opt_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """A named preset of server settings; see the module docstring for the three built in.
+
+    Parameters:
+        name: how ``--profile`` names it.
+        summary: one line for ``dsclient serve --list-profiles``.
+        max_model_len: context length, capped to the model's own when the model is smaller.
+        cpu_max_num_seqs: batch size on the CPU backend.
+        gpu_seqs_per_2gib: batch size on a GPU, per 2 GiB of card memory (the rule of thumb
+            "GPU GiB / 2", scaled: 0.5 halves it, 2.0 doubles it).
+        gpu_memory_utilization: share of the card vLLM may take (weights + KV cache).
+        fp8_kv_cache: store the KV cache in fp8 when ``Hardware.fp8_kv_supported``.
+    """
+
+    name: str
+    summary: str
+    max_model_len: int
+    cpu_max_num_seqs: int
+    gpu_seqs_per_2gib: float
+    gpu_memory_utilization: float
+    fp8_kv_cache: bool = False
+
+
+PROFILES: Mapping[str, Profile] = {
+    p.name: p
+    for p in (
+        Profile(
+            name="latency-sensitive",
+            summary="small batch, 4096-token context, fp8 KV cache where the hardware has it",
+            max_model_len=4096,
+            cpu_max_num_seqs=4,
+            gpu_seqs_per_2gib=0.5,
+            # Leaves room for CUDA graphs and activation spikes of long prompts.
+            gpu_memory_utilization=0.85,
+            fp8_kv_cache=True,
+        ),
+        Profile(
+            name="balanced",
+            summary="medium batch, 4096-token context",
+            max_model_len=4096,
+            cpu_max_num_seqs=8,
+            gpu_seqs_per_2gib=1.0,
+            gpu_memory_utilization=0.90,
+        ),
+        Profile(
+            name="throughput-first",
+            summary="larger batch, 2048-token context, most of the card for the KV cache",
+            max_model_len=2048,
+            cpu_max_num_seqs=16,
+            gpu_seqs_per_2gib=2.0,
+            gpu_memory_utilization=0.92,
+        ),
+    )
+}
+DEFAULT_PROFILE = "balanced"
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmCaps:
+    """What one vLLM version accepts for the values dsclient checks before starting it.
+
+    Read from vLLM 0.32.0's source: ``vllm/config/cache.py`` (``CacheDType``), the CPU attention
+    backend (``supported_kv_cache_dtypes``, kernel block sizes ``MultipleOf(32)``) and the
+    FlashAttention backend (``MultipleOf(16)``).
+    """
+
+    version: str
+    kv_cache_dtypes: frozenset[str]
+    cpu_kv_cache_dtypes: frozenset[str]
+    cpu_block_multiple: int
+    gpu_block_multiple: int
+    model_dtypes: frozenset[str] = frozenset(
+        {"auto", "half", "float16", "bfloat16", "float", "float32"}
+    )
+    max_block_size: int = 4096
+
+
+_CAPS_0_32 = VllmCaps(
+    version="0.32",
+    kv_cache_dtypes=frozenset(
+        {
+            "auto",
+            "float16",
+            "bfloat16",
+            "fp8",
+            "fp8_e4m3",
+            "fp8_e5m2",
+            "fp8_inc",
+            "fp8_ds_mla",
+            "nvfp4_ds_mla",
+            "turboquant_k8v4",
+            "turboquant_4bit_nc",
+            "turboquant_k3v4_nc",
+            "turboquant_3bit_nc",
+            "ultraquant_4bit",
+            "int4_per_token_head",
+            "int8_per_token_head",
+            "fp8_per_token_head",
+            "nvfp4",
+            "nvfp4_4over6",
+        }
+    ),
+    cpu_kv_cache_dtypes=frozenset({"auto", "fp8", "fp8_e4m3", "fp8_e5m2"}),
+    cpu_block_multiple=32,
+    gpu_block_multiple=16,
+)
+# Older releases (before the v1 engine's cache dtype zoo): the long-standing common set.
+_CAPS_OLD = VllmCaps(
+    version="<0.10",
+    kv_cache_dtypes=frozenset({"auto", "fp8", "fp8_e4m3", "fp8_e5m2"}),
+    cpu_kv_cache_dtypes=frozenset({"auto", "fp8", "fp8_e5m2"}),
+    cpu_block_multiple=16,
+    gpu_block_multiple=8,
+    max_block_size=128,
+)
+
+
+def caps_for_version(version: str | None) -> VllmCaps:
+    """The checks for an installed vLLM version; unknown or newer versions get 0.32's."""
+    if version:
+        parts = version.split(".")
+        try:
+            major, minor = int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+        except (ValueError, IndexError):
+            return _CAPS_0_32
+        if (major, minor) < (0, 10):
+            return _CAPS_OLD
+    return _CAPS_0_32
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchPlan:
+    """The exact command and environment to start vLLM with, and why.
+
+    ``env`` holds only the variables dsclient sets; the launcher adds them to its own environment.
+    """
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    url: str
+    served_model_name: str
+    max_num_seqs: int
+    max_model_len: int
+    profile: str
+    notes: tuple[str, ...] = field(default=())
+
+    def shell(self) -> str:
+        """The plan as one shell line (``VAR=value ... python -m ...``), for ``--dry-run``."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        return f"{env} {shlex.join(self.argv)}".strip()
+
+
+# Flags dsclient sets itself: passing them again after ``--`` would make the record lie.
+_OWNED_FLAGS = frozenset(
+    {
+        "--model",
+        "--served-model-name",
+        "--host",
+        "--port",
+        "--max-num-seqs",
+        "--max-model-len",
+        "--dtype",
+        "--kv-cache-dtype",
+        "--block-size",
+        "--gpu-memory-utilization",
+    }
+)
+
+
+def format_cpu_list(ids: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``, the form ``VLLM_CPU_OMP_THREADS_BIND`` takes."""
+    out: list[str] = []
+    ordered = sorted(set(ids))
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
+
+
+def build_command(
+    model: str,
+    *,
+    hardware: Hardware,
+    python: str,
+    port: int,
+    profile: str = DEFAULT_PROFILE,
+    host: str = "127.0.0.1",
+    served_model_name: str | None = None,
+    max_num_seqs: int | None = None,
+    max_model_len: int | None = None,
+    dtype: str | None = None,
+    kv_cache_dtype: str | None = None,
+    block_size: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    kv_cache_gib: int | None = None,
+    model_facts: ModelFacts | None = None,
+    vllm_version: str | None = None,
+    extra_args: Sequence[str] = (),
+) -> LaunchPlan:
+    """Decide how to start vLLM for ``model`` on ``hardware``; refuse values vLLM would not take.
+
+    Example::
+
+        plan = build_command("/m/tiny", hardware=Hardware(cpu_ids=(0, 1), mem_gib=24),
+                             python="python", port=8000, max_num_seqs=8, max_model_len=2048)
+        plan.env["VLLM_CPU_OMP_THREADS_BIND"]   # "0": one core for the engine, one left free
+
+    Parameters:
+        model: a local model folder or a model id vLLM can load.
+        hardware: the machine's facts.
+        python: the server venv's interpreter (vLLM runs as ``python -m
+            vllm.entrypoints.openai.api_server``, which works for ``vllm`` and ``vllm-cpu``).
+        port: the TCP port to listen on.
+        profile: a name from :data:`PROFILES`.
+        host: the address to bind; loopback unless the caller means otherwise.
+        served_model_name: the name clients use; default the model folder's base name.
+        max_num_seqs: the batch size; default from the profile (CPU) or GPU memory / 2 (GPU).
+        max_model_len: the context length; default from the profile, capped to the model's.
+        dtype: weights' dtype (``auto``, ``float32``, ...); default vLLM's ``auto``.
+        kv_cache_dtype: KV cache dtype; default ``fp8`` for latency-sensitive on fp8 hardware.
+        block_size: KV cache block size in tokens; default vLLM's.
+        gpu_memory_utilization: share of the GPU vLLM may take; default from the profile.
+        kv_cache_gib: CPU backend only, ``VLLM_CPU_KVCACHE_SPACE`` in GiB; default: what
+            ``max_num_seqs`` full contexts need (at least 1), when the model's shape is known.
+        model_facts: the model's ``config.json`` facts, for the checks that need them.
+        vllm_version: the installed vLLM version, for the per-version checks.
+        extra_args: more vLLM flags, passed through after dsclient's own.
+    """
+    if profile not in PROFILES:
+        raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
+    prof = PROFILES[profile]
+    caps = caps_for_version(vllm_version)
+    facts = model_facts or ModelFacts()
+    on_gpu = hardware.gpu_count > 0
+    notes: list[str] = [f"profile {prof.name}: {prof.summary}"]
+
+    if not 0 < port < 65536:
+        raise ValueError(f"port must be in 1..65535, got {port!r}")
+    if not host:
+        raise ValueError("host must not be empty")
+
+    # --- batch size -------------------------------------------------------------------------
+    if max_num_seqs is None:
+        if on_gpu:
+            base = hardware.gpu_mem_gib / 2
+            max_num_seqs = max(1, math.floor(base * prof.gpu_seqs_per_2gib))
+            notes.append(
+                f"max_num_seqs={max_num_seqs}: from GPU memory, {hardware.gpu_mem_gib:g} GiB / 2"
+                f" = {base:g} (rule of thumb), x{prof.gpu_seqs_per_2gib:g} for {prof.name};"
+                " pass --max-num-seqs to choose"
+            )
+        else:
+            max_num_seqs = prof.cpu_max_num_seqs
+            notes.append(f"max_num_seqs={max_num_seqs}: the {prof.name} profile's CPU batch")
+    _check_int("max_num_seqs", max_num_seqs, 1, 65536)
+
+    # --- context length ---------------------------------------------------------------------
+    model_max = facts.max_position_embeddings
+    if max_model_len is None:
+        max_model_len = prof.max_model_len
+        if model_max is not None and model_max < max_model_len:
+            notes.append(
+                f"max_model_len={model_max}: the model's own limit, below the profile's"
+                f" {max_model_len}"
+            )
+            max_model_len = model_max
+    else:
+        _check_int("max_model_len", max_model_len, 1, 10_000_000)
+        if model_max is not None and max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len={max_model_len} is more than the model's"
+                f" max_position_embeddings ({model_max}); vLLM refuses it. Use at most {model_max}."
+            )
+    _check_int("max_model_len", max_model_len, 1, 10_000_000)
+
+    # --- dtypes and blocks ------------------------------------------------------------------
+    if dtype is not None and dtype not in caps.model_dtypes:
+        raise ValueError(f"dtype must be one of {sorted(caps.model_dtypes)}, got {dtype!r}")
+    allowed_kv = caps.kv_cache_dtypes if on_gpu else caps.cpu_kv_cache_dtypes
+    if kv_cache_dtype is None:
+        if prof.fp8_kv_cache and on_gpu and hardware.fp8_kv_supported:
+            kv_cache_dtype = "fp8"
+            notes.append("kv_cache_dtype=fp8: this GPU stores the KV cache in fp8 (half the room)")
+        elif prof.fp8_kv_cache:
+            notes.append(
+                "kv_cache_dtype left to vLLM: no fp8 KV cache on this hardware"
+                " (needs CUDA compute capability >= 8.9)"
+            )
+    elif kv_cache_dtype not in allowed_kv:
+        where = "GPU" if on_gpu else "CPU backend"
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} is not accepted by vLLM {caps.version}"
+            f" on the {where}; use one of {sorted(allowed_kv)}"
+        )
+    elif kv_cache_dtype.startswith("fp8") and on_gpu and not hardware.fp8_kv_supported:
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} needs fp8 support (CUDA compute capability"
+            f" >= 8.9); {hardware.gpu_name or 'this GPU'} does not have it. Use 'auto'."
+        )
+    if block_size is not None:
+        multiple = caps.gpu_block_multiple if on_gpu else caps.cpu_block_multiple
+        if (
+            isinstance(block_size, bool)
+            or not isinstance(block_size, int)
+            or block_size < multiple
+            or block_size % multiple
+            or block_size > caps.max_block_size
+        ):
+            where = "GPU" if on_gpu else "CPU backend"
+            raise ValueError(
+                f"block_size must be a multiple of {multiple} between {multiple} and"
+                f" {caps.max_block_size} for vLLM {caps.version} on the {where}, got {block_size!r}"
+            )
+
+    # --- memory -----------------------------------------------------------------------------
+    env: dict[str, str] = {
+        "HF_HUB_OFFLINE": "1",  # a launcher must not start downloading behind the user's back
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    if on_gpu:
+        if gpu_memory_utilization is None:
+            gpu_memory_utilization = prof.gpu_memory_utilization
+            notes.append(
+                f"gpu_memory_utilization={gpu_memory_utilization}: the {prof.name} profile's"
+                " share of the card (the rest is headroom for CUDA graphs and activations)"
+            )
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}"
+            )
+        if kv_cache_gib is not None:
+            raise ValueError("kv_cache_gib is for the CPU backend; on a GPU use"
+                             " gpu_memory_utilization")  # fmt: skip
+    else:
+        if gpu_memory_utilization is not None:
+            raise ValueError(
+                "gpu_memory_utilization is for GPUs; on the CPU backend use kv_cache_gib"
+            )
+        kv_cache_gib = _cpu_kv_cache_gib(
+            kv_cache_gib, hardware, facts, dtype, max_num_seqs, max_model_len, notes
+        )
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_bind(hardware, notes)
+
+    # --- extra args -------------------------------------------------------------------------
+    for arg in extra_args:
+        flag = arg.split("=", 1)[0]
+        if flag in _OWNED_FLAGS:
+            raise ValueError(
+                f"{flag} is set by dsclient itself; use its own option (e.g. dsclient serve"
+                f" {flag}) instead of passing it after '--', so the launch record stays true"
+            )
+
+    name = served_model_name or _default_name(model)
+    argv = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model,
+        "--served-model-name", name,
+        "--host", host,
+        "--port", str(port),
+        "--max-num-seqs", str(max_num_seqs),
+        "--max-model-len", str(max_model_len),
+    ]  # fmt: skip
+    if dtype is not None:
+        argv += ["--dtype", dtype]
+    if kv_cache_dtype is not None:
+        argv += ["--kv-cache-dtype", kv_cache_dtype]
+    if block_size is not None:
+        argv += ["--block-size", str(block_size)]
+    if gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
+    argv += list(extra_args)
+    url_host = "127.0.0.1" if host in ("0.0.0.0", "::", "localhost") else host  # noqa: S104
+    if ":" in url_host:
+        url_host = f"[{url_host}]"
+    return LaunchPlan(
+        argv=tuple(argv),
+        env=env,
+        url=f"http://{url_host}:{port}",
+        served_model_name=name,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        profile=prof.name,
+        notes=tuple(notes),
+    )
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an int in {low}..{high}, got {value!r}")
+
+
+def _default_name(model: str) -> str:
+    base = model.rstrip("/").rsplit("/", 1)[-1]
+    return base or model
+
+
+def _cpu_kv_cache_gib(
+    given: int | None,
+    hardware: Hardware,
+    facts: ModelFacts,
+    dtype: str | None,
+    max_num_seqs: int,
+    max_model_len: int,
+    notes: list[str],
+) -> int:
+    """``VLLM_CPU_KVCACHE_SPACE``: what full batches of full contexts need, within the machine."""
+    # Never give the KV cache more than half the machine: the weights and Python live there too.
+    ceiling = max(1, math.floor(hardware.mem_gib / 2))
+    if given is not None:
+        _check_int("kv_cache_gib", given, 1, 1_000_000)
+        if given > ceiling:
+            raise ValueError(
+                f"kv_cache_gib={given} is more than half of this machine's"
+                f" {hardware.mem_gib:g} GiB; use at most {ceiling}"
+            )
+        return given
+    dtype_name = dtype if dtype not in (None, "auto") else facts.dtype
+    per_token = facts.kv_bytes_per_token(_DTYPE_BYTES.get(dtype_name or "", 2))
+    if per_token is None:
+        gib = min(4, ceiling)  # vLLM's own CPU default is 4 GiB
+        notes.append(f"VLLM_CPU_KVCACHE_SPACE={gib}: model shape unknown, vLLM's 4 GiB default")
+        return gib
+    need = per_token * max_num_seqs * max_model_len
+    gib = max(1, math.ceil(need / 2**30))
+    if gib > ceiling:
+        raise ValueError(
+            f"{max_num_seqs} sequences x {max_model_len} tokens need {gib} GiB of KV cache, more"
+            f" than half of this machine's {hardware.mem_gib:g} GiB; lower max_num_seqs or"
+            " max_model_len"
+        )
+    notes.append(
+        f"VLLM_CPU_KVCACHE_SPACE={gib}: {max_num_seqs} x {max_model_len} tokens x"
+        f" {per_token} B/token = {need / 2**20:.0f} MiB, rounded up to whole GiB"
+    )
+    return gib
+
+
+def _cpu_bind(hardware: Hardware, notes: list[str]) -> str:
+    """Bind the engine's OpenMP threads to all cores but one, left to the API server."""
+    ids = sorted(hardware.cpu_ids)
+    bound = ids[:-1] if len(ids) > 1 else ids
+    value = format_cpu_list(bound)
+    free = "" if len(ids) == 1 else f", CPU {ids[-1]} left to the API server and scheduler"
+    notes.append(f"VLLM_CPU_OMP_THREADS_BIND={value}: engine threads on CPUs {value}{free}")
+    return value
+
+
+def describe_profiles() -> str:
+    """Every profile with what it sets, for ``dsclient serve --list-profiles``."""
+    lines = []
+    for prof in PROFILES.values():
+        default = " (default)" if prof.name == DEFAULT_PROFILE else ""
+        lines.append(f"{prof.name}{default}: {prof.summary}")
+        lines.append(f"    --max-model-len {prof.max_model_len}")
+        lines.append(f"    --max-num-seqs {prof.cpu_max_num_seqs}   (CPU)")
+        lines.append(
+            f"    --max-num-seqs <GPU GiB / 2 x {prof.gpu_seqs_per_2gib:g}>   (GPU, unless given)"
+        )
+        lines.append(f"    --gpu-memory-utilization {prof.gpu_memory_utilization}   (GPU)")
+        if prof.fp8_kv_cache:
+            lines.append("    --kv-cache-dtype fp8   (GPU with compute capability >= 8.9)")
+        lines.append(
+            "    VLLM_CPU_KVCACHE_SPACE=<GiB for max-num-seqs full contexts>"
+            "  VLLM_CPU_OMP_THREADS_BIND=<all CPUs but one>   (CPU)"
+        )
+    return "\n".join(lines)

