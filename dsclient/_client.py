@@ -24,15 +24,21 @@ from ._exceptions import (
     translate_transport_error,
 )
 from ._governor import Governor, GovernorStats, choose_lane, compute_limit, default_long_threshold
-from ._models import ChatResult, CompletionResult, Result, Usage
+from ._models import ChatResult, CompletionResult, Failure, Result, Usage
 from ._retry import Retry, RetryBudget, compute_backoff, describe, is_retryable, retry_after_of
 from ._streaming import delta_of, iter_sse_data
-from ._tokens import TokenCounter, count_exact, needs_exact_count, plan_max_tokens
+from ._tokens import (
+    TokenCounter,
+    count_exact,
+    needs_exact_count,
+    plan_from_estimate,
+    plan_max_tokens,
+)
 
 if TYPE_CHECKING:
     from ._governor import Slot
 
-__all__ = ["AsyncClient", "Stream", "USE_DEFAULT"]
+__all__ = ["USE_DEFAULT", "AsyncClient", "Stream"]
 
 logger = logging.getLogger("dsclient")
 
@@ -78,11 +84,15 @@ class _Secret:
 def _root_url(base_url: str) -> str:
     """``http://h:8000/v1/`` → ``http://h:8000``; validates the scheme."""
     if not isinstance(base_url, str):
-        raise TypeError(f"base_url must be a str or a launched Server, got {type(base_url).__name__}")
+        raise TypeError(
+            f"base_url must be a str or a launched Server, got {type(base_url).__name__}"
+        )
     url = base_url.strip().rstrip("/")
     parsed = httpx.URL(url) if "://" in url else None
     if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
-        raise ValueError(f"base_url must be an http(s) URL like 'http://127.0.0.1:8000', got {base_url!r}")
+        raise ValueError(
+            f"base_url must be an http(s) URL like 'http://127.0.0.1:8000', got {base_url!r}"
+        )
     if url.endswith("/v1"):
         url = url[: -len("/v1")]
     return url
@@ -90,12 +100,16 @@ def _root_url(base_url: str) -> str:
 
 def _check_messages(messages: Any) -> None:
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+        raise TypeError(
+            f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}"
+        )
     if not messages:
         raise ValueError("messages is empty; give at least one {'role': ..., 'content': ...}")
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m:
-            raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content', got {m!r:.80}")
+            raise TypeError(
+                f"messages[{i}] must be a dict with 'role' and 'content', got {m!r:.80}"
+            )
 
 
 def _check_prompt(prompt: Any) -> None:
@@ -114,13 +128,20 @@ def _check_max_tokens(max_tokens: Any) -> None:
         raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
 
 
+Lane = Literal["short", "long"]
+
+
 class _Plan:
     """What one call will send: endpoint, body, lane and the governor's options."""
 
     __slots__ = ("body", "kind", "lane", "max_tokens", "path", "prompt_tokens")
 
     def __init__(
-        self, kind: Literal["completion", "chat"], body: dict[str, Any], lane: str, max_tokens: int,
+        self,
+        kind: Literal["completion", "chat"],
+        body: dict[str, Any],
+        lane: Lane,
+        max_tokens: int,
         prompt_tokens: int,
     ) -> None:
         self.kind = kind
@@ -188,17 +209,27 @@ class AsyncClient:
             handle = base_url  # a launched dsclient.launcher.Server
             base_url = handle.url
             model = model if model is not None else getattr(handle, "model", None)
-            max_num_seqs = max_num_seqs if max_num_seqs is not None else getattr(handle, "max_num_seqs", None)
+            max_num_seqs = (
+                max_num_seqs if max_num_seqs is not None else getattr(handle, "max_num_seqs", None)
+            )
             if max_model_len is None:
                 max_model_len = getattr(handle, "max_model_len", None)
         self._url = _root_url(base_url)
         if model is not None and not isinstance(model, str):
             raise TypeError(f"model must be a str, got {type(model).__name__}")
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
-                            ("max_queue", max_queue), ("long_threshold", long_threshold)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(
+                f"timeout must be a positive number of seconds or None, got {timeout!r}"
+            )
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_model_len", max_model_len),
+            ("max_queue", max_queue),
+            ("long_threshold", long_threshold),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         if not isinstance(default_max_tokens, int) or default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be an int >= 1, got {default_max_tokens!r}")
@@ -208,7 +239,8 @@ class AsyncClient:
         self._timeout = float(timeout) if timeout is not None else None
         self._retry = retry if retry is not None else Retry()
         self._budget = RetryBudget(
-            ratio=self._retry.budget_ratio, floor=self._retry.budget_floor,
+            ratio=self._retry.budget_ratio,
+            floor=self._retry.budget_floor,
             window=self._retry.budget_window,
         )
         self._headroom = headroom
@@ -313,8 +345,12 @@ class AsyncClient:
             self._governor.set_limit(compute_limit(info.max_num_seqs, self._headroom))
             logger.info(
                 "dsclient: %s at %s, model %s, max_num_seqs %s (%s), cap %d",
-                info.kind, self._url, info.model, info.max_num_seqs,
-                info.sources.get("max_num_seqs", "?"), self._governor.limit,
+                info.kind,
+                self._url,
+                info.model,
+                info.max_num_seqs,
+                info.sources.get("max_num_seqs", "?"),
+                self._governor.limit,
             )
             return info
 
@@ -348,48 +384,81 @@ class AsyncClient:
     async def _count_exact(self, prompt: Prompt) -> int | None:
         async with self._tokenize_limiter:
             return await count_exact(
-                self._http, self._url, model=self._model,
+                self._http,
+                self._url,
+                model=self._model,
                 prompt=prompt if isinstance(prompt, str) else None,
                 messages=None if isinstance(prompt, str) else [dict(m) for m in prompt],
                 timeout=10.0,
             )
 
     async def _plan(
-        self, kind: Literal["completion", "chat"], prompt: Prompt, max_tokens: int | None,
+        self,
+        kind: Literal["completion", "chat"],
+        prompt: Prompt,
+        max_tokens: int | None,
         sampling: dict[str, Any],
     ) -> _Plan:
         info = await self._ready()
         ctx = info.max_model_len
+        tokens = self._tokens
         wanted = max_tokens if max_tokens is not None else self._default_max_tokens
-        local = self._local_count(prompt)
-        estimate = self._tokens.estimate_from(local)
-        bound = self._tokens.error_bound(estimate)
-        margin = self._tokens.margin
-        prompt_tokens = estimate + bound  # conservative unless counted exactly
-        if needs_exact_count(
-            estimate=estimate, error_bound=bound, wanted=wanted, max_model_len=ctx, margin=margin
-        ):
-            counted = await self._count_exact(prompt) if info.has_tokenize else None
-            if counted is not None:
-                self._tokens.learn(local, counted)
-                prompt_tokens = counted
-            send = plan_max_tokens(
-                prompt_tokens=prompt_tokens, requested=max_tokens,
-                default=self._default_max_tokens, max_model_len=ctx, margin=margin,
-            )
-        else:
-            send = wanted
+        margin = tokens.margin
         threshold = self._long_threshold or default_long_threshold(ctx)
-        lane = choose_lane(estimated_total_tokens=estimate + send, threshold=threshold)
-        body: dict[str, Any] = {"model": self._model}
+        # Cheapest first: a byte bound (no tokenizer). When even that fits, counting cannot
+        # change what is sent, so a short prompt never pays for tiktoken or /tokenize.
+        upper = tokens.upper_bound(prompt)
+        lane: Lane
+        if upper is not None and not needs_exact_count(
+            estimate=upper, error_bound=0, wanted=wanted, max_model_len=ctx, margin=margin
+        ):
+            send = wanted
+            if upper + send <= threshold:
+                lane = "short"
+                prompt_tokens = upper
+            else:
+                prompt_tokens = tokens.estimate(prompt)
+                lane = choose_lane(estimated_total_tokens=prompt_tokens + send, threshold=threshold)
+        else:
+            m = tokens.measure(prompt)
+            prompt_tokens = m.estimate
+            if needs_exact_count(
+                estimate=m.estimate,
+                error_bound=m.error_bound,
+                wanted=wanted,
+                max_model_len=ctx,
+                margin=margin,
+            ):
+                counted = await self._count_exact(prompt) if info.has_tokenize else None
+                if counted is not None:
+                    tokens.learn(m.local, counted)
+                    prompt_tokens = counted
+                    send = plan_max_tokens(
+                        prompt_tokens=counted,
+                        requested=max_tokens,
+                        default=self._default_max_tokens,
+                        max_model_len=ctx,
+                        margin=margin,
+                    )
+                else:
+                    send = plan_from_estimate(
+                        estimate=m.estimate,
+                        error_bound=m.error_bound,
+                        requested=max_tokens,
+                        default=self._default_max_tokens,
+                        max_model_len=ctx,
+                        margin=margin,
+                    )
+            else:
+                send = wanted
+            lane = choose_lane(estimated_total_tokens=prompt_tokens + send, threshold=threshold)
+        body: dict[str, Any] = {"model": self._model} if self._model is not None else {}
         if kind == "completion":
             body["prompt"] = prompt
         else:
-            body["messages"] = [dict(m) for m in prompt]
+            body["messages"] = [dict(m) for m in prompt if not isinstance(m, str)]
         body["max_tokens"] = send
         body.update(sampling)
-        if body.get("model") is None:
-            body.pop("model")
         return _Plan(kind, body, lane, send, prompt_tokens)
 
     # -- public calls ------------------------------------------------------------------------
@@ -420,7 +489,9 @@ class AsyncClient:
         """
         _check_prompt(prompt)
         _check_max_tokens(max_tokens)
-        result = await self._call("completion", prompt, max_tokens, urgency, group, timeout, sampling)
+        result = await self._call(
+            "completion", prompt, max_tokens, urgency, group, timeout, sampling
+        )
         assert isinstance(result, CompletionResult)
         return result
 
@@ -472,25 +543,55 @@ class AsyncClient:
         _check_max_tokens(max_tokens)
         return Stream(self, prompt, max_tokens, urgency, group, self._timeout_of(timeout), sampling)
 
+    async def map(self, items: Any, **kwargs: Any) -> list[Result | Failure]:
+        """Run a batch; results come back in input order. See :func:`dsclient._batch.run_map`.
+
+        results = await client.map(["Hello", "Bonjour"], max_tokens=16)
+        """
+        from ._batch import run_map
+
+        return await run_map(self, items, **kwargs)
+
+    def imap(self, items: Any, **kwargs: Any) -> AsyncIterator[tuple[int, Result | Failure]]:
+        """Yield ``(index, result)`` as each item finishes. See :func:`dsclient._batch.iter_map`.
+
+        async for index, result in client.imap(prompts, output="out.jsonl"):
+            ...
+        """
+        from ._batch import iter_map
+
+        return iter_map(self, items, **kwargs)
+
     def _timeout_of(self, timeout: Any) -> float | None:
         if timeout is USE_DEFAULT:
             return self._timeout
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+            raise ValueError(
+                f"timeout must be a positive number of seconds or None, got {timeout!r}"
+            )
         return float(timeout) if timeout is not None else None
 
     # -- the request path --------------------------------------------------------------------
     async def _call(
-        self, kind: Literal["completion", "chat"], prompt: Prompt, max_tokens: int | None,
-        urgency: int, group: str | None, timeout: Any, sampling: dict[str, Any],
-        *, index: int | None = None,
+        self,
+        kind: Literal["completion", "chat"],
+        prompt: Prompt,
+        max_tokens: int | None,
+        urgency: int,
+        group: str | None,
+        timeout: Any,
+        sampling: dict[str, Any],
+        *,
+        index: int | None = None,
     ) -> Result:
         limit_s = self._timeout_of(timeout)
         start = self._clock()
         try:
             with anyio.fail_after(limit_s):
                 plan = await self._plan(kind, prompt, max_tokens, sampling)
-                async with self._governor.slot(lane=plan.lane, urgency=urgency, group=group) as slot:
+                async with self._governor.slot(
+                    lane=plan.lane, urgency=urgency, group=group
+                ) as slot:
                     data, attempts = await self._send_with_retries(plan.path, plan.body, slot)
         except builtins.TimeoutError as exc:
             raise TimeoutError(f"call did not finish within its timeout of {limit_s} s") from exc
@@ -513,7 +614,9 @@ class AsyncClient:
                 body=response.text,
             ) from exc
         if not isinstance(data, dict):
-            raise MalformedResponse("server answered with JSON that is not an object", body=response.text)
+            raise MalformedResponse(
+                "server answered with JSON that is not an object", body=response.text
+            )
         return data
 
     async def _send_with_retries(
@@ -540,22 +643,43 @@ class AsyncClient:
         return True
 
     async def _retry_loop(
-        self, path: str, body: dict[str, Any], first: DSClientError, slot: Slot | None,
+        self,
+        path: str,
+        body: dict[str, Any],
+        first: DSClientError,
+        slot: Slot | None,
         op: Callable[[], Awaitable[T]] | None = None,
     ) -> tuple[Any, int]:
         retry = self._retry
-        delay = compute_backoff(1, base=retry.base, cap=retry.cap,
-                                retry_after=retry_after_of(first), rng=self._rng)
-        logger.info("dsclient: %s failed with %s; retry 2/%d in %.2fs",
-                    path, describe(first), retry.attempts, delay)
+        delay = compute_backoff(
+            1, base=retry.base, cap=retry.cap, retry_after=retry_after_of(first), rng=self._rng
+        )
+        logger.info(
+            "dsclient: %s failed with %s; retry 2/%d in %.2fs",
+            path,
+            describe(first),
+            retry.attempts,
+            delay,
+        )
         await self._sleep(delay)
 
         def wait(state: tenacity.RetryCallState) -> float:
             exc = state.outcome.exception() if state.outcome is not None else None
-            seconds = compute_backoff(state.attempt_number + 1, base=retry.base, cap=retry.cap,
-                                      retry_after=retry_after_of(exc) if exc else None, rng=self._rng)
-            logger.info("dsclient: %s failed with %s; retry %d/%d in %.2fs", path,
-                        describe(exc) if exc else "?", state.attempt_number + 2, retry.attempts, seconds)
+            seconds = compute_backoff(
+                state.attempt_number + 1,
+                base=retry.base,
+                cap=retry.cap,
+                retry_after=retry_after_of(exc) if exc else None,
+                rng=self._rng,
+            )
+            logger.info(
+                "dsclient: %s failed with %s; retry %d/%d in %.2fs",
+                path,
+                describe(exc) if exc else "?",
+                state.attempt_number + 2,
+                retry.attempts,
+                seconds,
+            )
             return seconds
 
         attempts = 1
@@ -579,15 +703,17 @@ class AsyncClient:
 
 
 def _build_result(
-    kind: Literal["completion", "chat"], data: dict[str, Any], latency: float, queued: float,
-    attempts: int, plan: _Plan, index: int | None,
+    kind: Literal["completion", "chat"],
+    data: dict[str, Any],
+    latency: float,
+    queued: float,
+    attempts: int,
+    plan: _Plan,
+    index: int | None,
 ) -> Result:
     try:
         choice = data["choices"][0]
-        if kind == "completion":
-            text = choice["text"]
-        else:
-            text = choice["message"].get("content") or ""
+        text = choice["text"] if kind == "completion" else choice["message"].get("content") or ""
         usage_data = data.get("usage") or {}
         usage = Usage(
             prompt_tokens=usage_data.get("prompt_tokens") or 0,
@@ -595,9 +721,15 @@ def _build_result(
         )
         cls = CompletionResult if kind == "completion" else ChatResult
         result = cls(
-            text=text, finish_reason=choice.get("finish_reason"), usage=usage,
-            latency_s=latency, queued_s=queued, attempts=attempts, max_tokens=plan.max_tokens,
-            lane=plan.lane, index=index,
+            text=text,
+            finish_reason=choice.get("finish_reason"),
+            usage=usage,
+            latency_s=latency,
+            queued_s=queued,
+            attempts=attempts,
+            max_tokens=plan.max_tokens,
+            lane=plan.lane,
+            index=index,
         )
     except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
         raise MalformedResponse(
@@ -616,8 +748,14 @@ class Stream:
     """
 
     def __init__(
-        self, client: AsyncClient, prompt: Prompt, max_tokens: int | None, urgency: int,
-        group: str | None, timeout: float | None, sampling: dict[str, Any],
+        self,
+        client: AsyncClient,
+        prompt: Prompt,
+        max_tokens: int | None,
+        urgency: int,
+        group: str | None,
+        timeout: float | None,
+        sampling: dict[str, Any],
     ) -> None:
         self._client = client
         self._prompt = prompt
@@ -635,7 +773,7 @@ class Stream:
         self.ttft_s: float | None = None
         self.finish_reason: str | None = None
         self.attempts = 0
-        self.lane = "short"
+        self.lane: Lane = "short"
         self.max_tokens: int | None = None
         self._start = 0.0
         self._chunks: list[str] = []
@@ -645,11 +783,17 @@ class Stream:
         self._start = client._clock()
         try:
             with anyio.fail_after(self._timeout):
-                kind: Literal["completion", "chat"] = "completion" if isinstance(self._prompt, str) else "chat"
-                plan = await client._plan(kind, self._prompt, self._max_tokens, dict(self._sampling))
+                kind: Literal["completion", "chat"] = (
+                    "completion" if isinstance(self._prompt, str) else "chat"
+                )
+                plan = await client._plan(
+                    kind, self._prompt, self._max_tokens, dict(self._sampling)
+                )
                 self.lane, self.max_tokens = plan.lane, plan.max_tokens
                 body = dict(plan.body, stream=True)
-                self._slot_cm = client._governor.slot(lane=plan.lane, urgency=self._urgency, group=self._group)
+                self._slot_cm = client._governor.slot(
+                    lane=plan.lane, urgency=self._urgency, group=self._group
+                )
                 self._slot = await self._slot_cm.__aenter__()
                 try:
                     await self._open(plan.path, body)
@@ -657,7 +801,9 @@ class Stream:
                     await self._release(exc)
                     raise
         except builtins.TimeoutError as exc:
-            raise TimeoutError(f"stream did not open within its timeout of {self._timeout} s") from exc
+            raise TimeoutError(
+                f"stream did not open within its timeout of {self._timeout} s"
+            ) from exc
         return self
 
     async def _open(self, path: str, body: dict[str, Any]) -> None:
@@ -730,4 +876,3 @@ class Stream:
     @property
     def latency_s(self) -> float:
         return self._client._clock() - self._start
-

@@ -50,11 +50,11 @@ class TransportError(DSClientError):
     """The request did not get a complete answer from the server."""
 
 
-class TimeoutError(TransportError):  # noqa: A001 - mirrors httpx.TimeoutException's role
+class TimeoutError(TransportError):
     """The call's time budget ran out (client-side queueing included)."""
 
 
-class ConnectionError(TransportError):  # noqa: A001
+class ConnectionError(TransportError):
     """Connecting failed, or the connection dropped before the body was complete."""
 
 
@@ -73,12 +73,21 @@ class MalformedResponse(ServerError):
 class RequestRefused(ServerError):
     """The server refused the request with a non-2xx status.
 
-    ``status`` is the HTTP status, ``body`` the (possibly truncated) response text and
-    ``message`` the server's own message when the body had one.
+    ``status`` is the HTTP status, ``body`` the (possibly truncated) response text,
+    ``message`` the server's own message when the body had one, and ``retry_after`` the wait the
+    server asked for (``Retry-After`` / ``retry-after-ms``), in seconds, if any.
     """
 
-    def __init__(self, status: int, body: str = "", message: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        body: str = "",
+        message: str | None = None,
+        *,
+        retry_after: float | None = None,
+    ) -> None:
         self.status = status
+        self.retry_after = retry_after
         self.body = body[:_BODY_KEEP]
         self.message = message if message is not None else _server_message(body)
         super().__init__(f"server refused the request: HTTP {status}: {self.message}")
@@ -98,8 +107,7 @@ class Overloaded(RequestRefused):
         *,
         retry_after: float | None = None,
     ) -> None:
-        super().__init__(status, body, message)
-        self.retry_after = retry_after
+        super().__init__(status, body, message, retry_after=retry_after)
 
 
 class ContextOverflow(RequestRefused):
@@ -263,9 +271,10 @@ def error_from_response(response: httpx.Response) -> RequestRefused:
     overflow = context_overflow_from_response(status, body)
     if overflow is not None:
         return overflow
+    retry_after = parse_retry_after_header(response.headers)
     if status in (429, 503):
-        return Overloaded(status, body, retry_after=parse_retry_after_header(response.headers))
-    return RequestRefused(status, body)
+        return Overloaded(status, body, retry_after=retry_after)
+    return RequestRefused(status, body, retry_after=retry_after)
 
 
 def translate_transport_error(exc: httpx.TransportError) -> TransportError:

@@ -147,7 +147,7 @@ def is_retryable(exc: BaseException) -> bool:
 
 def retry_after_of(exc: BaseException) -> float | None:
     """The server's wait hint carried by an exception, if any."""
-    return exc.retry_after if isinstance(exc, Overloaded) else None
+    return exc.retry_after if isinstance(exc, RequestRefused) else None
 
 
 @dataclass
@@ -155,9 +155,9 @@ class RetryBudget:
     """Keeps retries to a bounded share of recent requests, so a failing server is not hammered.
 
     Rule: within the last ``window`` seconds, a retry is allowed while
-    ``retries < floor + int(ratio * requests)``. Each first attempt counts as a request; each allowed
-    retry counts as a retry. With the defaults (floor 10, ratio 0.1) a lone caller still gets its
-    retries, while 1000 failing calls a window produce at most ~110 retries instead of 3000.
+    ``retries < floor + int(ratio * requests)``. Each first attempt counts as a request; each
+    allowed retry counts as a retry. With the defaults (floor 10, ratio 0.1) a lone caller still
+    gets its retries, while 1000 failing calls a window produce at most ~110 retries, not 3000.
     """
 
     ratio: float = 0.1
@@ -199,9 +199,7 @@ def describe(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def tenacity_wait(
-    retry: Retry, rng: random.Random | None = None
-) -> Callable[[Any], float]:
+def tenacity_wait(retry: Retry, rng: random.Random | None = None) -> Callable[[Any], float]:
     """A tenacity ``wait`` callable applying :func:`compute_backoff` to a retry state."""
 
     def wait(state: Any) -> float:

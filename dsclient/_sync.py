@@ -16,7 +16,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from ._client import USE_DEFAULT, AsyncClient, Messages, Prompt, Stream
 from ._discovery import ServerInfo
 from ._governor import GovernorStats
-from ._models import ChatResult, CompletionResult
+from ._models import ChatResult, CompletionResult, Failure, Result
 
 __all__ = ["Client", "SyncStream"]
 
@@ -105,25 +105,51 @@ class Client:
     def count_tokens(self, prompt: Prompt, *, exact: bool = True) -> int:
         return self._portal.call(lambda: self._async.count_tokens(prompt, exact=exact))
 
-    def generate(self, prompt: str, *, max_tokens: int | None = None, **kwargs: Any) -> CompletionResult:
+    def generate(
+        self, prompt: str, *, max_tokens: int | None = None, **kwargs: Any
+    ) -> CompletionResult:
         """See :meth:`AsyncClient.generate`."""
-        return self._portal.call(lambda: self._async.generate(prompt, max_tokens=max_tokens, **kwargs))
+        return self._portal.call(
+            lambda: self._async.generate(prompt, max_tokens=max_tokens, **kwargs)
+        )
 
-    def chat(self, messages: Messages, *, max_tokens: int | None = None, **kwargs: Any) -> ChatResult:
+    def chat(
+        self, messages: Messages, *, max_tokens: int | None = None, **kwargs: Any
+    ) -> ChatResult:
         """See :meth:`AsyncClient.chat`."""
-        return self._portal.call(lambda: self._async.chat(messages, max_tokens=max_tokens, **kwargs))
+        return self._portal.call(
+            lambda: self._async.chat(messages, max_tokens=max_tokens, **kwargs)
+        )
 
     def stream(
-        self, prompt: Prompt, *, max_tokens: int | None = None, timeout: Any = USE_DEFAULT,
+        self,
+        prompt: Prompt,
+        *,
+        max_tokens: int | None = None,
+        timeout: Any = USE_DEFAULT,
         **kwargs: Any,
     ) -> SyncStream:
         """See :meth:`AsyncClient.stream`; iterate with a plain ``for``."""
         inner = self._async.stream(prompt, max_tokens=max_tokens, timeout=timeout, **kwargs)
         return SyncStream(self._portal, inner)
 
-    def map(self, items: Any, **kwargs: Any) -> Any:
-        """See :meth:`AsyncClient.map`."""
+    def map(self, items: Any, **kwargs: Any) -> list[Result | Failure]:
+        """See :meth:`AsyncClient.map`; works inside a Jupyter cell too."""
         return self._portal.call(lambda: self._async.map(items, **kwargs))
+
+    def imap(self, items: Any, **kwargs: Any) -> Iterator[tuple[int, Result | Failure]]:
+        """See :meth:`AsyncClient.imap`; a plain iterator of ``(index, result)``."""
+        agen = self._async.imap(items, **kwargs)
+        try:
+            while True:
+                try:
+                    yield self._portal.call(agen.__anext__)
+                except StopAsyncIteration:
+                    return
+        finally:
+            aclose = getattr(agen, "aclose", None)
+            if aclose is not None:
+                self._portal.call(aclose)
 
 
 class SyncStream:

@@ -12,21 +12,37 @@ import httpx
 Handler = Callable[[httpx.Request], httpx.Response]
 
 
-def completion_body(text: str = "hello", finish: str = "length", prompt_tokens: int = 3,
-                    completion_tokens: int = 2) -> dict[str, Any]:
+def completion_body(
+    text: str = "hello", finish: str = "length", prompt_tokens: int = 3, completion_tokens: int = 2
+) -> dict[str, Any]:
     return {
-        "id": "cmpl-1", "object": "text_completion", "created": 1, "model": "tiny",
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 1,
+        "model": "tiny",
         "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
     }
 
 
 def chat_body(text: str = "hi there", finish: str = "stop") -> dict[str, Any]:
     return {
-        "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "tiny",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "finish_reason": finish, "logprobs": None}],
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "tiny",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish,
+                "logprobs": None,
+            }
+        ],
         "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
     }
 
@@ -49,12 +65,29 @@ class FakeServer:
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         if path == "/v1/models" and request.method == "GET":
-            return httpx.Response(200, json={"object": "list", "data": [
-                {"id": m, "object": "model", "owned_by": "vllm", "max_model_len": self.max_model_len}
-                for m in self.models]})
+            return httpx.Response(
+                200,
+                json={
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": m,
+                            "object": "model",
+                            "owned_by": "vllm",
+                            "max_model_len": self.max_model_len,
+                        }
+                        for m in self.models
+                    ],
+                },
+            )
         if path == "/tokenize" and self.tokenize is not None:
-            return httpx.Response(200, json={"count": self.tokenize(json.loads(request.content)),
-                                             "max_model_len": self.max_model_len})
+            return httpx.Response(
+                200,
+                json={
+                    "count": self.tokenize(json.loads(request.content)),
+                    "max_model_len": self.max_model_len,
+                },
+            )
         if path in ("/v1/completions", "/v1/chat/completions"):
             self.requests.append(request)
             self.bodies.append(json.loads(request.content))

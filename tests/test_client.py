@@ -49,8 +49,13 @@ async def test_generate_returns_a_typed_result():
     assert isinstance(result.raw, Completion)
     assert result.raw.choices[0].text == "world"
     body = fake.bodies[0]
-    assert body == {"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0.0,
-                    "ignore_eos": True}
+    assert body == {
+        "model": "tiny",
+        "prompt": "hello",
+        "max_tokens": 5,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     assert fake.requests[0].url.path == "/v1/completions"
 
 
@@ -66,8 +71,15 @@ async def test_chat_returns_a_typed_result():
     assert fake.requests[0].url.path == "/v1/chat/completions"
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://127.0.0.1:8000/",
-                                 "http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1/"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:8000",
+        "http://127.0.0.1:8000/",
+        "http://127.0.0.1:8000/v1",
+        "http://127.0.0.1:8000/v1/",
+    ],
+)
 async def test_base_url_with_or_without_v1(url):
     fake = FakeServer()
     async with AsyncClient(url, transport=fake.transport) as client:
@@ -96,9 +108,13 @@ async def test_several_models_and_none_chosen_lists_them():
 @pytest.mark.parametrize("retry_after", [None, "2"])
 async def test_retryable_statuses_are_retried(status, retry_after):
     headers = {"Retry-After": retry_after} if retry_after else {}
-    fake = FakeServer(script=[httpx.Response(status, headers=headers, text="nope"),
-                              httpx.Response(status, headers=headers, text="nope"),
-                              httpx.Response(200, json=completion_body())])
+    fake = FakeServer(
+        script=[
+            httpx.Response(status, headers=headers, text="nope"),
+            httpx.Response(status, headers=headers, text="nope"),
+            httpx.Response(200, json=completion_body()),
+        ]
+    )
     sleep = RecordedSleep()
     async with make_client(fake, sleep=sleep, retry=Retry(attempts=4, base=0.5, cap=8.0)) as client:
         result = await client.generate("x", max_tokens=1)
@@ -111,8 +127,12 @@ async def test_retryable_statuses_are_retried(status, retry_after):
 
 
 async def test_retry_after_ms_header_is_honoured():
-    fake = FakeServer(script=[httpx.Response(429, headers={"retry-after-ms": "150"}),
-                              httpx.Response(200, json=completion_body())])
+    fake = FakeServer(
+        script=[
+            httpx.Response(429, headers={"retry-after-ms": "150"}),
+            httpx.Response(200, json=completion_body()),
+        ]
+    )
     sleep = RecordedSleep()
     async with make_client(fake, sleep=sleep) as client:
         await client.generate("x", max_tokens=1)
@@ -143,8 +163,10 @@ async def test_other_4xx_are_never_retried(status):
 
 
 async def test_server_context_overflow_is_raised_with_counts():
-    msg = ("This model's maximum context length is 2048 tokens. However, your prompt contains at "
-           "least 2049 input tokens, which exceeds this limit even without any output tokens.")
+    msg = (
+        "This model's maximum context length is 2048 tokens. However, your prompt contains at "
+        "least 2049 input tokens, which exceeds this limit even without any output tokens."
+    )
     fake = FakeServer(script=[httpx.Response(400, json={"error": {"message": msg, "code": 400}})])
     async with make_client(fake) as client:
         with pytest.raises(ContextOverflow) as info:
@@ -169,7 +191,9 @@ async def test_json_without_choices_is_malformed():
 class _DroppingStream(httpx.AsyncByteStream):
     async def __aiter__(self):
         yield b'{"choices": [{"te'
-        raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+        raise httpx.RemoteProtocolError(
+            "peer closed connection without sending complete message body"
+        )
 
 
 async def test_connection_dropped_mid_body_is_a_connection_error_and_retried():
@@ -217,9 +241,11 @@ async def test_cancelling_a_waiting_call_frees_everything():
     async with make_client(fake, max_num_seqs=1, headroom=1.0) as client:
         # hold the only slot with a call that never finishes until cancelled
         async with anyio.create_task_group() as tg:
+
             async def hold():
                 async with client._governor.slot(lane="short"):
                     await gate.wait()
+
             tg.start_soon(hold)
             await anyio.sleep(0.01)
             with anyio.move_on_after(0.05) as scope:
@@ -237,9 +263,11 @@ async def test_call_timeout_covers_waiting_for_a_slot():
     async with make_client(fake, max_num_seqs=1, headroom=1.0) as client:
         gate = anyio.Event()
         async with anyio.create_task_group() as tg:
+
             async def hold():
                 async with client._governor.slot(lane="short"):
                     await gate.wait()
+
             tg.start_soon(hold)
             await anyio.sleep(0.01)
             with pytest.raises(TimeoutError, match="timeout"):
@@ -297,7 +325,9 @@ async def test_api_key_env_fallbacks(monkeypatch):
     async with AsyncClient("http://h:1", transport=httpx.MockTransport(handler)) as c:
         await c.generate("x", max_tokens=1)
     assert seen[-1] == "Bearer from-openai"
-    async with AsyncClient("http://h:1", api_key="explicit", transport=httpx.MockTransport(handler)) as c:
+    async with AsyncClient(
+        "http://h:1", api_key="explicit", transport=httpx.MockTransport(handler)
+    ) as c:
         await c.generate("x", max_tokens=1)
     assert seen[-1] == "Bearer explicit"
 
@@ -305,13 +335,22 @@ async def test_api_key_env_fallbacks(monkeypatch):
 async def test_api_key_never_in_repr_logs_or_errors(caplog, monkeypatch):
     monkeypatch.delenv("DSCLIENT_API_KEY", raising=False)
     caplog.set_level(logging.DEBUG)
-    fake = FakeServer(script=[httpx.Response(503, text="busy"), httpx.Response(401, text="bad key")])
+    fake = FakeServer(
+        script=[httpx.Response(503, text="busy"), httpx.Response(401, text="bad key")]
+    )
     client = make_client(fake, api_key=SECRET)
     async with client:
         with pytest.raises(RequestRefused) as info:
             await client.generate("x", max_tokens=1)
-    texts = [repr(client), str(client), str(info.value), repr(info.value), caplog.text,
-             repr(client.__dict__), json.dumps(info.value.body)]
+    texts = [
+        repr(client),
+        str(client),
+        str(info.value),
+        repr(info.value),
+        caplog.text,
+        repr(client.__dict__),
+        json.dumps(info.value.body),
+    ]
     for t in texts:
         assert SECRET not in t
     sync = dsclient.Client("http://h:1", api_key=SECRET, transport=fake.transport)
@@ -328,7 +367,9 @@ async def test_stream_yields_deltas_and_records_ttft():
         'data: {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}\n\n'
         "data: [DONE]\n\n"
     )
-    fake = FakeServer(script=[httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})])
+    fake = FakeServer(
+        script=[httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})]
+    )
     async with make_client(fake) as client:
         async with client.stream("hi", max_tokens=2) as s:
             deltas = [d async for d in s]
@@ -382,9 +423,8 @@ async def test_stream_retried_only_before_the_first_byte():
     sse = 'data: {"choices": [{"text": "ok", "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
     fake = FakeServer(script=[httpx.Response(503), httpx.Response(200, text=sse)])
     sleep = RecordedSleep()
-    async with make_client(fake, sleep=sleep) as client:
-        async with client.stream("hi", max_tokens=2) as s:
-            assert [d async for d in s] == ["ok"]
+    async with make_client(fake, sleep=sleep) as client, client.stream("hi", max_tokens=2) as s:
+        assert [d async for d in s] == ["ok"]
     assert s.attempts == 2 and len(sleep.delays) == 1
 
     class _DropAfterFirst(httpx.AsyncByteStream):
@@ -418,3 +458,56 @@ async def test_client_is_unusable_after_close():
     await client.aclose()
     with pytest.raises(RuntimeError, match="closed"):
         await client.generate("x", max_tokens=1)
+
+
+# --- token budget wiring ---------------------------------------------------------------------
+
+
+def _word_count_tokenize(body):
+    # a stand-in for the server's tokenizer: one token per word
+    if "prompt" in body:
+        return len(body["prompt"].split())
+    return sum(len(m["content"].split()) for m in body["messages"]) + 3
+
+
+async def test_short_prompt_sends_wanted_tokens_without_tokenize():
+    calls = []
+
+    def tok(body):
+        calls.append(body)
+        return _word_count_tokenize(body)
+
+    fake = FakeServer(tokenize=tok)
+    async with make_client(fake) as client:
+        r = await client.generate("a short prompt", max_tokens=100)
+    assert fake.bodies[0]["max_tokens"] == 100 and r.max_tokens == 100
+    assert calls == []
+    assert r.lane == "short"
+
+
+async def test_prompt_near_the_limit_is_counted_exactly_and_max_tokens_cut():
+    fake = FakeServer(tokenize=_word_count_tokenize, max_model_len=2048)
+    prompt = " ".join(["word"] * 1800)
+    async with make_client(fake) as client:
+        r = await client.generate(prompt, max_tokens=1000)
+    sent = fake.bodies[0]["max_tokens"]
+    assert sent == 2048 - 1800 - client._tokens.margin
+    assert r.max_tokens == sent
+    assert r.lane == "long"
+
+
+async def test_prompt_that_cannot_fit_raises_before_sending():
+    fake = FakeServer(tokenize=_word_count_tokenize, max_model_len=2048)
+    prompt = " ".join(["word"] * 2300)
+    async with make_client(fake) as client:
+        with pytest.raises(ContextOverflow, match="2300") as info:
+            await client.generate(prompt)
+    assert info.value.prompt_tokens == 2300 and info.value.context_length == 2048
+    assert fake.bodies == []
+
+
+async def test_count_tokens_uses_the_server_when_it_can():
+    fake = FakeServer(tokenize=_word_count_tokenize)
+    async with make_client(fake) as client:
+        assert await client.count_tokens("one two three") == 3
+        assert await client.count_tokens("one two three", exact=False) >= 1

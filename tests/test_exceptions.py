@@ -7,60 +7,151 @@ import json
 import httpx
 import pytest
 
-from dsclient._exceptions import ContextOverflow, Overloaded, RequestRefused
-from dsclient._exceptions import context_overflow_from_response, error_from_response
+from dsclient._exceptions import (
+    ContextOverflow,
+    Overloaded,
+    RequestRefused,
+    context_overflow_from_response,
+    error_from_response,
+)
 
 
 def _openai_error(message: str, code: int = 400) -> str:
-    return json.dumps({"error": {"message": message, "type": "BadRequestError", "param": None, "code": code}})
+    return json.dumps(
+        {"error": {"message": message, "type": "BadRequestError", "param": None, "code": code}}
+    )
 
 
 # (status, body, prompt_tokens, requested_tokens, context_length) — wordings from ENVIRONMENT.md
 OVERFLOWS = [
-    pytest.param(400, _openai_error(
-        "This model's maximum context length is 2048 tokens. However, your prompt contains at least "
-        "2049 input tokens, which exceeds this limit even without any output tokens. Please reduce "
-        "the length of the input prompt. (parameter=input_tokens, value=2049)"),
-        2049, None, 2048, id="vllm-0.32-prompt"),
-    pytest.param(400, _openai_error(
-        "This model's maximum context length is 2048 tokens. However, your prompt contains 18000 "
-        "characters (more than 12288 characters, which is the upper bound for 2048 input tokens). "
-        "Please reduce the length of the input prompt. (parameter=input_text, value=18000)"),
-        None, None, 2048, id="vllm-0.32-characters"),
-    pytest.param(400, _openai_error(
-        "This model's maximum context length is 2048 tokens. However, you requested 1900 output "
-        "tokens and your prompt contains at least 1200 input tokens, for a total of at least 3100 "
-        "tokens. Please reduce the length of the input prompt or the number of requested output "
-        "tokens. (parameter=input_tokens, value=1200)"),
-        1200, 1900, 2048, id="vllm-2026"),
-    pytest.param(400, _openai_error(
-        "'max_tokens' or 'max_completion_tokens' is too large: 1900. This model's maximum context "
-        "length is 2048 tokens and your request has 1200 input tokens (1900 > 2048 - 1200). "
-        "(parameter=max_tokens, value=1900)"),
-        1200, 1900, 2048, id="vllm-2025"),
-    pytest.param(400, _openai_error(
-        "This model's maximum context length is 2048 tokens. However, you requested 3100 tokens "
-        "(1200 in the messages, 1900 in the completion). Please reduce the length of the messages "
-        "or completion."),
-        1200, 1900, 2048, id="vllm-0.4-0.6"),
-    pytest.param(400, _openai_error(
-        "You passed 1200 input tokens and requested 1900 output tokens. However, the model's "
-        "context length is only 2048 tokens, resulting in a maximum input length of 148 tokens. "
-        "Please reduce the length of the input prompt."),
-        1200, 1900, 2048, id="vllm-renderer"),
-    pytest.param(400, _openai_error(
-        "The decoder prompt (length 2300) is longer than the maximum model length of 2048."),
-        2300, None, 2048, id="vllm-engine"),
-    pytest.param(422, json.dumps({"error": "`inputs` tokens + `max_new_tokens` must be <= 2048. "
-        "Given: 1200 `inputs` tokens and 1900 `max_new_tokens`", "error_type": "validation"}),
-        1200, 1900, 2048, id="tgi-total"),
-    pytest.param(422, json.dumps({"error": "`inputs` must have less than 2047 tokens. Given: 2300",
-        "error_type": "validation"}),
-        2300, None, 2047, id="tgi-inputs"),
-    pytest.param(400, json.dumps({"error": {"code": 400, "type": "exceed_context_size_error",
-        "message": "the request exceeds the available context size, try increasing it",
-        "n_prompt_tokens": 2300, "n_ctx": 2048}}),
-        2300, None, 2048, id="llamacpp"),
+    pytest.param(
+        400,
+        _openai_error(
+            "This model's maximum context length is 2048 tokens. However, your prompt contains at least "
+            "2049 input tokens, which exceeds this limit even without any output tokens. Please reduce "
+            "the length of the input prompt. (parameter=input_tokens, value=2049)"
+        ),
+        2049,
+        None,
+        2048,
+        id="vllm-0.32-prompt",
+    ),
+    pytest.param(
+        400,
+        _openai_error(
+            "This model's maximum context length is 2048 tokens. However, your prompt contains 18000 "
+            "characters (more than 12288 characters, which is the upper bound for 2048 input tokens). "
+            "Please reduce the length of the input prompt. (parameter=input_text, value=18000)"
+        ),
+        None,
+        None,
+        2048,
+        id="vllm-0.32-characters",
+    ),
+    pytest.param(
+        400,
+        _openai_error(
+            "This model's maximum context length is 2048 tokens. However, you requested 1900 output "
+            "tokens and your prompt contains at least 1200 input tokens, for a total of at least 3100 "
+            "tokens. Please reduce the length of the input prompt or the number of requested output "
+            "tokens. (parameter=input_tokens, value=1200)"
+        ),
+        1200,
+        1900,
+        2048,
+        id="vllm-2026",
+    ),
+    pytest.param(
+        400,
+        _openai_error(
+            "'max_tokens' or 'max_completion_tokens' is too large: 1900. This model's maximum context "
+            "length is 2048 tokens and your request has 1200 input tokens (1900 > 2048 - 1200). "
+            "(parameter=max_tokens, value=1900)"
+        ),
+        1200,
+        1900,
+        2048,
+        id="vllm-2025",
+    ),
+    pytest.param(
+        400,
+        _openai_error(
+            "This model's maximum context length is 2048 tokens. However, you requested 3100 tokens "
+            "(1200 in the messages, 1900 in the completion). Please reduce the length of the messages "
+            "or completion."
+        ),
+        1200,
+        1900,
+        2048,
+        id="vllm-0.4-0.6",
+    ),
+    pytest.param(
+        400,
+        _openai_error(
+            "You passed 1200 input tokens and requested 1900 output tokens. However, the model's "
+            "context length is only 2048 tokens, resulting in a maximum input length of 148 tokens. "
+            "Please reduce the length of the input prompt."
+        ),
+        1200,
+        1900,
+        2048,
+        id="vllm-renderer",
+    ),
+    pytest.param(
+        400,
+        _openai_error(
+            "The decoder prompt (length 2300) is longer than the maximum model length of 2048."
+        ),
+        2300,
+        None,
+        2048,
+        id="vllm-engine",
+    ),
+    pytest.param(
+        422,
+        json.dumps(
+            {
+                "error": "`inputs` tokens + `max_new_tokens` must be <= 2048. "
+                "Given: 1200 `inputs` tokens and 1900 `max_new_tokens`",
+                "error_type": "validation",
+            }
+        ),
+        1200,
+        1900,
+        2048,
+        id="tgi-total",
+    ),
+    pytest.param(
+        422,
+        json.dumps(
+            {
+                "error": "`inputs` must have less than 2047 tokens. Given: 2300",
+                "error_type": "validation",
+            }
+        ),
+        2300,
+        None,
+        2047,
+        id="tgi-inputs",
+    ),
+    pytest.param(
+        400,
+        json.dumps(
+            {
+                "error": {
+                    "code": 400,
+                    "type": "exceed_context_size_error",
+                    "message": "the request exceeds the available context size, try increasing it",
+                    "n_prompt_tokens": 2300,
+                    "n_ctx": 2048,
+                }
+            }
+        ),
+        2300,
+        None,
+        2048,
+        id="llamacpp",
+    ),
 ]
 
 
@@ -97,9 +188,17 @@ def test_overloaded_keeps_retry_after(status):
 
 
 def test_vllm_503_message_is_extracted():
-    body = json.dumps({"error": {"message": "The engine is currently busy and cannot accept new "
-                      "requests. Please try again later or on a different instance.",
-                      "type": "Service Unavailable", "param": None, "code": 503}})
+    body = json.dumps(
+        {
+            "error": {
+                "message": "The engine is currently busy and cannot accept new "
+                "requests. Please try again later or on a different instance.",
+                "type": "Service Unavailable",
+                "param": None,
+                "code": 503,
+            }
+        }
+    )
     err = error_from_response(httpx.Response(503, text=body))
     assert isinstance(err, Overloaded)
     assert err.retry_after is None
@@ -107,6 +206,7 @@ def test_vllm_503_message_is_extracted():
 
 
 def test_precheck_overflow_message_has_no_http():
-    err = ContextOverflow("prompt has 2300 tokens; model context is 2048", prompt_tokens=2300,
-                          context_length=2048)
+    err = ContextOverflow(
+        "prompt has 2300 tokens; model context is 2048", prompt_tokens=2300, context_length=2048
+    )
     assert str(err) == "prompt has 2300 tokens; model context is 2048"

@@ -3,11 +3,31 @@
 import dsclient
 
 EXPECTED = {
-    "USE_DEFAULT", "AsyncClient", "ChatResult", "Client", "CompletionResult", "ConnectionError",
-    "ContextOverflow", "DSClientError", "Failure", "GovernorStats", "LaneStats",
-    "MalformedResponse", "Overloaded", "RequestRefused", "Result", "Retry", "ServerError",
-    "ServerInfo", "Stream", "SyncStream", "TimeoutError", "TransportError", "Usage",
-    "__version__", "compute_backoff",
+    "USE_DEFAULT",
+    "AsyncClient",
+    "ChatResult",
+    "Client",
+    "CompletionResult",
+    "ConnectionError",
+    "ContextOverflow",
+    "DSClientError",
+    "Failure",
+    "GovernorStats",
+    "LaneStats",
+    "MalformedResponse",
+    "Overloaded",
+    "RequestRefused",
+    "Result",
+    "Retry",
+    "ServerError",
+    "ServerInfo",
+    "Stream",
+    "SyncStream",
+    "TimeoutError",
+    "TransportError",
+    "Usage",
+    "__version__",
+    "compute_backoff",
 }
 
 

@@ -7,9 +7,14 @@ import random
 
 import pytest
 
-from dsclient._exceptions import ConnectionError, ContextOverflow, Overloaded, RequestRefused, TimeoutError
-from dsclient._retry import Retry
-from dsclient._retry import RetryBudget, compute_backoff, is_retryable, parse_retry_after
+from dsclient._exceptions import (
+    ConnectionError,
+    ContextOverflow,
+    Overloaded,
+    RequestRefused,
+    TimeoutError,
+)
+from dsclient._retry import Retry, RetryBudget, compute_backoff, is_retryable, parse_retry_after
 
 
 def test_backoff_is_full_jitter_under_an_exponential_cap():
@@ -42,8 +47,16 @@ def test_backoff_survives_huge_attempts():
 
 @pytest.mark.parametrize(
     ("ms", "header", "expected"),
-    [("1500", None, 1.5), (None, "2", 2.0), (None, "0.25", 0.25), ("250", "9", 0.25),
-     (None, None, None), (None, "soon", None), ("x", "4", 4.0), (None, "-3", None)],
+    [
+        ("1500", None, 1.5),
+        (None, "2", 2.0),
+        (None, "0.25", 0.25),
+        ("250", "9", 0.25),
+        (None, None, None),
+        (None, "soon", None),
+        ("x", "4", 4.0),
+        (None, "-3", None),
+    ],
 )
 def test_parse_retry_after(ms, header, expected):
     assert parse_retry_after(ms, header) == expected
@@ -96,9 +109,14 @@ def test_budget_bounds_retries_to_a_share_of_requests():
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"attempts": 0}, "attempts"), ({"base": 0}, "base"), ({"cap": 0.1}, "cap"),
-     ({"budget_ratio": 2}, "budget_ratio"), ({"budget_floor": -1}, "budget_floor"),
-     ({"budget_window": 0}, "budget_window")],
+    [
+        ({"attempts": 0}, "attempts"),
+        ({"base": 0}, "base"),
+        ({"cap": 0.1}, "cap"),
+        ({"budget_ratio": 2}, "budget_ratio"),
+        ({"budget_floor": -1}, "budget_floor"),
+        ({"budget_window": 0}, "budget_window"),
+    ],
 )
 def test_retry_config_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

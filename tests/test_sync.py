@@ -20,8 +20,10 @@ def test_sync_client_generate_chat_stream():
     fake = FakeServer(script=[httpx.Response(200, json=chat_body("hey"))])
     with dsclient.Client("http://127.0.0.1:8000", transport=fake.transport) as client:
         assert client.chat([{"role": "user", "content": "hi"}], max_tokens=3).text == "hey"
-    sse = 'data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n' \
-          'data: {"choices": [{"text": "b", "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
+    sse = (
+        'data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n'
+        'data: {"choices": [{"text": "b", "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
+    )
     fake = FakeServer(script=[httpx.Response(200, text=sse)])
     with dsclient.Client("http://127.0.0.1:8000", transport=fake.transport) as client:
         with client.stream("x", max_tokens=2) as s:

@@ -1,0 +1,55 @@
+"""dsclient: call self-hosted LLM servers at high concurrency without drowning them.
+
+import dsclient
+
+async with dsclient.AsyncClient("http://127.0.0.1:8000") as client:
+    result = await client.generate("Hello", max_tokens=16)
+"""
+
+from ._client import USE_DEFAULT, AsyncClient, Stream
+from ._discovery import ServerInfo
+from ._exceptions import (
+    ConnectionError,
+    ContextOverflow,
+    DSClientError,
+    MalformedResponse,
+    Overloaded,
+    RequestRefused,
+    ServerError,
+    TimeoutError,
+    TransportError,
+)
+from ._governor import GovernorStats, LaneStats
+from ._models import ChatResult, CompletionResult, Failure, Result, Usage
+from ._retry import Retry, compute_backoff
+from ._sync import Client, SyncStream
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "USE_DEFAULT",
+    "AsyncClient",
+    "ChatResult",
+    "Client",
+    "CompletionResult",
+    "ConnectionError",
+    "ContextOverflow",
+    "DSClientError",
+    "Failure",
+    "GovernorStats",
+    "LaneStats",
+    "MalformedResponse",
+    "Overloaded",
+    "RequestRefused",
+    "Result",
+    "Retry",
+    "ServerError",
+    "ServerInfo",
+    "Stream",
+    "SyncStream",
+    "TimeoutError",
+    "TransportError",
+    "Usage",
+    "__version__",
+    "compute_backoff",
+]
