@@ -511,13 +511,26 @@ def _last_line(path: Path) -> str:
 
 
 def _group_alive(pgid: int) -> bool:
+    """Whether any live (non-zombie) process is left in process group ``pgid``."""
     try:
         os.killpg(pgid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         return False
-    except PermissionError:  # pragma: no cover - someone else's group took the id
-        return False
-    return True
+    proc = Path("/proc")
+    if not proc.is_dir():  # pragma: no cover - not Linux: trust killpg
+        return True
+    # killpg also "finds" zombies, which an init that does not reap orphans keeps around.
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
 
 
 class Server:
