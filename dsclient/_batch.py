@@ -1,0 +1,571 @@
+"""The batch runner behind ``client.map()`` and ``client.imap()``.
+
+    results = await client.map(prompts, max_tokens=32, output="results.jsonl", resume=True)
+    print(results.failures, results.summary())
+
+A fixed pool of workers, ``client.limit`` plus a small read-ahead, pulls items from the input
+one at a time and calls the client; the client's governor orders the calls. A worker holds its
+item until the consumer has taken the outcome, so the input is read at most that many items
+ahead of what has been yielded, whatever the input's length: with ``output=`` a batch of a
+million items runs in flat memory.
+
+Items are prompts (``str``), message lists, or request dicts::
+
+    {"prompt": "Once upon a time", "id": "story-1", "max_tokens": 64, "temperature": 0.7}
+    {"messages": [{"role": "user", "content": "Hi"}], "custom_id": "chat-1"}
+
+where ``id``/``custom_id`` names the item (for ``output=`` and resume), ``max_tokens`` and
+every other key override the call's own for that item. Resume matching and id rules are in
+:mod:`dsclient._jsonl`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+
+from ._client import USE_DEFAULT, _check_max_tokens, _check_messages, _check_prompt
+from ._jsonl import JsonlStore, derive_id, explicit_id
+from ._models import Failure, Result
+from ._progress import Progress, open_progress
+
+if TYPE_CHECKING:
+    from anyio.from_thread import BlockingPortal
+
+    from ._client import AsyncClient
+
+__all__ = ["BatchResults", "InvalidItem", "iter_map", "iter_map_blocking", "run_map"]
+
+OnError = Literal["return", "raise"]
+Outcome: TypeAlias = Result | Failure
+_ON_ERROR = ("return", "raise")
+_RESERVED = frozenset({"id", "custom_id", "prompt", "messages", "max_tokens"})
+
+
+def read_ahead(limit: int) -> int:
+    """Workers beyond the cap, so the next calls are ready when slots free: ``max(2, limit/4)``."""
+    return max(2, limit // 4)
+
+
+class InvalidItem:
+    """An input item already known to be bad (the command line's unparsable lines).
+
+    map() turns it into a :class:`Failure` carrying ``error``, under ``id``.
+    """
+
+    __slots__ = ("error", "id")
+
+    def __init__(self, error: Exception, id: str | None = None) -> None:
+        self.error: Exception = error
+        self.id: str | None = id
+
+
+class BatchResults(list[Outcome]):
+    """What ``map()`` returns: a list of results and :class:`Failure` s, plus a summary.
+
+        results = client.map(prompts, max_tokens=16)
+        results.failures        # the Failure entries
+        results.summary()       # count, ok, failed, resumed, throughput, p50/p99 latency
+
+    In a notebook it shows as a small table instead of a wall of reprs.
+    """
+
+    def __init__(
+        self, outcomes: Iterable[Outcome] = (), *, elapsed_s: float = 0.0, resumed: int = 0
+    ) -> None:
+        super().__init__(outcomes)
+        self.elapsed_s = elapsed_s
+        self.resumed = resumed
+
+    @property
+    def failures(self) -> list[Failure]:
+        return [o for o in self if isinstance(o, Failure)]
+
+    @property
+    def ok(self) -> list[Result]:
+        """The results that succeeded, in this list's order."""
+        return [o for o in self if isinstance(o, Result)]
+
+    def summary(self) -> dict[str, Any]:
+        """Counts, throughput (items/s over the run) and nearest-rank latency percentiles."""
+        latencies = sorted(o.latency_s for o in self if isinstance(o, Result))
+        failed = sum(1 for o in self if isinstance(o, Failure))
+        return {
+            "count": len(self),
+            "ok": len(self) - failed,
+            "failed": failed,
+            "resumed": self.resumed,
+            "elapsed_s": self.elapsed_s,
+            "items_per_s": (len(self) - self.resumed) / self.elapsed_s if self.elapsed_s else None,
+            "p50_latency_s": _nearest_rank(latencies, 50),
+            "p99_latency_s": _nearest_rank(latencies, 99),
+        }
+
+    def __repr__(self) -> str:
+        s = self.summary()
+        rate = f", {s['items_per_s']:.1f} items/s" if s["items_per_s"] is not None else ""
+        p50 = f", p50 {s['p50_latency_s']:.3f} s" if s["p50_latency_s"] is not None else ""
+        p99 = f", p99 {s['p99_latency_s']:.3f} s" if s["p99_latency_s"] is not None else ""
+        resumed = f" ({s['resumed']} resumed)" if s["resumed"] else ""
+        return (
+            f"BatchResults({s['count']} items: {s['ok']} ok, {s['failed']} failed{resumed}"
+            f"{rate}{p50}{p99})"
+        )
+
+    def _repr_html_(self) -> str:
+        from ._display import batch_html
+
+        return batch_html(self.summary(), self.failures)
+
+
+def _nearest_rank(ordered: Sequence[float], percent: int) -> float | None:
+    if not ordered:
+        return None
+    return ordered[max(1, math.ceil(percent * len(ordered) / 100)) - 1]
+
+
+# -- reading the input -------------------------------------------------------------------------
+class _Source:
+    """Numbers the items of an iterable or async iterable as they are read, one at a time."""
+
+    def __init__(self, items: Any) -> None:
+        if isinstance(items, (str, bytes, Mapping)):
+            raise TypeError(
+                f"items must be an iterable of prompts, message lists or request dicts, got a "
+                f"single {type(items).__name__}; wrap it in a list"
+            )
+        self._iter: Iterator[Any] | None = None
+        self._aiter: AsyncIterator[Any] | None = None
+        if isinstance(items, AsyncIterable):
+            self._aiter = aiter(items)
+            self._lock = anyio.Lock()  # an async generator cannot be advanced concurrently
+        elif isinstance(items, Iterable):
+            self._iter = iter(items)
+        else:
+            raise TypeError(
+                f"items must be an iterable or async iterable, got {type(items).__name__}"
+            )
+        self._count = 0
+        self._exhausted = False
+
+    async def next(self) -> tuple[int, Any] | None:
+        if self._iter is not None:
+            # No await between reading and numbering, so workers cannot interleave here.
+            if self._exhausted:
+                return None
+            try:
+                item = next(self._iter)
+            except StopIteration:
+                self._exhausted = True
+                return None
+            index, self._count = self._count, self._count + 1
+            return index, item
+        assert self._aiter is not None
+        async with self._lock:
+            if self._exhausted:
+                return None
+            try:
+                item = await anext(self._aiter)
+            except StopAsyncIteration:
+                self._exhausted = True
+                return None
+            index, self._count = self._count, self._count + 1
+            return index, item
+
+
+def _parse_item(
+    item: Any, index: int, max_tokens: int | None, sampling: dict[str, Any]
+) -> tuple[Literal["completion", "chat"], Any, int | None, dict[str, Any]]:
+    """``(kind, prompt, max_tokens, sampling)`` of one item; errors name the item's index."""
+    if isinstance(item, InvalidItem):
+        raise item.error
+    try:
+        if isinstance(item, str):
+            _check_prompt(item)
+            return "completion", item, max_tokens, sampling
+        if isinstance(item, Mapping):
+            has_prompt, has_messages = "prompt" in item, "messages" in item
+            if has_prompt == has_messages:
+                raise ValueError(
+                    "a request dict needs exactly one of 'prompt' or 'messages', got keys "
+                    f"{sorted(map(str, item))}"
+                )
+            kind: Literal["completion", "chat"] = "completion" if has_prompt else "chat"
+            prompt = item["prompt"] if has_prompt else item["messages"]
+            (_check_prompt if has_prompt else _check_messages)(prompt)
+            if "max_tokens" in item:
+                max_tokens = item["max_tokens"]
+                _check_max_tokens(max_tokens)
+            extra = {k: v for k, v in item.items() if k not in _RESERVED}
+            return kind, prompt, max_tokens, ({**sampling, **extra} if extra else sampling)
+        if isinstance(item, Sequence) and not isinstance(item, bytes):
+            _check_messages(item)
+            return "chat", item, max_tokens, sampling
+        raise TypeError(
+            f"expected a prompt str, a message list or a request dict, got {type(item).__name__}"
+        )
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"item {index}: {exc}") from None
+
+
+# -- the run -----------------------------------------------------------------------------------
+class _InputFailed:
+    """Reading the input raised: the run stops with that error."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+# (index, outcome, item id or None, read back from the output file)
+_Done = tuple[int, Outcome, "str | None", bool]
+
+
+class _Run:
+    def __init__(
+        self,
+        client: AsyncClient,
+        store: JsonlStore | None,
+        done_ids: dict[str, int],
+        max_tokens: int | None,
+        urgency: int,
+        group: str | None,
+        timeout: Any,
+        sampling: dict[str, Any],
+    ) -> None:
+        self.client = client
+        self.store = store
+        self.done_ids = done_ids
+        self.max_tokens = max_tokens
+        self.urgency = urgency
+        self.group = group
+        self.timeout = timeout
+        self.sampling = sampling
+        self.running = 0
+
+    async def worker(
+        self, source: _Source, send: MemoryObjectSendStream[_Done | _InputFailed]
+    ) -> None:
+        async with send:
+            while True:
+                message: _Done | _InputFailed
+                try:
+                    got = await source.next()
+                except Exception as exc:
+                    message = _InputFailed(exc)
+                else:
+                    if got is None:
+                        return
+                    message = await self.process(*got)
+                try:
+                    await send.send(message)
+                except anyio.BrokenResourceError:
+                    return  # the consumer has gone; the task group is being cancelled
+                if isinstance(message, _InputFailed):
+                    return
+
+    async def process(self, index: int, item: Any) -> _Done:
+        rid: str | None = None
+        if self.store is not None:
+            rid = _id_of(item, index)
+            offset = self.done_ids.pop(rid, None)
+            if offset is not None:
+                return index, self.store.load(offset, index), rid, True
+        try:
+            kind, prompt, max_tokens, sampling = _parse_item(
+                item, index, self.max_tokens, self.sampling
+            )
+        except (ValueError, TypeError) as exc:
+            return index, Failure(index=index, id=rid or _id_of(item, index), error=exc), rid, False
+        self.running += 1
+        try:
+            result = await self.client._call(
+                kind,
+                prompt,
+                max_tokens,
+                self.urgency,
+                self.group,
+                self.timeout,
+                sampling,
+                index=index,
+            )
+        except Exception as exc:
+            # Every item gets an outcome: a bug-shaped error shows up as a Failure too.
+            attempts = getattr(exc, "attempts", 1)
+            failure = Failure(
+                index=index,
+                id=rid or _id_of(item, index),
+                error=exc,
+                attempts=attempts if isinstance(attempts, int) else 1,
+            )
+            return index, failure, rid, False
+        finally:
+            self.running -= 1
+        return index, result, rid, False
+
+
+def _id_of(item: Any, index: int) -> str:
+    if isinstance(item, InvalidItem) and item.id is not None:
+        return item.id
+    own = explicit_id(item)
+    if own is not None:
+        return own
+    return derive_id(item if not isinstance(item, InvalidItem) else repr(item.error), index)
+
+
+def _open_store(output: Any, resume: bool) -> tuple[JsonlStore | None, dict[str, int]]:
+    if output is None:
+        if resume:
+            raise ValueError("resume=True needs output=: the file to resume from")
+        return None, {}
+    store = output if isinstance(output, JsonlStore) else JsonlStore(os.fspath(output))
+    return store, store.open(resume=resume)
+
+
+def _total_of(items: Any) -> int | None:
+    try:
+        return len(items)
+    except TypeError:
+        return None
+
+
+async def iter_map(
+    client: AsyncClient,
+    items: Iterable[Any] | AsyncIterable[Any],
+    *,
+    on_error: OnError = "return",
+    progress: bool | Mapping[str, Any] | None = None,
+    output: str | os.PathLike[str] | JsonlStore | None = None,
+    resume: bool = False,
+    max_tokens: int | None = None,
+    urgency: int = 0,
+    group: str | None = None,
+    timeout: Any = USE_DEFAULT,
+    **sampling: Any,
+) -> AsyncGenerator[tuple[int, Outcome], None]:
+    """Yield ``(index, result or Failure)`` as each item finishes (completion order).
+
+        async with contextlib.aclosing(client.imap(prompts, output="out.jsonl")) as results:
+            async for index, result in results:
+                ...
+
+    Nothing is kept after an outcome is yielded. Close the iterator in the task that iterates
+    it (``aclosing``, or iterate to the end): it runs a task group. Parameters are those of
+    :func:`run_map`, without ``ordered``.
+    """
+    if "ordered" in sampling:
+        raise TypeError(
+            "imap() yields in completion order; sort by index, or use map(ordered=True)"
+        )
+    run = _run_batch(
+        client,
+        items,
+        on_error=on_error,
+        progress=progress,
+        output=output,
+        resume=resume,
+        max_tokens=max_tokens,
+        urgency=urgency,
+        group=group,
+        timeout=timeout,
+        sampling=sampling,
+    )
+    async with aclosing(run) as outcomes:
+        async for index, outcome, _ in outcomes:
+            yield index, outcome
+
+
+async def _run_batch(
+    client: AsyncClient,
+    items: Iterable[Any] | AsyncIterable[Any],
+    *,
+    on_error: OnError,
+    progress: bool | Mapping[str, Any] | None,
+    output: str | os.PathLike[str] | JsonlStore | None,
+    resume: bool,
+    max_tokens: int | None,
+    urgency: int,
+    group: str | None,
+    timeout: Any,
+    sampling: dict[str, Any],
+) -> AsyncGenerator[tuple[int, Outcome, bool], None]:
+    """The run: yields ``(index, outcome, read back from the output file)``."""
+    if on_error not in _ON_ERROR:
+        raise ValueError(f"on_error must be 'return' or 'raise', got {on_error!r}")
+    if not isinstance(resume, bool):
+        raise TypeError(f"resume must be a bool, got {type(resume).__name__}")
+    _check_max_tokens(max_tokens)
+    client._timeout_of(timeout)  # validates
+    source = _Source(items)
+    await client.discover()
+    store, done_ids = _open_store(output, resume)
+    run = _Run(client, store, done_ids, max_tokens, urgency, group, timeout, sampling)
+    bar: Progress = open_progress(progress, total=_total_of(items))
+    # Errors leave the task group only after it is closed, so callers get the original error,
+    # not an ExceptionGroup, and aclose() gets its GeneratorExit back.
+    stop: BaseException | None = None
+    try:
+        send, receive = anyio.create_memory_object_stream[_Done | _InputFailed](0)
+        async with receive, anyio.create_task_group() as tg:
+            with send:
+                for _ in range(client.limit + read_ahead(client.limit)):
+                    tg.start_soon(run.worker, source, send.clone())
+            async for done in receive:
+                try:
+                    index, outcome, resumed = _settle(done, store, bar, run.running, on_error)
+                except Exception as exc:
+                    stop = exc
+                    break
+                del done
+                try:
+                    yield index, outcome, resumed
+                except BaseException as exc:  # aclose() or athrow() at the yield
+                    stop = exc
+                    break
+                del outcome  # hold nothing while waiting for the next one
+            tg.cancel_scope.cancel()
+    finally:
+        bar.close()
+        if store is not None:
+            store.close()
+    if stop is not None:
+        raise stop
+
+
+def _settle(
+    done: _Done | _InputFailed,
+    store: JsonlStore | None,
+    bar: Progress,
+    in_flight: int,
+    on_error: OnError,
+) -> tuple[int, Outcome, bool]:
+    """Record one outcome (file, bar); raises what must stop the batch."""
+    if isinstance(done, _InputFailed):
+        raise done.error
+    index, outcome, rid, resumed = done
+    failed = isinstance(outcome, Failure)
+    if store is not None and not resumed:
+        assert rid is not None
+        store.append(index, rid, outcome)
+    bar.advance(
+        ok=not failed,
+        in_flight=in_flight,
+        tokens=outcome.usage.completion_tokens if isinstance(outcome, Result) else 0,
+        resumed=resumed,
+    )
+    if isinstance(outcome, Failure) and on_error == "raise":
+        raise outcome.error
+    return index, outcome, resumed
+
+
+async def run_map(
+    client: AsyncClient,
+    items: Iterable[Any] | AsyncIterable[Any],
+    *,
+    ordered: bool = True,
+    on_error: OnError = "return",
+    progress: bool | Mapping[str, Any] | None = None,
+    output: str | os.PathLike[str] | JsonlStore | None = None,
+    resume: bool = False,
+    max_tokens: int | None = None,
+    urgency: int = 0,
+    group: str | None = None,
+    timeout: Any = USE_DEFAULT,
+    **sampling: Any,
+) -> BatchResults:
+    """Run every item; return a :class:`BatchResults` list, one entry per item, never dropped.
+
+        results = await client.map(["Hello", "Bonjour"], max_tokens=16, output="out.jsonl")
+
+    Parameters:
+        items: prompts, message lists or request dicts, from an iterable or async iterable,
+            read lazily (at most the cap plus a small read-ahead beyond what has finished).
+        ordered: input order (default); ``False`` returns completion order.
+        on_error: ``"return"`` puts a :class:`Failure` in the item's place (bad items too);
+            ``"raise"`` stops at the first failure, cancels in-flight calls and raises its error.
+        progress: ``None`` draws a bar in a terminal or notebook, ``True``/``False`` force it,
+            a dict is passed to tqdm as options.
+        output: a JSONL file that gets one line per outcome as it finishes (flushed).
+        resume: read ``output`` first: skip the items that succeeded (their results are rebuilt
+            from the file), retry those that failed; a torn last line is cut.
+        max_tokens, urgency, group, timeout, sampling: as in :meth:`AsyncClient.generate`;
+            a request dict's own ``max_tokens`` and sampling keys override them.
+    """
+    start = time.perf_counter()
+    outcomes: list[Outcome | None] = []
+    resumed = 0
+    run = _run_batch(
+        client,
+        items,
+        on_error=on_error,
+        progress=progress,
+        output=output,
+        resume=resume,
+        max_tokens=max_tokens,
+        urgency=urgency,
+        group=group,
+        timeout=timeout,
+        sampling=sampling,
+    )
+    async with aclosing(run) as results:
+        async for index, outcome, from_file in results:
+            resumed += from_file
+            if ordered:
+                if index >= len(outcomes):
+                    outcomes.extend([None] * (index + 1 - len(outcomes)))
+                outcomes[index] = outcome
+            else:
+                outcomes.append(outcome)
+    missing = [i for i, o in enumerate(outcomes) if o is None]
+    if missing:  # a broken invariant must never look like a short batch
+        raise RuntimeError(f"map() lost items {missing[:10]}")
+    return BatchResults(
+        [o for o in outcomes if o is not None],
+        elapsed_s=time.perf_counter() - start,
+        resumed=resumed,
+    )
+
+
+def iter_map_blocking(
+    portal: BlockingPortal, client: AsyncClient, items: Any, **kwargs: Any
+) -> Iterator[tuple[int, Outcome]]:
+    """:func:`iter_map` for synchronous code, run in one task on ``portal``'s loop.
+
+    The async iterator runs a task group, so it must be advanced by a single task; this runs
+    it in one and hands each outcome over a zero-buffer stream (no read-ahead beyond map's).
+    """
+    send, receive = anyio.create_memory_object_stream[tuple[int, Outcome]](0)
+
+    async def pump() -> None:
+        async with send, aclosing(iter_map(client, items, **kwargs)) as results:
+            async for pair in results:
+                await send.send(pair)
+
+    future = portal.start_task_soon(pump)
+    try:
+        while True:
+            try:
+                yield portal.call(receive.receive)
+            except anyio.EndOfStream:
+                break
+    finally:
+        portal.call(receive.aclose)
+        with contextlib.suppress(anyio.BrokenResourceError):  # the consumer stopped early
+            future.result()
