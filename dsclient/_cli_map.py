@@ -1,0 +1,311 @@
+"""``dsclient map``: run a JSONL file of requests through map(), writing OpenAI batch output.
+
+    dsclient map requests.jsonl -o results.jsonl --url http://127.0.0.1:8000 --max-tokens 64
+    dsclient map requests.jsonl -o results.jsonl --resume      # after a crash or Ctrl-C
+
+Input lines are OpenAI batch requests or plain request dicts::
+
+    {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}}
+    {"prompt": "Once upon a time", "id": "r2", "temperature": 0.7}
+
+Output lines follow OpenAI's batch output::
+
+    {"id": "batch_req_...", "custom_id": "r1",
+     "response": {"status_code": 200, "request_id": "chatcmpl-...", "body": {...}}, "error": null}
+    {"id": "batch_req_...", "custom_id": "r3", "response": null,
+     "error": {"code": "timeout_error", "message": "call did not finish within ..."}}
+
+(a refused request keeps its HTTP status and body in ``response``). Lines without an id get
+``custom_id`` ``"<index>-<hash>"`` (see :mod:`dsclient._jsonl`); an unreadable line gets
+``"line-<n>"``, is reported on stderr with its line number and written as a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import aclosing
+from typing import IO, Any
+
+import anyio
+import httpx
+
+from ._batch import InvalidItem, _run_batch
+from ._client import USE_DEFAULT, AsyncClient
+from ._exceptions import DSClientError, RequestRefused
+from ._jsonl import JsonlStore, derive_id, explicit_id
+from ._models import ChatResult, CompletionResult, Failure, Result, Usage
+
+__all__ = ["BATCH_RECORDS", "BatchRecords", "add_map_parser", "main", "read_requests", "run"]
+
+_ENDPOINTS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+
+
+# -- output: OpenAI's batch-output line shape ---------------------------------------------------
+def error_code(error: BaseException) -> str:
+    """``ContextOverflow`` -> ``"context_overflow"``; bad input -> ``"invalid_request"``."""
+    if isinstance(error, (ValueError, TypeError)):
+        return "invalid_request"
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(error).__name__).lower()
+
+
+class BatchRecords:
+    """OpenAI's batch-output shape; ``custom_id`` is the item id resume matches on."""
+
+    def encode(self, index: int, item_id: str, outcome: Result | Failure) -> dict[str, Any]:
+        line_id = f"batch_req_{uuid.uuid4().hex}"
+        if isinstance(outcome, Failure):
+            error = outcome.error
+            response = None
+            if isinstance(error, RequestRefused):
+                try:
+                    body: Any = json.loads(error.body)
+                except ValueError:
+                    body = error.body
+                response = {"status_code": error.status, "request_id": "", "body": body}
+            return {
+                "id": line_id,
+                "custom_id": item_id,
+                "response": response,
+                "error": {"code": error_code(error), "message": str(error)},
+            }
+        raw = outcome._raw_data
+        return {
+            "id": line_id,
+            "custom_id": item_id,
+            "response": {"status_code": 200, "request_id": raw.get("id") or "", "body": raw},
+            "error": None,
+        }
+
+    def identify(self, record: Mapping[str, Any]) -> tuple[str, bool] | None:
+        cid = record.get("custom_id")
+        if not isinstance(cid, str) or "error" not in record:
+            return None
+        response = record.get("response")
+        ok = (
+            record.get("error") is None
+            and isinstance(response, dict)
+            and response.get("status_code") == 200
+            and isinstance(response.get("body"), dict)
+        )
+        return cid, ok
+
+    def rebuild(self, record: Mapping[str, Any], index: int) -> Result:
+        body = record["response"]["body"]
+        choice = (body.get("choices") or [{}])[0]
+        chat = "message" in choice
+        usage = body.get("usage") or {}
+        cls = ChatResult if chat else CompletionResult
+        result = cls(
+            text=((choice.get("message") or {}).get("content") or "") if chat else choice["text"],
+            finish_reason=choice.get("finish_reason"),
+            usage=Usage(
+                prompt_tokens=usage.get("prompt_tokens") or 0,
+                completion_tokens=usage.get("completion_tokens") or 0,
+            ),
+            latency_s=0.0,  # not in OpenAI's shape
+            index=index,
+        )
+        result._raw_data = body
+        return result
+
+
+BATCH_RECORDS = BatchRecords()
+
+
+# -- input ---------------------------------------------------------------------------------------
+def request_of(obj: Any, *, drop_model: bool) -> dict[str, Any]:
+    """The map() request dict for one parsed input line (batch request or plain dict)."""
+    if not isinstance(obj, dict):
+        raise TypeError(f"expected a JSON object, got {type(obj).__name__}")
+    if "body" in obj or "url" in obj:
+        method = obj.get("method", "POST")
+        if method != "POST":
+            raise ValueError(f"method must be POST, got {method!r}")
+        url = obj.get("url")
+        if url not in _ENDPOINTS:
+            raise ValueError(f"url must be one of {sorted(_ENDPOINTS)}, got {url!r}")
+        body = obj.get("body")
+        if not isinstance(body, dict):
+            raise TypeError(f"body must be a JSON object, got {type(body).__name__}")
+        field = _ENDPOINTS[url]
+        if field not in body:
+            raise ValueError(f"a {url} body needs {field!r}")
+        request = dict(body)
+        request.pop("prompt" if field == "messages" else "messages", None)
+        if obj.get("custom_id") is not None:
+            request["custom_id"] = obj["custom_id"]
+    else:
+        if ("prompt" in obj) == ("messages" in obj):
+            raise ValueError(
+                "expected an OpenAI batch request (custom_id, method, url, body) or a dict with "
+                f"exactly one of 'prompt' or 'messages', got keys {sorted(obj)}"
+            )
+        request = dict(obj)
+    if request.get("stream"):
+        raise ValueError("stream is not supported in a batch")
+    request.pop("stream", None)
+    request.pop("stream_options", None)
+    if "max_completion_tokens" in request and "max_tokens" not in request:
+        request["max_tokens"] = request.pop("max_completion_tokens")
+    if drop_model:
+        request.pop("model", None)
+    return request
+
+
+def read_requests(
+    f: IO[str], *, drop_model: bool, report: Callable[[str], None], name: str = "input"
+) -> Iterator[dict[str, Any] | InvalidItem]:
+    """Lazily turn the lines of ``f`` into request dicts; bad lines into :class:`InvalidItem`.
+
+    Blank lines are skipped. Every item gets an explicit ``custom_id`` so that the output and a
+    resume agree on it.
+    """
+    index = 0
+    for lineno, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            error: Exception = ValueError(f"{name} line {lineno}: not valid JSON ({exc})")
+            report(str(error))
+            yield InvalidItem(error, id=f"line-{lineno}")
+            index += 1
+            continue
+        own = explicit_id(obj)
+        rid = own if own is not None else derive_id(obj, index)
+        try:
+            request = request_of(obj, drop_model=drop_model)
+        except (ValueError, TypeError) as exc:
+            error = type(exc)(f"{name} line {lineno}: {exc}")
+            report(str(error))
+            yield InvalidItem(error, id=rid)
+        else:
+            request.pop("id", None)
+            request["custom_id"] = rid
+            yield request
+        index += 1
+
+
+# -- the command -----------------------------------------------------------------------------------
+def add_map_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``map`` to an ``argparse`` subparsers object; sets ``func=run``."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "map",
+        help="run a JSONL file of requests (OpenAI batch format or plain prompts)",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    _add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("input", help="requests, one JSON object per line")
+    parser.add_argument("-o", "--output", required=True, help="results, one JSON line per item")
+    parser.add_argument("--url", default=None, help="the server's URL (default: $DSCLIENT_URL)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue OUTPUT: skip items that succeeded, retry those that failed",
+    )
+    parser.add_argument("--model", default=None, help="the model for every line (overrides theirs)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="max_tokens for lines that give none"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(
+    args: argparse.Namespace,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    stderr: IO[str] | None = None,
+) -> int:
+    """Run ``dsclient map``; 0 if every item succeeded, 1 if some failed, 2 on a usage error."""
+    err = stderr if stderr is not None else sys.stderr
+
+    def report(message: str) -> None:
+        print(f"dsclient map: {message}", file=err, flush=True)
+
+    url = args.url or os.environ.get("DSCLIENT_URL")
+    if not url:
+        report("no server: pass --url or set DSCLIENT_URL")
+        return 2
+    if args.max_tokens is not None and args.max_tokens < 1:
+        report(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        return 2
+    store = JsonlStore(args.output, fmt=BATCH_RECORDS)
+    try:
+        f = open(args.input, encoding="utf-8")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        report(f"cannot read {args.input}: {exc.strerror}")
+        return 2
+    try:
+        with f:
+            requests = read_requests(
+                f, drop_model=args.model is not None, report=report, name=args.input
+            )
+            counts = anyio.run(_run, url, args, requests, store, transport)
+    except FileExistsError as exc:
+        report(str(exc).replace("resume=True", "--resume"))
+        return 2
+    except (DSClientError, OSError) as exc:
+        report(f"stopped: {type(exc).__name__}: {exc}")
+        return 1
+    total, failed, resumed, elapsed = counts
+    report(
+        f"{total} items, {total - failed} ok, {failed} failed"
+        f"{f' ({resumed} from an earlier run)' if resumed else ''} in {elapsed:.1f} s "
+        f"-> {args.output}"
+    )
+    return 1 if failed else 0
+
+
+async def _run(
+    url: str,
+    args: argparse.Namespace,
+    requests: Iterator[dict[str, Any] | InvalidItem],
+    store: JsonlStore,
+    transport: httpx.AsyncBaseTransport | None,
+) -> tuple[int, int, int, float]:
+    start = time.perf_counter()
+    total = failed = resumed = 0
+    async with AsyncClient(url, model=args.model, transport=transport) as client:
+        batch = _run_batch(
+            client,
+            requests,
+            on_error="return",
+            progress=False if args.no_progress else None,
+            output=store,
+            resume=args.resume,
+            max_tokens=args.max_tokens,
+            urgency=0,
+            group=None,
+            timeout=USE_DEFAULT,
+            sampling={},
+        )
+        async with aclosing(batch) as outcomes:
+            async for _, outcome, from_file in outcomes:
+                total += 1
+                failed += isinstance(outcome, Failure)
+                resumed += from_file
+    return total, failed, resumed, time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dsclient._cli_map INPUT -o OUTPUT ...``: the command on its own."""
+    parser = argparse.ArgumentParser(prog="dsclient map", description=__doc__)
+    _add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
