@@ -1,0 +1,69 @@
+"""Shared fixtures: the anyio backend, and ONE real vLLM server for all integration tests.
+
+``vllm_server`` is session-scoped and starts only when an ``integration``-marked test asks for
+it: the tiny random model (built once, cached in ``~/.cache/dsclient/models/tiny-llama``) served
+by vLLM through dsclient's own launcher with ``max_num_seqs=8``, ``max_model_len=2048`` and the
+served name ``"tiny"``. It fails (never skips) when the server venv is missing.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from dsclient.launcher import LaunchError, Server, launch, make_tiny_model, resolve_server_python
+
+#: What the shared server is started with; integration tests may rely on these numbers.
+VLLM_MAX_NUM_SEQS = 8
+VLLM_MAX_MODEL_LEN = 2048
+VLLM_MODEL_NAME = "tiny"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _progress(message: str) -> None:
+    # Shown even under pytest's capture: a minute of silence looks like a hang.
+    print(f"[vllm_server] {message}", file=sys.__stderr__, flush=True)
+
+
+@pytest.fixture(scope="session")
+def _vllm_server_session() -> Iterator[Server]:
+    try:
+        install = resolve_server_python()
+    except LaunchError as exc:
+        pytest.fail(
+            f"the integration tests need the vLLM server venv: {exc}\n"
+            "Run 'dsclient install-server' (or 'nox -s tests', which does it).",
+            pytrace=False,
+        )
+    _progress(f"using {install.dist} {install.version} from {install.python}")
+    model = make_tiny_model(python=install.python)
+    server = launch(
+        model,
+        python=install.python,
+        max_num_seqs=VLLM_MAX_NUM_SEQS,
+        max_model_len=VLLM_MAX_MODEL_LEN,
+        served_model_name=VLLM_MODEL_NAME,
+        dtype="float32",
+        progress=_progress,
+    )
+    with server:
+        yield server
+
+
+@pytest.fixture
+def vllm_server(request: pytest.FixtureRequest) -> Server:
+    """The shared real vLLM server (a :class:`dsclient.launcher.Server`); integration tests only.
+
+    ``vllm_server.url``, ``.model`` (``"tiny"``), ``.max_num_seqs`` (8), ``.max_model_len`` (2048).
+    """
+    if request.node.get_closest_marker("integration") is None:
+        pytest.fail("vllm_server is for tests marked @pytest.mark.integration", pytrace=False)
+    server = request.getfixturevalue("_vllm_server_session")
+    assert isinstance(server, Server)
+    return server

