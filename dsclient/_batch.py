@@ -4,10 +4,10 @@
     print(results.failures, results.summary())
 
 A fixed pool of workers, ``client.limit`` plus a small read-ahead, pulls items from the input
-one at a time and calls the client; the client's governor orders the calls. A worker holds its
-item until the consumer has taken the outcome, so the input is read at most that many items
-ahead of what has been yielded, whatever the input's length: with ``output=`` a batch of a
-million items runs in flat memory.
+one at a time and calls the client; the client's governor orders the calls. A finished outcome
+waits in its worker or in a buffer of read-ahead size until the consumer takes it, so the input
+is read at most ``limit + 2 * read_ahead(limit)`` items ahead of what has been yielded, whatever
+its length: with ``output=`` a batch of a million items runs in flat memory.
 
 Items are prompts (``str``), message lists, or request dicts::
 
@@ -35,10 +35,10 @@ from collections.abc import (
     Sequence,
 )
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
 
 import anyio
-from anyio.streams.memory import MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ._client import USE_DEFAULT, _check_max_tokens, _check_messages, _check_prompt
 from ._jsonl import JsonlStore, derive_id, explicit_id
@@ -54,6 +54,7 @@ __all__ = ["BatchResults", "InvalidItem", "iter_map", "iter_map_blocking", "run_
 
 OnError = Literal["return", "raise"]
 Outcome: TypeAlias = Result | Failure
+T = TypeVar("T")
 _ON_ERROR = ("return", "raise")
 _RESERVED = frozenset({"id", "custom_id", "prompt", "messages", "max_tokens"})
 
@@ -275,7 +276,10 @@ class _Run:
                         return
                     message = await self.process(*got)
                 try:
-                    await send.send(message)
+                    try:
+                        send.send_nowait(message)  # no checkpoint: the common case is cheap
+                    except anyio.WouldBlock:
+                        await send.send(message)
                 except anyio.BrokenResourceError:
                     return  # the consumer has gone; the task group is being cancelled
                 if isinstance(message, _InputFailed):
@@ -422,12 +426,15 @@ async def _run_batch(
     # not an ExceptionGroup, and aclose() gets its GeneratorExit back.
     stop: BaseException | None = None
     try:
-        send, receive = anyio.create_memory_object_stream[_Done | _InputFailed](0)
+        # A finished outcome waits in the buffer or in its worker: either way the input is read
+        # at most workers + buffer items ahead of what has been yielded.
+        read = read_ahead(client.limit)
+        send, receive = anyio.create_memory_object_stream[_Done | _InputFailed](read)
         async with receive, anyio.create_task_group() as tg:
             with send:
-                for _ in range(client.limit + read_ahead(client.limit)):
+                for _ in range(client.limit + read):
                     tg.start_soon(run.worker, source, send.clone())
-            async for done in receive:
+            while (done := await _receive(receive)) is not None:
                 try:
                     index, outcome, resumed = _settle(done, store, bar, run.running, on_error)
                 except Exception as exc:
@@ -447,6 +454,19 @@ async def _run_batch(
             store.close()
     if stop is not None:
         raise stop
+
+
+async def _receive(receive: MemoryObjectReceiveStream[T]) -> T | None:
+    """The next message, or ``None`` at the end; no checkpoint when one is ready."""
+    try:
+        return receive.receive_nowait()
+    except anyio.WouldBlock:
+        try:
+            return await receive.receive()
+        except anyio.EndOfStream:
+            return None
+    except anyio.EndOfStream:
+        return None
 
 
 def _settle(
