@@ -8,7 +8,7 @@ from typing import Any
 
 from ._exceptions import MalformedResponse
 
-__all__ = ["iter_sse_data", "delta_of"]
+__all__ = ["delta_of", "iter_sse_data"]
 
 
 async def iter_sse_data(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
