@@ -176,11 +176,16 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _sigterm_as_interrupt() -> None:
-    """A SIGTERM to the CLI stops the server the same way Ctrl-C does."""
+    """SIGTERM and SIGINT to the CLI stop the server the way Ctrl-C does.
+
+    SIGINT is set explicitly because a shell starts background jobs with it ignored, and
+    Python then never raises KeyboardInterrupt.
+    """
 
     def handler(signum: int, frame: types.FrameType | None) -> None:
         raise KeyboardInterrupt
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if hasattr(signal, "SIGTERM"):
         signal.signal(signal.SIGTERM, handler)
 

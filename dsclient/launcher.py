@@ -77,6 +77,7 @@ DEFAULT_MODEL_DIR = Path.home() / ".cache" / "dsclient" / "models" / "tiny-llama
 _VENVS = Path.home() / ".cache" / "dsclient" / "venvs"
 _BREAKS_VLLM = ("torchvision", "torchaudio", "torchcodec")
 _LOG_TAIL_LINES = 40
+_STARTING_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for a server that never got healthy
 
 Progress = Callable[[str], None]
 
@@ -691,7 +692,8 @@ class Server:
                     time.sleep(0.5)
             write_record(self._record())
         except BaseException:
-            self.stop()
+            # Nothing to drain yet, and vLLM may ignore SIGTERM while compiling: be brief.
+            self.stop(grace=_STARTING_GRACE)
             raise
         self._say(f"vLLM is healthy at {self.url} after {time.monotonic() - begun:.0f} s")
         return self
@@ -714,8 +716,7 @@ class Server:
                     await anyio.sleep(0.5)
             await anyio.to_thread.run_sync(write_record, self._record())
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self.stop)
+            await self.astop(grace=_STARTING_GRACE)
             raise
         self._say(f"vLLM is healthy at {self.url} after {time.monotonic() - begun:.0f} s")
         return self

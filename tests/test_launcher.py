@@ -353,11 +353,14 @@ def test_sigterm_handler_restores(monkeypatch):
     # _sigterm_as_interrupt is installed only in `serve`'s foreground mode; check it raises.
     from dsclient import cli
 
-    old = signal.getsignal(signal.SIGTERM)
+    old_term, old_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell's background job has it
         cli._sigterm_as_interrupt()
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(1)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), sig)
+                time.sleep(1)
     finally:
-        signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
