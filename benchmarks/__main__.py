@@ -1,0 +1,64 @@
+"""Run the benchmarks: ``python -m benchmarks [NAME [ARGS...]]``.
+
+    python -m benchmarks                      # list them
+    python -m benchmarks client-cost          # client CPU per request (mock transport, ~1 min)
+    python -m benchmarks governor             # online + batch on a real tiny vLLM (~12 min)
+    python -m benchmarks map                  # map() overhead and memory (mock transport)
+    python -m benchmarks governor --help      # each benchmark's own options
+
+``nox -s bench -- governor`` (or ``make bench``) runs the same in nox's venv. Raw results go to
+``benchmarks/results/`` (gitignored); the summaries live in ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+#: name -> (module, what it measures)
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "client-cost": (
+        "benchmarks.bench_client_cost",
+        "client CPU per request: bare httpx vs dsclient vs openai (in-process mock server)",
+    ),
+    "governor": (
+        "benchmarks.bench_governor",
+        "online and batch latency on a real tiny vLLM: dsclient vs unbounded vs semaphore",
+    ),
+    "map": (
+        "benchmarks.bench_map",
+        "map() overhead per item and peak memory (in-process mock server)",
+    ),
+}
+
+
+def usage() -> str:
+    width = max(map(len, BENCHMARKS))
+    lines = ["usage: python -m benchmarks NAME [ARGS...]", "", "benchmarks:"]
+    lines += [f"  {name:{width}}  {about}" for name, (_, about) in BENCHMARKS.items()]
+    lines += ["", "'python -m benchmarks NAME --help' shows a benchmark's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help", "list"):
+        print(usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in BENCHMARKS:
+        print(f"unknown benchmark {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module: Any = importlib.import_module(BENCHMARKS[name][0])
+    # bench_map's main() reads sys.argv itself; the others take an argv list too.
+    saved, sys.argv = sys.argv, [f"python -m benchmarks {name}", *rest]
+    try:
+        module.main()
+    finally:
+        sys.argv = saved
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
