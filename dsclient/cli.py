@@ -259,10 +259,61 @@ def _install_server(args: argparse.Namespace) -> int:
 
 # --- main --------------------------------------------------------------------------------------
 
+# --- probe -------------------------------------------------------------------------------------
+
+
+def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "probe",
+        help="discover a server's kind, model, context and max_num_seqs",
+        description=(
+            "Ask the server at URL what it is (vLLM, SGLang, TGI, llama.cpp, Ollama, other"
+            " OpenAI-compatible) and what its limits are, the way AsyncClient does on entry, and"
+            " print each value with where it came from, and the in-flight cap dsclient would use."
+        ),
+        epilog="example:\n  dsclient probe http://127.0.0.1:8000 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("url", help="the server's URL, with or without /v1")
+    p.add_argument("--model", help="the model to check (default: the server's only one)")
+    p.add_argument("--api-key", help="bearer token (default: $DSCLIENT_API_KEY, $OPENAI_API_KEY)")
+    p.add_argument("--headroom", type=float, default=0.7, help="cap = headroom x max_num_seqs")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_run_probe)
+
+
+def _run_probe(args: argparse.Namespace) -> int:
+    import anyio
+
+    from ._client import AsyncClient
+
+    async def probe() -> tuple[Any, int]:
+        async with AsyncClient(
+            args.url, model=args.model, api_key=args.api_key, headroom=args.headroom
+        ) as client:
+            return await client.discover(), client.limit
+
+    info, limit = anyio.run(probe)
+    if args.json:
+        print(json.dumps({**info.to_dict(), "dsclient_limit": limit}, indent=2))
+    else:
+        print(info)
+        print(f"dsclient cap: {limit} in flight (headroom {args.headroom})")
+    return 0
+
+
+def _add_map(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from ._cli_map import add_map_parser
+
+    add_map_parser(sub)
+
+
 _COMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...] = (
     _add_serve,
     _add_make_tiny_model,
     _add_install_server,
+    _add_probe,
+    _add_map,
 )
 
 

@@ -155,3 +155,16 @@ async def test_max_tokens_always_fits_the_context(vllm_server):
     assert overflowed < 40  # most prompts fit; the test is about the ones close to the edge
     fits = [r for r in results if not isinstance(r, dsclient.Failure)]
     assert sum(r.usage.prompt_tokens > 1800 for r in fits) >= 20  # many were near the limit
+
+
+def test_cli_probe_reports_the_launched_server(vllm_server, capsys):
+    import json
+
+    from dsclient.cli import main
+
+    assert main(["probe", vllm_server.url, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kind"] == "vllm"
+    assert out["max_num_seqs"] == 8 and out["max_model_len"] == 2048
+    assert out["sources"]["max_num_seqs"] == "launcher record"
+    assert out["dsclient_limit"] == 5
