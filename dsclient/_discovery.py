@@ -516,7 +516,7 @@ async def discover(
     model: str | None = None,
     max_num_seqs: int | None = None,
     max_model_len: int | None = None,
-    timeout: float = 2.0,  # noqa: ASYNC109 - a per-probe bound, not a deadline for the call
+    timeout: float = 2.0,
     records: RecordSource | Literal["auto"] | None = "auto",
 ) -> ServerInfo:
     """Find the server's kind, version, models and limits.

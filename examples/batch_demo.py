@@ -26,7 +26,7 @@ from dsclient import launcher
 def make_items(n: int, seed: int = 0) -> Iterator[dict[str, Any]]:
     """A 3 short : 1 long mix, as a batch job would send it."""
     rng = random.Random(seed)
-    words = "the a server batch token lane queue model request answer time fast slow".split()
+    words = ["the", "a", "server", "batch", "token", "lane", "queue", "model", "request", "answer", "time", "fast", "slow"]
     for i in range(n):
         long = i % 4 == 3
         length = rng.randint(500, 900) if long else rng.randint(5, 40)
