@@ -26,7 +26,21 @@ from dsclient import launcher
 def make_items(n: int, seed: int = 0) -> Iterator[dict[str, Any]]:
     """A 3 short : 1 long mix, as a batch job would send it."""
     rng = random.Random(seed)
-    words = ["the", "a", "server", "batch", "token", "lane", "queue", "model", "request", "answer", "time", "fast", "slow"]
+    words = [
+        "the",
+        "a",
+        "server",
+        "batch",
+        "token",
+        "lane",
+        "queue",
+        "model",
+        "request",
+        "answer",
+        "time",
+        "fast",
+        "slow",
+    ]
     for i in range(n):
         long = i % 4 == 3
         length = rng.randint(500, 900) if long else rng.randint(5, 40)
@@ -60,13 +74,17 @@ async def run_batch(url_or_server: Any, n: int) -> int:
         print()
         print(f"requests     {len(results)} ({len(ok)} ok, {len(failed)} errors)")
         print(f"makespan     {elapsed:.1f} s")
-        print(f"throughput   {len(ok) / elapsed:.1f} req/s, "
-              f"{sum(r.usage.completion_tokens for r in ok) / elapsed:.0f} tokens/s")
+        print(
+            f"throughput   {len(ok) / elapsed:.1f} req/s, "
+            f"{sum(r.usage.completion_tokens for r in ok) / elapsed:.0f} tokens/s"
+        )
         for lane in ("short", "long"):
             lat = [r.latency_s for r in ok if r.lane == lane]
             if lat:
-                print(f"{lane:<5} lane   n={len(lat):<4} p50 {statistics.median(lat):.2f} s   "
-                      f"p99 {pct(lat, 0.99):.2f} s")
+                print(
+                    f"{lane:<5} lane   n={len(lat):<4} p50 {statistics.median(lat):.2f} s   "
+                    f"p99 {pct(lat, 0.99):.2f} s"
+                )
         for f in failed[:5]:
             print(f"error        item {f.index}: {f.error_type}: {f.error}")
         return 1 if failed else 0
