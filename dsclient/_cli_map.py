@@ -28,6 +28,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -195,13 +196,30 @@ def read_requests(
         index += 1
 
 
+_DESCRIPTION = (
+    'Run every line of INPUT (OpenAI batch requests, or {"prompt": ...} / {"messages": ...}'
+    " objects) through the server under dsclient's concurrency governor, appending one OpenAI"
+    " batch-output line per item to OUTPUT as it finishes. After a crash or Ctrl-C, --resume"
+    " skips what succeeded and retries what failed.",
+    width=78,
+)
+_EPILOG = (
+    "examples:\n"
+    "  dsclient map requests.jsonl -o results.jsonl --url http://127.0.0.1:8000\n"
+    "  dsclient map requests.jsonl -o results.jsonl --resume --max-tokens 64\n"
+    "exit status: 0 all succeeded, 1 some failed, 2 usage error"
+)
+
+
 # -- the command -----------------------------------------------------------------------------------
 def add_map_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``map`` to an ``argparse`` subparsers object; sets ``func=run``."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "map",
         help="run a JSONL file of requests (OpenAI batch format or plain prompts)",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_arguments(parser)
     parser.set_defaults(func=run)
@@ -302,7 +320,12 @@ async def _run(
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m dsclient._cli_map INPUT -o OUTPUT ...``: the command on its own."""
-    parser = argparse.ArgumentParser(prog="dsclient map", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="dsclient map",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -71,7 +71,8 @@ def test_kill_9_mid_batch_then_resume(vllm_server, tmp_path):
     command = [
         sys.executable,
         "-m",
-        "dsclient._cli_map",
+        "dsclient",
+        "map",
         str(src),
         "-o",
         str(out),
