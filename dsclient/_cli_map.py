@@ -196,7 +196,7 @@ def read_requests(
         index += 1
 
 
-_DESCRIPTION = (
+_DESCRIPTION = textwrap.fill(
     'Run every line of INPUT (OpenAI batch requests, or {"prompt": ...} / {"messages": ...}'
     " objects) through the server under dsclient's concurrency governor, appending one OpenAI"
     " batch-output line per item to OUTPUT as it finishes. After a crash or Ctrl-C, --resume"
