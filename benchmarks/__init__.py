@@ -1,0 +1,1 @@
+"""Benchmarks run on demand: ``python -m benchmarks`` lists them; see docs/benchmarks.md."""
