@@ -1,0 +1,427 @@
+"""The governor on a real (tiny, CPU) vLLM: online and batch traffic, three client strategies.
+
+    .venv/bin/python -m benchmarks governor              # ~10 min; writes results/governor.json
+    .venv/bin/python -m benchmarks governor --runs 1 --online-seconds 8   # a quick look
+
+Starts ONE vLLM server through ``dsclient.launcher`` (the tiny random Llama, ``max_num_seqs`` 8,
+``max_model_len`` 2048, served as ``"tiny"``) and stops it at the end. Two scenarios:
+
+* **online**: short requests (~20 words, 16-32 tokens out) arrive as a Poisson process at
+  ``--rate`` per second (8) for ``--online-seconds`` (default 16); at t = 1 s a burst of
+  ``--burst`` (40) long requests (prompts calibrated to ~1000 tokens of the served model's
+  tokenizer with ``/tokenize``, 256 tokens out) is submitted at once. Runs until all finish.
+* **batch**: ``--batch`` (160) requests, 3 short : 1 long in a seeded shuffle, submitted at once.
+
+Every request sends ``ignore_eos``, so the output lengths are exactly what was asked. Strategies:
+
+* ``dsclient``: ``dsclient.AsyncClient(url)`` with its defaults; discovery reads the launcher's
+  record (``max_num_seqs`` 8), so the cap is 5 and the long lane holds at most 2;
+* ``unbounded``: ``asyncio.gather`` over ``openai.AsyncOpenAI(base_url=url + "/v1")`` calls;
+* ``semaphore8``: the same behind ``asyncio.Semaphore(8)``.
+
+Each scenario runs the strategies interleaved (A B C A B C, ``--runs`` times each) so that drift
+on the machine hits them alike. Every run gets fresh random prompts (same sizes, same arrival
+times), so vLLM's prefix cache cannot favour a later run. Latency is counted from submission:
+what the caller waits, client-side queueing included. Raw results go to
+``benchmarks/results/governor.json``; a markdown summary is printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import machine, percentile, write_results
+
+MAX_NUM_SEQS = 8
+MAX_MODEL_LEN = 2048
+MODEL = "tiny"
+LONG_PROMPT_TOKENS = 1000
+LONG_TOKENS_OUT = 256
+SHORT_WORDS = 20
+SHORT_TOKENS_OUT = (16, 32)
+STRATEGIES = ("dsclient", "unbounded", "semaphore8")
+#: Variants of dsclient for diagnosis (``--strategies``): what the cap and the lane each cost.
+DIAGNOSTICS: dict[str, dict[str, Any]] = {
+    "dsclient-nolane": {"long_share": 1.0},  # cap 5, long requests may take all 5
+    "dsclient-cap8": {"headroom": 1.0},  # cap 8, long lane 4
+}
+
+# Words the tiny model's BPE tokenizer was trained on (dsclient/_data/build_tiny_model.py), so a
+# prompt costs about a token or two per word, as English text does for a real tokenizer.
+_WORD_TEXT = (
+    "the a an one two three many few some every this that these those model server token "
+    "request batch queue limit client engine cache memory prompt answer cat dog bird fish tree "
+    "river stone cloud light night day morning evening winter summer run walk read write send "
+    "wait start stop count measure build serve listen think fast slow small large quiet busy "
+    "careful simple random tiny open closed early late and or but so because while when if "
+    "then after before under over near far with without is are was were will can may must "
+    "should could would has have had do does did user hello thanks please yes no maybe number "
+    "time place world word"
+)
+WORDS = _WORD_TEXT.split()
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# -- workload ------------------------------------------------------------------------------------
+@dataclass
+class Request:
+    kind: str  # "short" | "long"
+    at: float  # submission time, seconds after the run's start
+    prompt: str
+    max_tokens: int
+    prompt_tokens: int | None = None  # exact, for long prompts (calibrated with /tokenize)
+
+
+@dataclass
+class Outcome:
+    kind: str
+    at: float
+    submitted: float  # seconds after the run's start, as it happened
+    latency: float | None = None  # finish - submitted
+    error: str | None = None
+    lane: str | None = None  # dsclient only
+    queued_s: float | None = None  # dsclient only: time spent in the governor's queue
+
+
+def words(rng: random.Random, n: int) -> str:
+    text = " ".join(rng.choice(WORDS) for _ in range(n))
+    return text[0].upper() + text[1:] + "."
+
+
+def short_request(rng: random.Random, at: float) -> Request:
+    return Request("short", at, words(rng, SHORT_WORDS), rng.randint(*SHORT_TOKENS_OUT))
+
+
+async def long_request(
+    rng: random.Random, at: float, count: Callable[[str], Awaitable[int]], per_word: list[float]
+) -> Request:
+    """A request whose prompt is LONG_PROMPT_TOKENS (+-1%) tokens for the served tokenizer."""
+    tolerance = LONG_PROMPT_TOKENS // 100
+    body = [rng.choice(WORDS) for _ in range(round(LONG_PROMPT_TOKENS / per_word[0]))]
+    for _ in range(20):
+        tokens = await count(" ".join(body) + ".")
+        per_word[0] = tokens / len(body)
+        gap = LONG_PROMPT_TOKENS - tokens
+        if abs(gap) <= tolerance:
+            break
+        step = max(1, round(abs(gap) / per_word[0]))
+        if gap > 0:
+            body += [rng.choice(WORDS) for _ in range(step)]
+        else:
+            del body[-step:]
+    else:
+        raise RuntimeError(f"could not calibrate a {LONG_PROMPT_TOKENS}-token prompt")
+    return Request("long", at, " ".join(body) + ".", LONG_TOKENS_OUT, prompt_tokens=tokens)
+
+
+async def online_workload(
+    seed: int, args: argparse.Namespace, count: Callable[[str], Awaitable[int]],
+    per_word: list[float],
+) -> list[Request]:
+    # Arrival times come from the scenario's own seed (identical in every run); the prompts'
+    # words from the run's seed.
+    times = random.Random(args.seed)
+    text = random.Random(seed)
+    requests: list[Request] = []
+    t = times.expovariate(args.rate)
+    while t < args.online_seconds:
+        requests.append(short_request(text, t))
+        t += times.expovariate(args.rate)
+    requests += await asyncio.gather(*(
+        long_request(random.Random(seed * 1000 + i), args.burst_at, count, per_word)
+        for i in range(args.burst)
+    ))
+    requests.sort(key=lambda r: r.at)
+    return requests
+
+
+async def batch_workload(
+    seed: int, args: argparse.Namespace, count: Callable[[str], Awaitable[int]],
+    per_word: list[float],
+) -> list[Request]:
+    n_long = args.batch // 4
+    kinds = ["long"] * n_long + ["short"] * (args.batch - n_long)
+    random.Random(args.seed).shuffle(kinds)  # the same order in every run
+    text = random.Random(seed)
+    longs = iter(await asyncio.gather(*(
+        long_request(random.Random(seed * 1000 + i), 0.0, count, per_word) for i in range(n_long)
+    )))
+    return [next(longs) if kind == "long" else short_request(text, 0.0) for kind in kinds]
+
+
+# -- strategies ----------------------------------------------------------------------------------
+Call = Callable[[Request], Awaitable[Outcome | None]]
+
+
+@contextlib.asynccontextmanager
+async def dsclient_strategy(
+    url: str, **options: Any
+) -> AsyncIterator[tuple[Call, Callable[[], Any]]]:
+    import dsclient
+
+    # Discovery happens on entering, before the run.
+    async with dsclient.AsyncClient(url, **options) as client:
+
+        async def call(request: Request) -> Outcome | None:
+            result = await client.generate(
+                request.prompt, max_tokens=request.max_tokens, ignore_eos=True
+            )
+            outcome = Outcome(request.kind, 0.0, 0.0)
+            outcome.lane, outcome.queued_s = result.lane, result.queued_s
+            return outcome
+
+        def info() -> dict[str, Any]:
+            server = client.server
+            stats = client.stats()
+            return {
+                "limit": client.limit,
+                "max_num_seqs": server.max_num_seqs if server else None,
+                "max_num_seqs_source": server.sources.get("max_num_seqs") if server else None,
+                "lanes": {name: {"limit": lane.limit, "done": lane.done, "failed": lane.failed}
+                          for name, lane in stats.lanes.items()},
+            }
+
+        yield call, info
+
+
+@contextlib.asynccontextmanager
+async def openai_strategy(
+    url: str, gate: asyncio.Semaphore | None
+) -> AsyncIterator[tuple[Call, Callable[[], Any]]]:
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x") as client:
+
+        async def send(request: Request) -> None:
+            await client.completions.create(
+                model=MODEL, prompt=request.prompt, max_tokens=request.max_tokens,
+                extra_body={"ignore_eos": True},
+            )
+
+        async def call(request: Request) -> Outcome | None:
+            if gate is None:
+                await send(request)
+            else:
+                async with gate:
+                    await send(request)
+            return None
+
+        yield call, lambda: {"semaphore": gate._value if gate else None}
+
+
+def strategy(name: str, url: str) -> contextlib.AbstractAsyncContextManager[Any]:
+    if name == "dsclient":
+        return dsclient_strategy(url)
+    if name in DIAGNOSTICS:
+        return dsclient_strategy(url, **DIAGNOSTICS[name])
+    if name == "unbounded":
+        return openai_strategy(url, None)
+    return openai_strategy(url, asyncio.Semaphore(MAX_NUM_SEQS))
+
+
+async def execute(call: Call, requests: list[Request]) -> tuple[list[Outcome], float]:
+    """Submit each request at its time; wait for all. Returns outcomes and the makespan."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    async def one(request: Request) -> Outcome:
+        submitted = loop.time()
+        try:
+            outcome = await call(request) or Outcome(request.kind, 0.0, 0.0)
+        except Exception as exc:  # counted, never fatal: errors are part of the result
+            outcome = Outcome(request.kind, 0.0, 0.0, error=f"{type(exc).__name__}: {exc}"[:300])
+        outcome.latency = loop.time() - submitted
+        outcome.at, outcome.submitted = request.at, submitted - start
+        return outcome
+
+    tasks = []
+    for request in requests:  # sorted by `at`
+        delay = start + request.at - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(request)))
+    outcomes = list(await asyncio.gather(*tasks))
+    makespan = max(o.submitted + (o.latency or 0.0) for o in outcomes)
+    return outcomes, makespan
+
+
+def summarize(outcomes: list[Outcome], makespan: float) -> dict[str, Any]:
+    row: dict[str, Any] = {"makespan_s": round(makespan, 2)}
+    for kind in ("short", "long"):
+        ok = [o.latency for o in outcomes if o.kind == kind and o.error is None and o.latency]
+        row[f"{kind}_n"] = sum(o.kind == kind for o in outcomes)
+        row[f"{kind}_p50_s"] = round(percentile(ok, 50) or 0.0, 3)
+        row[f"{kind}_p99_s"] = round(percentile(ok, 99) or 0.0, 3)
+        row[f"{kind}_max_s"] = round(max(ok, default=0.0), 3)
+    longs = [o for o in outcomes if o.kind == "long" and o.latency is not None]
+    if longs:  # from the burst's submission to its last answer
+        first = min(o.submitted for o in longs)
+        row["long_span_s"] = round(max(o.submitted + (o.latency or 0) for o in longs) - first, 2)
+    row["errors"] = sum(o.error is not None for o in outcomes)
+    queued = [o.queued_s for o in outcomes if o.queued_s is not None and o.kind == "short"]
+    if queued:
+        row["short_queued_p99_s"] = round(percentile(queued, 99) or 0.0, 3)
+    lanes = {(o.kind, o.lane) for o in outcomes if o.lane is not None}
+    if lanes:
+        row["lanes"] = sorted(f"{kind}->{lane}" for kind, lane in lanes)
+    return row
+
+
+# -- the run -------------------------------------------------------------------------------------
+def vllm_processes() -> list[str]:
+    done = subprocess.run(
+        ["pgrep", "-af", "vllm.entrypoints"], capture_output=True, text=True, check=False
+    )
+    return [line for line in done.stdout.splitlines() if line.strip()]
+
+
+async def warm_up(url: str, requests: list[Request]) -> None:
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x") as client:
+        await asyncio.gather(*(
+            client.completions.create(model=MODEL, prompt=r.prompt, max_tokens=r.max_tokens,
+                                      extra_body={"ignore_eos": True})
+            for r in requests
+        ))
+
+
+async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    import dsclient
+
+    scenarios = [s for s in ("online", "batch") if s in args.scenarios.split(",")]
+    names = args.strategies.split(",")
+    say("calibrating prompts with /tokenize ...")
+    async with dsclient.AsyncClient(url) as counter:
+
+        async def count(text: str) -> int:
+            return await counter.count_tokens(text)
+
+        short_tokens = await count(words(random.Random(0), SHORT_WORDS))
+        per_word = [1.5]
+        plans: list[tuple[str, int, str, list[Request]]] = []
+        for scenario in scenarios:
+            build = online_workload if scenario == "online" else batch_workload
+            for run in range(1, args.runs + 1):
+                for name in names:
+                    seed = args.seed + 7919 * (len(plans) + 1)
+                    plans.append((scenario, run, name, await build(seed, args, count, per_word)))
+        warm = await batch_workload(args.seed - 1, argparse.Namespace(**{**vars(args), "batch": 8}),
+                                    count, per_word)
+        server_info = counter.server
+    say(f"  short prompt {short_tokens} tokens; long prompts "
+        f"{min(r.prompt_tokens or 0 for p in plans for r in p[3] if r.kind == 'long')}-"
+        f"{max(r.prompt_tokens or 0 for p in plans for r in p[3] if r.kind == 'long')} tokens")
+    say("warming the server up ...")
+    await warm_up(url, warm)
+
+    runs: list[dict[str, Any]] = []
+    for scenario, run, name, requests in plans:
+        say(f"{scenario} run {run} {name}: {sum(r.kind == 'short' for r in requests)} short, "
+            f"{sum(r.kind == 'long' for r in requests)} long ...")
+        async with strategy(name, url) as (call, info):
+            outcomes, makespan = await execute(call, requests)
+            details = info()
+        row = {"scenario": scenario, "run": run, "strategy": name,
+               **summarize(outcomes, makespan), "client": details,
+               "loadavg_1min_after": round(os.getloadavg()[0], 2)}
+        say("  " + json.dumps({k: v for k, v in row.items() if k != "client"}))
+        errors = sorted({o.error for o in outcomes if o.error})
+        row["error_samples"] = errors[:5]
+        row["requests"] = [asdict(o) for o in outcomes]
+        runs.append(row)
+        await asyncio.sleep(args.pause)
+    return {
+        "server": {
+            "url": url, "max_num_seqs": MAX_NUM_SEQS, "max_model_len": MAX_MODEL_LEN,
+            "discovered": {"max_num_seqs": getattr(server_info, "max_num_seqs", None),
+                           "sources": dict(getattr(server_info, "sources", {}) or {})},
+        },
+        "short_prompt_tokens": short_tokens,
+        "runs": runs,
+    }
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    head = ("| scenario | strategy | run | makespan s | long span s | short p50 s | short p99 s "
+            "| long p50 s | long p99 s | errors |\n|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in runs:
+        lines.append(
+            f"| {r['scenario']} | {r['strategy']} | {r['run']} | {r['makespan_s']:.1f} | "
+            f"{r.get('long_span_s', 0):.1f} | {r['short_p50_s']:.2f} | {r['short_p99_s']:.2f} | "
+            f"{r['long_p50_s']:.2f} | {r['long_p99_s']:.2f} | {r['errors']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks governor", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--runs", type=int, default=2, help="runs of each strategy per scenario")
+    parser.add_argument("--scenarios", default="online,batch")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES),
+                        help=f"comma-separated, from {', '.join((*STRATEGIES, *DIAGNOSTICS))}")
+    parser.add_argument("--rate", type=float, default=8.0, help="short arrivals per second")
+    parser.add_argument("--online-seconds", type=float, default=16.0,
+                        help="short requests arrive during [0, this)")
+    parser.add_argument("--burst", type=int, default=40, help="long requests in the burst")
+    parser.add_argument("--burst-at", type=float, default=1.0, help="when the burst comes (s)")
+    parser.add_argument("--batch", type=int, default=160, help="requests in the batch (3:1)")
+    parser.add_argument("--pause", type=float, default=2.0, help="idle seconds between runs")
+    parser.add_argument("--seed", type=int, default=20240611)
+    parser.add_argument("--url", help="use this running server instead of launching one")
+    args = parser.parse_args(argv)
+    for name in args.strategies.split(","):
+        if name not in STRATEGIES and name not in DIAGNOSTICS:
+            parser.error(f"unknown strategy {name!r}")
+
+    started = time.monotonic()
+    if args.url:
+        payload = asyncio.run(bench(args.url.rstrip("/"), args))
+    else:
+        from dsclient.launcher import launch, make_tiny_model, resolve_server_python
+
+        others = vllm_processes()
+        while others:
+            say("another vLLM server is running; waiting for it to finish (numbers on a shared "
+                "2-core machine would be meaningless):\n  " + "\n  ".join(others))
+            time.sleep(30)
+            others = vllm_processes()
+        install = resolve_server_python()
+        say(f"vLLM: {install.dist} {install.version} ({install.python})")
+        model = make_tiny_model(python=install.python)
+        server = launch(
+            model, python=install.python, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
+            served_model_name=MODEL, dtype="float32", progress=lambda m: say(f"[vllm] {m}"),
+        )
+        with server:
+            payload = asyncio.run(bench(server.url, args))
+    payload.update(machine=machine(), args=vars(args),
+                   wall_s=round(time.monotonic() - started, 1))
+    path = write_results("governor", payload)
+    print(table(payload["runs"]))
+    print(f"\nwrote {path} in {payload['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
