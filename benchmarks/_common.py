@@ -14,17 +14,42 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 
 #: What a vLLM completions call answers, trimmed to the fields clients read.
-CANNED_COMPLETION = json.dumps({
-    "id": "cmpl-bench", "object": "text_completion", "created": 1, "model": "tiny",
-    "choices": [{"index": 0, "text": " and the rest of the story", "finish_reason": "length",
-                 "logprobs": None, "stop_reason": None, "prompt_logprobs": None}],
-    "usage": {"prompt_tokens": 6, "completion_tokens": 8, "total_tokens": 14},
-}).encode()
+CANNED_COMPLETION = json.dumps(
+    {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": 1,
+        "model": "tiny",
+        "choices": [
+            {
+                "index": 0,
+                "text": " and the rest of the story",
+                "finish_reason": "length",
+                "logprobs": None,
+                "stop_reason": None,
+                "prompt_logprobs": None,
+            }
+        ],
+        "usage": {"prompt_tokens": 6, "completion_tokens": 8, "total_tokens": 14},
+    }
+).encode()
 
 #: vLLM's ``GET /v1/models`` for a 2048-token model served as "tiny".
-CANNED_MODELS = json.dumps({"object": "list", "data": [
-    {"id": "tiny", "object": "model", "created": 1, "owned_by": "vllm", "root": "tiny",
-     "max_model_len": 2048}]}).encode()
+CANNED_MODELS = json.dumps(
+    {
+        "object": "list",
+        "data": [
+            {
+                "id": "tiny",
+                "object": "model",
+                "created": 1,
+                "owned_by": "vllm",
+                "root": "tiny",
+                "max_model_len": 2048,
+            }
+        ],
+    }
+).encode()
 
 
 def percentile(values: list[float], percent: float) -> float | None:

@@ -217,8 +217,11 @@ def main(argv: list[str] | None = None) -> None:
             us = result["cpu_s"] / args.n * 1e6
             runs.append({"round": round_no, "strategy": name, "us_per_request": us, **result})
             extra = f"  cap {result['cap']}" if "cap" in result else ""
-            print(f"  round {round_no}  {name:15} {us:7.1f} us CPU/request  "
-                  f"calls {result['calls']}{extra}", flush=True)
+            print(
+                f"  round {round_no}  {name:15} {us:7.1f} us CPU/request  "
+                f"calls {result['calls']}{extra}",
+                flush=True,
+            )
 
     summary: dict[str, dict[str, float]] = {}
     for name in names:
@@ -231,12 +234,21 @@ def main(argv: list[str] | None = None) -> None:
     print("\n| strategy | CPU per request (median) | vs bare httpx |\n|---|---|---|")
     for name, row in summary.items():
         ratio = row.get("ratio_to_httpx")
-        print(f"| {name} | {row['median_us_per_request']:.1f} us | "
-              f"{f'{ratio:.2f}x' if ratio is not None else '-'} |")
-    path = write_results("client_cost", {
-        "machine": machine(), "n": args.n, "tasks": args.tasks, "rounds": args.rounds,
-        "summary": summary, "runs": runs,
-    })
+        print(
+            f"| {name} | {row['median_us_per_request']:.1f} us | "
+            f"{f'{ratio:.2f}x' if ratio is not None else '-'} |"
+        )
+    path = write_results(
+        "client_cost",
+        {
+            "machine": machine(),
+            "n": args.n,
+            "tasks": args.tasks,
+            "rounds": args.rounds,
+            "summary": summary,
+            "runs": runs,
+        },
+    )
     print(f"\nwrote {path}")
 
 

@@ -133,7 +133,9 @@ async def long_request(
 
 
 async def online_workload(
-    seed: int, args: argparse.Namespace, count: Callable[[str], Awaitable[int]],
+    seed: int,
+    args: argparse.Namespace,
+    count: Callable[[str], Awaitable[int]],
     per_word: list[float],
 ) -> list[Request]:
     # Arrival times come from the scenario's own seed (identical in every run); the prompts'
@@ -145,25 +147,34 @@ async def online_workload(
     while t < args.online_seconds:
         requests.append(short_request(text, t))
         t += times.expovariate(args.rate)
-    requests += await asyncio.gather(*(
-        long_request(random.Random(seed * 1000 + i), args.burst_at, count, per_word)
-        for i in range(args.burst)
-    ))
+    requests += await asyncio.gather(
+        *(
+            long_request(random.Random(seed * 1000 + i), args.burst_at, count, per_word)
+            for i in range(args.burst)
+        )
+    )
     requests.sort(key=lambda r: r.at)
     return requests
 
 
 async def batch_workload(
-    seed: int, args: argparse.Namespace, count: Callable[[str], Awaitable[int]],
+    seed: int,
+    args: argparse.Namespace,
+    count: Callable[[str], Awaitable[int]],
     per_word: list[float],
 ) -> list[Request]:
     n_long = args.batch // 4
     kinds = ["long"] * n_long + ["short"] * (args.batch - n_long)
     random.Random(args.seed).shuffle(kinds)  # the same order in every run
     text = random.Random(seed)
-    longs = iter(await asyncio.gather(*(
-        long_request(random.Random(seed * 1000 + i), 0.0, count, per_word) for i in range(n_long)
-    )))
+    longs = iter(
+        await asyncio.gather(
+            *(
+                long_request(random.Random(seed * 1000 + i), 0.0, count, per_word)
+                for i in range(n_long)
+            )
+        )
+    )
     return [next(longs) if kind == "long" else short_request(text, 0.0) for kind in kinds]
 
 
@@ -195,8 +206,10 @@ async def dsclient_strategy(
                 "limit": client.limit,
                 "max_num_seqs": server.max_num_seqs if server else None,
                 "max_num_seqs_source": server.sources.get("max_num_seqs") if server else None,
-                "lanes": {name: {"limit": lane.limit, "done": lane.done, "failed": lane.failed}
-                          for name, lane in stats.lanes.items()},
+                "lanes": {
+                    name: {"limit": lane.limit, "done": lane.done, "failed": lane.failed}
+                    for name, lane in stats.lanes.items()
+                },
             }
 
         yield call, info
@@ -212,7 +225,9 @@ async def openai_strategy(
 
         async def send(request: Request) -> None:
             await client.completions.create(
-                model=MODEL, prompt=request.prompt, max_tokens=request.max_tokens,
+                model=MODEL,
+                prompt=request.prompt,
+                max_tokens=request.max_tokens,
                 extra_body={"ignore_eos": True},
             )
 
@@ -297,11 +312,17 @@ async def warm_up(url: str, requests: list[Request]) -> None:
     import openai
 
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x") as client:
-        await asyncio.gather(*(
-            client.completions.create(model=MODEL, prompt=r.prompt, max_tokens=r.max_tokens,
-                                      extra_body={"ignore_eos": True})
-            for r in requests
-        ))
+        await asyncio.gather(
+            *(
+                client.completions.create(
+                    model=MODEL,
+                    prompt=r.prompt,
+                    max_tokens=r.max_tokens,
+                    extra_body={"ignore_eos": True},
+                )
+                for r in requests
+            )
+        )
 
 
 async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -324,25 +345,35 @@ async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
                 for name in names:
                     seed = args.seed + 7919 * (len(plans) + 1)
                     plans.append((scenario, run, name, await build(seed, args, count, per_word)))
-        warm = await batch_workload(args.seed - 1, argparse.Namespace(**{**vars(args), "batch": 8}),
-                                    count, per_word)
+        warm = await batch_workload(
+            args.seed - 1, argparse.Namespace(**{**vars(args), "batch": 8}), count, per_word
+        )
         server_info = counter.server
-    say(f"  short prompt {short_tokens} tokens; long prompts "
+    say(
+        f"  short prompt {short_tokens} tokens; long prompts "
         f"{min(r.prompt_tokens or 0 for p in plans for r in p[3] if r.kind == 'long')}-"
-        f"{max(r.prompt_tokens or 0 for p in plans for r in p[3] if r.kind == 'long')} tokens")
+        f"{max(r.prompt_tokens or 0 for p in plans for r in p[3] if r.kind == 'long')} tokens"
+    )
     say("warming the server up ...")
     await warm_up(url, warm)
 
     runs: list[dict[str, Any]] = []
     for scenario, run, name, requests in plans:
-        say(f"{scenario} run {run} {name}: {sum(r.kind == 'short' for r in requests)} short, "
-            f"{sum(r.kind == 'long' for r in requests)} long ...")
+        say(
+            f"{scenario} run {run} {name}: {sum(r.kind == 'short' for r in requests)} short, "
+            f"{sum(r.kind == 'long' for r in requests)} long ..."
+        )
         async with strategy(name, url) as (call, info):
             outcomes, makespan = await execute(call, requests)
             details = info()
-        row = {"scenario": scenario, "run": run, "strategy": name,
-               **summarize(outcomes, makespan), "client": details,
-               "loadavg_1min_after": round(os.getloadavg()[0], 2)}
+        row = {
+            "scenario": scenario,
+            "run": run,
+            "strategy": name,
+            **summarize(outcomes, makespan),
+            "client": details,
+            "loadavg_1min_after": round(os.getloadavg()[0], 2),
+        }
         say("  " + json.dumps({k: v for k, v in row.items() if k != "client"}))
         errors = sorted({o.error for o in outcomes if o.error})
         row["error_samples"] = errors[:5]
@@ -351,9 +382,13 @@ async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(args.pause)
     return {
         "server": {
-            "url": url, "max_num_seqs": MAX_NUM_SEQS, "max_model_len": MAX_MODEL_LEN,
-            "discovered": {"max_num_seqs": getattr(server_info, "max_num_seqs", None),
-                           "sources": dict(getattr(server_info, "sources", {}) or {})},
+            "url": url,
+            "max_num_seqs": MAX_NUM_SEQS,
+            "max_model_len": MAX_MODEL_LEN,
+            "discovered": {
+                "max_num_seqs": getattr(server_info, "max_num_seqs", None),
+                "sources": dict(getattr(server_info, "sources", {}) or {}),
+            },
         },
         "short_prompt_tokens": short_tokens,
         "runs": runs,
@@ -361,8 +396,10 @@ async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(runs: list[dict[str, Any]]) -> str:
-    head = ("| scenario | strategy | run | makespan s | long span s | short p50 s | short p99 s "
-            "| long p50 s | long p99 s | errors |\n|---|---|---|---|---|---|---|---|---|---|")
+    head = (
+        "| scenario | strategy | run | makespan s | long span s | short p50 s | short p99 s "
+        "| long p50 s | long p99 s | errors |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
     lines = [head]
     for r in runs:
         lines.append(
@@ -379,11 +416,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--runs", type=int, default=2, help="runs of each strategy per scenario")
     parser.add_argument("--scenarios", default="online,batch")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES),
-                        help=f"comma-separated, from {', '.join((*STRATEGIES, *DIAGNOSTICS))}")
+    parser.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help=f"comma-separated, from {', '.join((*STRATEGIES, *DIAGNOSTICS))}",
+    )
     parser.add_argument("--rate", type=float, default=8.0, help="short arrivals per second")
-    parser.add_argument("--online-seconds", type=float, default=16.0,
-                        help="short requests arrive during [0, this)")
+    parser.add_argument(
+        "--online-seconds", type=float, default=16.0, help="short requests arrive during [0, this)"
+    )
     parser.add_argument("--burst", type=int, default=40, help="long requests in the burst")
     parser.add_argument("--burst-at", type=float, default=1.0, help="when the burst comes (s)")
     parser.add_argument("--batch", type=int, default=160, help="requests in the batch (3:1)")
@@ -403,21 +444,27 @@ def main(argv: list[str] | None = None) -> None:
 
         others = vllm_processes()
         while others:
-            say("another vLLM server is running; waiting for it to finish (numbers on a shared "
-                "2-core machine would be meaningless):\n  " + "\n  ".join(others))
+            say(
+                "another vLLM server is running; waiting for it to finish (numbers on a shared "
+                "2-core machine would be meaningless):\n  " + "\n  ".join(others)
+            )
             time.sleep(30)
             others = vllm_processes()
         install = resolve_server_python()
         say(f"vLLM: {install.dist} {install.version} ({install.python})")
         model = make_tiny_model(python=install.python)
         server = launch(
-            model, python=install.python, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
-            served_model_name=MODEL, dtype="float32", progress=lambda m: say(f"[vllm] {m}"),
+            model,
+            python=install.python,
+            max_num_seqs=MAX_NUM_SEQS,
+            max_model_len=MAX_MODEL_LEN,
+            served_model_name=MODEL,
+            dtype="float32",
+            progress=lambda m: say(f"[vllm] {m}"),
         )
         with server:
             payload = asyncio.run(bench(server.url, args))
-    payload.update(machine=machine(), args=vars(args),
-                   wall_s=round(time.monotonic() - started, 1))
+    payload.update(machine=machine(), args=vars(args), wall_s=round(time.monotonic() - started, 1))
     path = write_results("governor", payload)
     print(table(payload["runs"]))
     print(f"\nwrote {path} in {payload['wall_s']:.0f} s")
