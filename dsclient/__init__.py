@@ -6,6 +6,7 @@ async with dsclient.AsyncClient("http://127.0.0.1:8000") as client:
     result = await client.generate("Hello", max_tokens=16)
 """
 
+from ._batch import BatchResults
 from ._client import USE_DEFAULT, AsyncClient, Stream
 from ._discovery import ServerInfo
 from ._exceptions import (
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "USE_DEFAULT",
     "AsyncClient",
+    "BatchResults",
     "ChatResult",
     "Client",
     "CompletionResult",

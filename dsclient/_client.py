@@ -36,6 +36,7 @@ from ._tokens import (
 )
 
 if TYPE_CHECKING:
+    from ._batch import BatchResults
     from ._governor import Slot
 
 __all__ = ["USE_DEFAULT", "AsyncClient", "Stream"]
@@ -543,7 +544,7 @@ class AsyncClient:
         _check_max_tokens(max_tokens)
         return Stream(self, prompt, max_tokens, urgency, group, self._timeout_of(timeout), sampling)
 
-    async def map(self, items: Any, **kwargs: Any) -> list[Result | Failure]:
+    async def map(self, items: Any, **kwargs: Any) -> BatchResults:
         """Run a batch; results come back in input order. See :func:`dsclient._batch.run_map`.
 
         results = await client.map(["Hello", "Bonjour"], max_tokens=16)
@@ -695,7 +696,8 @@ class AsyncClient:
                 with attempt:
                     attempts += 1
                     result = await (op() if op is not None else self._post_json(path, body))
-        except DSClientError:
+        except DSClientError as exc:
+            exc.attempts = attempts
             if slot is not None:
                 slot.fail()
             raise

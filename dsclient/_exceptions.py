@@ -43,7 +43,12 @@ _BODY_KEEP = 4000  # characters of a refused body kept on the exception
 
 
 class DSClientError(Exception):
-    """Root of every error dsclient raises on purpose."""
+    """Root of every error dsclient raises on purpose.
+
+    ``attempts`` is how many tries the failed call made (retries included).
+    """
+
+    attempts: int = 1
 
 
 class TransportError(DSClientError):

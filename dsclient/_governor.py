@@ -183,6 +183,11 @@ class GovernorStats:
     waiting: int
     lanes: Mapping[str, LaneStats]
 
+    def _repr_html_(self) -> str:  # notebooks show a table, not a dataclass repr
+        from ._display import stats_html
+
+        return stats_html(self)
+
 
 def _nearest_rank(ordered: list[float], percent: int) -> float:
     # Nearest rank: the smallest sample with at least `percent`% of samples <= it. Integer

@@ -13,6 +13,7 @@ from typing import Any
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from ._batch import BatchResults
 from ._client import USE_DEFAULT, AsyncClient, Messages, Prompt, Stream
 from ._discovery import ServerInfo
 from ._governor import GovernorStats
@@ -133,23 +134,15 @@ class Client:
         inner = self._async.stream(prompt, max_tokens=max_tokens, timeout=timeout, **kwargs)
         return SyncStream(self._portal, inner)
 
-    def map(self, items: Any, **kwargs: Any) -> list[Result | Failure]:
+    def map(self, items: Any, **kwargs: Any) -> BatchResults:
         """See :meth:`AsyncClient.map`; works inside a Jupyter cell too."""
         return self._portal.call(lambda: self._async.map(items, **kwargs))
 
     def imap(self, items: Any, **kwargs: Any) -> Iterator[tuple[int, Result | Failure]]:
         """See :meth:`AsyncClient.imap`; a plain iterator of ``(index, result)``."""
-        agen = self._async.imap(items, **kwargs)
-        try:
-            while True:
-                try:
-                    yield self._portal.call(agen.__anext__)
-                except StopAsyncIteration:
-                    return
-        finally:
-            aclose = getattr(agen, "aclose", None)
-            if aclose is not None:
-                self._portal.call(aclose)
+        from ._batch import iter_map_blocking
+
+        return iter_map_blocking(self._portal, self._async, items, **kwargs)
 
 
 class SyncStream:

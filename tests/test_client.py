@@ -511,3 +511,13 @@ async def test_count_tokens_uses_the_server_when_it_can():
     async with make_client(fake) as client:
         assert await client.count_tokens("one two three") == 3
         assert await client.count_tokens("one two three", exact=False) >= 1
+
+
+async def test_failed_call_reports_its_attempts():
+    fake = FakeServer(script=[httpx.Response(503, text="busy")])
+    async with make_client(fake, retry=Retry(attempts=3)) as client:
+        with pytest.raises(Overloaded) as info:
+            await client.generate("x", max_tokens=1)
+        assert info.value.attempts == 3
+        results = await client.map(["a"], max_tokens=1, progress=False)
+    assert results[0].attempts == 3

@@ -4,6 +4,7 @@ import dsclient
 
 EXPECTED = {
     "USE_DEFAULT",
+    "BatchResults",
     "AsyncClient",
     "ChatResult",
     "Client",
