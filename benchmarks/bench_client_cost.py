@@ -1,7 +1,7 @@
 """Client CPU per request: bare httpx vs dsclient vs openai, in-process, no network, no model.
 
-    .venv/bin/python -m benchmarks client-cost                 # 3 rounds x 5000 requests each
-    .venv/bin/python -m benchmarks client-cost --n 2000 --rounds 5
+    .venv/bin/python -m benchmarks client-cost                 # 5 rounds x 5000 requests each
+    .venv/bin/python -m benchmarks client-cost --n 2000 --rounds 3
     .venv/bin/python -m benchmarks client-cost --profile dsclient   # cProfile of one strategy
 
 Every strategy answers from an in-process mock transport with a canned vLLM completion (and
@@ -20,7 +20,8 @@ from the same ``--n`` requests:
   ``http_client=openai.DefaultAsyncHttpxClient(transport=...)``.
 
 CPU is ``time.process_time()`` around the N requests of one strategy, divided by N. Strategies are
-interleaved within each round so machine noise hits all of them alike; the report gives the median
+interleaved within each round (after one uncounted warm-up round) so machine noise hits all
+of them alike; the report gives the median
 over rounds and its ratio to bare httpx. Raw numbers go to ``benchmarks/results/client_cost.json``.
 """
 
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--n", type=int, default=5000, help="requests per strategy and round")
     parser.add_argument("--tasks", type=int, default=64, help="concurrent worker tasks")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--only", default=",".join(STRATEGIES), help="comma-separated strategies")
     parser.add_argument("--profile", choices=sorted(STRATEGIES), help="cProfile one strategy")
     parser.add_argument("--top", type=int, default=35, help="rows of the profile")
@@ -210,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
         if name not in STRATEGIES:
             parser.error(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
     print(f"client cost: {args.n} requests x {args.tasks} tasks, {args.rounds} rounds", flush=True)
+    for name in names:  # warm-up, not counted: imports, first-use caches, allocator
+        asyncio.run(STRATEGIES[name](max(1, args.n // 5), args.tasks))
     runs: list[dict[str, Any]] = []
     for round_no in range(1, args.rounds + 1):
         for name in names:
