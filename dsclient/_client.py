@@ -175,6 +175,8 @@ class AsyncClient:
         long_threshold: estimated prompt + max_tokens above which a call takes the long lane;
             default a quarter of the context.
         long_share: the share of the cap the long lane may hold (default 0.5).
+        long_idle_borrow: seconds without short traffic after which long calls may borrow
+            idle short slots (all but one); ``None`` makes the long share a hard ceiling.
         group_caps: caps per traffic group as shares of the cap, e.g. ``{"batch": 0.5}``.
         default_max_tokens: ``max_tokens`` sent when a call gives none, cut to the room left.
         tokenizer: a ``tokenizer.json`` path, a tiktoken encoding name or a ``str -> int``
@@ -197,6 +199,7 @@ class AsyncClient:
         max_queue: int | None = None,
         long_threshold: int | None = None,
         long_share: float = 0.5,
+        long_idle_borrow: float | None = 1.0,
         group_caps: Mapping[str, float] | None = None,
         default_max_tokens: int = 256,
         tokenizer: Any = None,
@@ -256,6 +259,7 @@ class AsyncClient:
         self._governor = Governor(
             limit=compute_limit(max_num_seqs or 8, headroom),
             long_share=long_share,
+            long_idle_borrow=long_idle_borrow,
             max_queue=max_queue,
             group_caps=group_caps,
             clock=clock,

@@ -197,7 +197,7 @@ def _nearest_rank(ordered: list[float], percent: int) -> float:
 
 
 class _LaneState:
-    __slots__ = ("cap", "done", "failed", "in_flight", "name", "samples", "waiting")
+    __slots__ = ("cap", "done", "failed", "in_flight", "last_entry", "name", "samples", "waiting")
 
     def __init__(self, name: str, cap: int, window: int) -> None:
         self.name = name
@@ -206,6 +206,7 @@ class _LaneState:
         self.waiting = 0
         self.done = 0
         self.failed = 0
+        self.last_entry = -math.inf  # when a request last asked this lane for a slot
         # A bounded deque: appending is O(1) and old samples fall off; stats() sorts a copy.
         self.samples: deque[float] = deque(maxlen=window)
 
@@ -328,6 +329,7 @@ class Slot:
             raise RuntimeError("a Slot can be entered only once; call governor.slot() again")
         governor = self._governor
         self._started = governor._clock()
+        self._lane_state.last_entry = self._started
         if governor._admissible(self._lane_state, self._group_state):
             governor._take(self)
             self._state = _ACTIVE
@@ -363,6 +365,11 @@ class Governor:
             in (0, 1], default 0.5. Short requests may use every slot.
         group_caps: group name to its cap as a share of the limit, each in (0, 1]; a group
             holds at most ``max(1, floor(share * limit))`` slots. Other groups are uncapped.
+        long_idle_borrow: when no short request is waiting or in flight and none has asked for
+            a slot for this many seconds, the long lane may borrow idle short slots, up to
+            ``limit - 1`` (one stays free for the next short arrival), so that a batch of long
+            requests is not held to the long share on an otherwise idle client. ``None`` turns
+            borrowing off (the long share is then a hard ceiling). Default 1.0 s.
         max_queue: the most requests waiting for a slot (>= 0); one more raises
             :class:`~dsclient._exceptions.Overloaded` with status 0. ``None``: unbounded.
         latency_window: recent releases per lane kept for the percentiles, >= 100.
@@ -375,10 +382,13 @@ class Governor:
         "_in_flight",
         "_lanes",
         "_limit",
+        "_long",
+        "_long_idle_borrow",
         "_long_share",
         "_max_queue",
         "_queues",
         "_seq",
+        "_short",
         "_waiting",
     )
 
@@ -387,6 +397,7 @@ class Governor:
         limit: int,
         *,
         long_share: float = 0.5,
+        long_idle_borrow: float | None = 1.0,
         group_caps: Mapping[str, float] | None = None,
         max_queue: int | None = None,
         latency_window: int = 1000,
@@ -394,6 +405,12 @@ class Governor:
     ) -> None:
         _check_int("limit", limit, 1)
         _check_share("long_share", long_share)
+        if long_idle_borrow is not None and not (
+            isinstance(long_idle_borrow, (int, float)) and long_idle_borrow >= 0
+        ):
+            raise ValueError(
+                f"long_idle_borrow must be >= 0 seconds or None, got {long_idle_borrow!r}"
+            )
         if max_queue is not None:
             _check_int("max_queue", max_queue, 0)
         _check_int("latency_window", latency_window, 100)
@@ -410,6 +427,9 @@ class Governor:
             "short": _LaneState("short", limit, latency_window),
             "long": _LaneState("long", _floor_share(long_share, limit), latency_window),
         }
+        self._short = self._lanes["short"]
+        self._long = self._lanes["long"]
+        self._long_idle_borrow = long_idle_borrow
         # One queue per class of waiters that the same caps block: lane x (capped group or
         # none). Uncapped groups share the None class, so the number of queues stays small and
         # dispatch looks at each queue's head only.
@@ -494,9 +514,22 @@ class Governor:
         # waiter could use the slot: a caller taking it at once jumps nobody who could go.
         return (
             self._in_flight < self._limit
-            and lane.in_flight < lane.cap
+            and lane.in_flight < self._lane_cap(lane)
             and (group is None or group.in_flight < group.cap)
         )
+
+    def _lane_cap(self, lane: _LaneState) -> int:
+        """The lane's cap now: the long share, or ``limit - 1`` while shorts are idle."""
+        if lane is not self._long or self._long_idle_borrow is None:
+            return lane.cap
+        short = self._short
+        if (
+            short.waiting
+            or short.in_flight
+            or self._clock() - short.last_entry < self._long_idle_borrow
+        ):
+            return lane.cap
+        return max(lane.cap, self._limit - 1)
 
     def _take(self, slot: Slot) -> None:
         self._in_flight += 1
@@ -581,7 +614,7 @@ class Governor:
             for queue in self._queues:
                 # A queue whose lane or group is full is skipped, not waited on: no
                 # head-of-line blocking across lanes or groups.
-                if not queue.live or queue.lane.in_flight >= queue.lane.cap:
+                if not queue.live or queue.lane.in_flight >= self._lane_cap(queue.lane):
                     continue
                 if queue.group is not None and queue.group.in_flight >= queue.group.cap:
                     continue

@@ -207,7 +207,7 @@ async def test_in_flight_never_exceeds_the_caps_under_random_load() -> None:
 
 
 async def test_long_lane_held_to_its_share_while_shorts_get_the_rest() -> None:
-    governor = Governor(8)  # long share 0.5: at most 4 long
+    governor = Governor(8, long_idle_borrow=None)  # long share 0.5: at most 4 long
     async with anyio.create_task_group() as tg:
         crowd = Crowd(governor, tg)
         for i in range(10):
@@ -229,7 +229,7 @@ async def test_long_lane_held_to_its_share_while_shorts_get_the_rest() -> None:
 
 
 async def test_shorts_pass_a_long_waiter_blocked_by_its_lane() -> None:
-    governor = Governor(4)  # long cap 2
+    governor = Governor(4, long_idle_borrow=None)  # long cap 2
     async with anyio.create_task_group() as tg:
         crowd = Crowd(governor, tg)
         await crowd.add("L1", lane="long")
@@ -579,3 +579,40 @@ def test_native_asyncio_cancel_after_grant_hands_the_slot_over() -> None:
         assert (governor.in_flight, governor.waiting, short.done, short.failed) == (0, 0, 2, 0)
 
     asyncio.run(main())
+
+
+# --- borrowing: the long lane is not a bottleneck on an otherwise idle client ---------------
+
+
+async def test_long_lane_borrows_idle_short_slots_but_keeps_one_free() -> None:
+    now = [100.0]
+    governor = Governor(8, clock=lambda: now[0])  # long share 4, borrowing after 1 s idle
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        for i in range(10):
+            await crowd.add(f"L{i}", lane="long")
+        # no short ever came: longs may take all but one slot
+        assert governor.stats().lanes["long"].in_flight == 7
+        await crowd.add("S0")  # the slot kept free takes a short at once
+        assert crowd.admitted[-1] == "S0" and governor.in_flight == 8
+        await crowd.release("L0")  # a short is in flight: back to the long share (7 > 4)
+        assert governor.stats().lanes["long"].in_flight == 6
+        await crowd.release("S0")
+        await crowd.release("L1")  # the short left less than 1 s ago: still the share
+        assert governor.stats().lanes["long"].in_flight == 5
+        now[0] += 1.5  # shorts idle for 1.5 s: the next release lets longs borrow again
+        await crowd.release("L2")
+        assert governor.stats().lanes["long"].in_flight == 7
+        await crowd.release_all()
+
+
+async def test_borrowing_can_be_turned_off_and_is_validated() -> None:
+    governor = Governor(8, long_idle_borrow=None)
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        for i in range(6):
+            await crowd.add(f"L{i}", lane="long")
+        assert governor.stats().lanes["long"].in_flight == 4
+        await crowd.release_all()
+    with pytest.raises(ValueError, match="long_idle_borrow"):
+        Governor(8, long_idle_borrow=-1.0)
