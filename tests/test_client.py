@@ -37,7 +37,8 @@ def make_client(fake: FakeServer, **kwargs) -> AsyncClient:
     return AsyncClient("http://127.0.0.1:8000", transport=fake.transport, **kwargs)
 
 
-async def test_generate_returns_a_typed_result():
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_generate_returns_a_typed_result(anyio_backend):
     fake = FakeServer(script=[httpx.Response(200, json=completion_body("world", "stop", 4, 1))])
     async with make_client(fake) as client:
         result = await client.generate("hello", max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -258,7 +259,8 @@ async def test_cancelling_a_waiting_call_frees_everything():
         assert result.text == "hello"
 
 
-async def test_call_timeout_covers_waiting_for_a_slot():
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])  # both deadline paths
+async def test_call_timeout_covers_waiting_for_a_slot(anyio_backend):
     fake = FakeServer()
     async with make_client(fake, max_num_seqs=1, headroom=1.0) as client:
         gate = anyio.Event()
