@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -250,11 +251,8 @@ class AsyncClient:
             handle = base_url  # a launched dsclient.launcher.Server
             base_url = handle.url
             model = model if model is not None else getattr(handle, "model", None)
-            max_num_seqs = (
-                max_num_seqs if max_num_seqs is not None else getattr(handle, "max_num_seqs", None)
-            )
-            if max_model_len is None:
-                max_model_len = getattr(handle, "max_model_len", None)
+            # The handle's limits back up discovery, which normally finds the launcher's record
+            # for this url (and reports it as such); they are not "explicit" settings.
         self._url = _root_url(base_url)
         if model is not None and not isinstance(model, str):
             raise TypeError(f"model must be a str, got {type(model).__name__}")
@@ -319,6 +317,11 @@ class AsyncClient:
         self._tokenize_limiter = anyio.CapacityLimiter(8)
         self._closed = False
         self._launched = handle
+        self._handle_facts = {
+            key: value
+            for key in ("max_num_seqs", "max_model_len")
+            if handle is not None and isinstance(value := getattr(handle, key, None), int)
+        }
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncClient:
@@ -382,6 +385,7 @@ class AsyncClient:
                 max_num_seqs=self._explicit_max_num_seqs,
                 max_model_len=self._explicit_max_model_len,
             )
+            info = self._with_handle_facts(info)
             self._server = info
             self._model = info.model if info.model is not None else self._model
             self._governor.set_limit(compute_limit(info.max_num_seqs, self._headroom))
@@ -395,6 +399,18 @@ class AsyncClient:
                 self._governor.limit,
             )
             return info
+
+    def _with_handle_facts(self, info: ServerInfo) -> ServerInfo:
+        """Fill what discovery could not find from the launched ``Server`` handle, if any."""
+        updates: dict[str, Any] = {}
+        sources = dict(info.sources)
+        for key, value in self._handle_facts.items():
+            if sources.get(key) in (None, "default") or getattr(info, key) is None:
+                updates[key] = value
+                sources[key] = "launched Server handle"
+        if not updates:
+            return info
+        return dataclasses.replace(info, sources=sources, **updates)
 
     async def _ready(self) -> ServerInfo:
         if self._closed:

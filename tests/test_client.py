@@ -523,3 +523,20 @@ async def test_failed_call_reports_its_attempts():
         assert info.value.attempts == 3
         results = await client.map(["a"], max_tokens=1, progress=False)
     assert results[0].attempts == 3
+
+
+async def test_a_launched_server_handle_backs_up_discovery():
+    class Handle:  # what dsclient.launcher.Server exposes
+        url = "http://127.0.0.1:8000/v1"
+        model = "tiny"
+        max_num_seqs = 16
+        max_model_len = 4096
+
+    fake = FakeServer(max_model_len=2048)
+    async with AsyncClient(Handle(), transport=fake.transport, sleep=RecordedSleep()) as client:
+        info = client.server
+    assert info.max_num_seqs == 16
+    assert info.sources["max_num_seqs"] == "launched Server handle"
+    assert info.max_model_len == 2048  # the live server's answer wins over the handle
+    assert client.limit == 11
+    assert client.url == "http://127.0.0.1:8000"
