@@ -4,6 +4,7 @@
     python -m benchmarks client-cost          # client CPU per request (mock transport, ~1 min)
     python -m benchmarks governor             # online + batch on a real tiny vLLM (~12 min)
     python -m benchmarks map                  # map() overhead and memory (mock transport)
+    python -m benchmarks instructions         # the same legs in callgrind instructions (~6 min)
     python -m benchmarks governor --help      # each benchmark's own options
 
 ``nox -s bench -- governor`` (or ``make bench``) runs the same in nox's venv. Raw results go to
@@ -29,6 +30,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "map": (
         "benchmarks.bench_map",
         "map() overhead per item and peak memory (in-process mock server)",
+    ),
+    "instructions": (
+        "benchmarks.bench_instructions",
+        "map() and openai cost per request in callgrind instructions, against bare httpx",
     ),
 }
 
