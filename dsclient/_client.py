@@ -215,6 +215,8 @@ class AsyncClient:
         long_share: the share of the cap the long lane may hold (default 0.5).
         long_idle_borrow: seconds without short traffic after which long calls may borrow
             idle short slots (all but one); ``None`` makes the long share a hard ceiling.
+        short_first: at equal urgency, admit waiting short calls before waiting long ones (a
+            long one still goes first while none is running). Default ``False``: arrival order.
         group_caps: caps per traffic group as shares of the cap, e.g. ``{"batch": 0.5}``.
         default_max_tokens: ``max_tokens`` sent when a call gives none, cut to the room left.
         tokenizer: a ``tokenizer.json`` path, a tiktoken encoding name or a ``str -> int``
@@ -238,6 +240,7 @@ class AsyncClient:
         long_threshold: int | None = None,
         long_share: float = 0.5,
         long_idle_borrow: float | None = 1.0,
+        short_first: bool = False,
         group_caps: Mapping[str, float] | None = None,
         default_max_tokens: int = 256,
         tokenizer: Any = None,
@@ -295,6 +298,7 @@ class AsyncClient:
             limit=compute_limit(max_num_seqs or 8, headroom),
             long_share=long_share,
             long_idle_borrow=long_idle_borrow,
+            short_first=short_first,
             max_queue=max_queue,
             group_caps=group_caps,
             clock=clock,

@@ -616,3 +616,56 @@ async def test_borrowing_can_be_turned_off_and_is_validated() -> None:
         await crowd.release_all()
     with pytest.raises(ValueError, match="long_idle_borrow"):
         Governor(8, long_idle_borrow=-1.0)
+
+
+# --- shortest job first at equal urgency ----------------------------------------------------
+
+
+async def test_waiting_shorts_go_before_earlier_longs_at_equal_urgency() -> None:
+    governor = Governor(3, long_idle_borrow=None, short_first=True)  # long cap 1
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        await crowd.add("L0", lane="long")
+        await crowd.add("S0")
+        await crowd.add("S1")  # every slot taken
+        await crowd.add("L1", lane="long")  # waits first
+        await crowd.add("S2")  # arrives later
+        await crowd.release("L0")  # L1 goes: no long is in flight, so longs never starve
+        assert crowd.admitted[-1] == "L1"
+        await crowd.add("L2", lane="long")
+        await crowd.add("S3")
+        await crowd.release("S0")  # long lane full anyway: S2
+        assert crowd.admitted[-1] == "S2"
+        await crowd.release("L1")  # both fit; L2 came first, but a short goes first...
+        assert crowd.admitted[-1] == "L2"  # ...unless no long is in flight, as here
+        await crowd.release_all()
+
+
+async def test_short_first_prefers_shorts_when_longs_are_running() -> None:
+    governor = Governor(4, long_idle_borrow=None, short_first=True)  # long cap 2
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        await crowd.add("L0", lane="long")
+        await crowd.add("S0")
+        await crowd.add("S1")
+        await crowd.add("S2")  # full: 1 long, 3 short
+        await crowd.add("L1", lane="long")  # waits, long lane has room
+        await crowd.add("S3")  # waits, arrived after L1
+        await crowd.release("S0")
+        assert crowd.admitted[-1] == "S3"  # a long is running, so the short goes first
+        await crowd.release("S1")
+        assert crowd.admitted[-1] == "L1"
+        await crowd.release_all()
+
+
+async def test_strict_arrival_order_by_default() -> None:
+    governor = Governor(4, long_idle_borrow=None)
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        for name in ("L0", "S0", "S1", "S2"):
+            await crowd.add(name, lane="long" if name[0] == "L" else "short")
+        await crowd.add("L1", lane="long")
+        await crowd.add("S3")
+        await crowd.release("S0")
+        assert crowd.admitted[-1] == "L1"
+        await crowd.release_all()
