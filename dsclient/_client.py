@@ -20,7 +20,7 @@ import httpx
 import sniffio
 import tenacity
 
-from ._discovery import ServerInfo, discover
+from ._discovery import DEFAULT_MAX_NUM_SEQS, ServerInfo, discover
 from ._exceptions import (
     DSClientError,
     MalformedResponse,
@@ -295,7 +295,7 @@ class AsyncClient:
         self._clock = clock
         # Until discovery runs, the cap uses the explicit value or a cautious single slot's worth.
         self._governor = Governor(
-            limit=compute_limit(max_num_seqs or 8, headroom),
+            limit=compute_limit(max_num_seqs or DEFAULT_MAX_NUM_SEQS, headroom),
             long_share=long_share,
             long_idle_borrow=long_idle_borrow,
             short_first=short_first,
@@ -320,7 +320,6 @@ class AsyncClient:
         self._discover_lock = anyio.Lock()
         self._tokenize_limiter = anyio.CapacityLimiter(8)
         self._closed = False
-        self._launched = handle
         self._handle_facts = {
             key: value
             for key in ("max_num_seqs", "max_model_len")
@@ -430,18 +429,13 @@ class AsyncClient:
         else:
             _check_messages(prompt)
         info = await self._ready()
-        local = self._local_count(prompt)
+        local = self._tokens.count_any(prompt)
         if exact and info.has_tokenize:
             counted = await self._count_exact(prompt)
             if counted is not None:
                 self._tokens.learn(local, counted)
                 return counted
         return self._tokens.estimate_from(local)
-
-    def _local_count(self, prompt: Prompt) -> int:
-        if isinstance(prompt, str):
-            return self._tokens.count(prompt)
-        return self._tokens.count_messages(list(prompt))
 
     async def _count_exact(self, prompt: Prompt) -> int | None:
         async with self._tokenize_limiter:
@@ -654,7 +648,9 @@ class AsyncClient:
                 async with self._governor.slot(
                     lane=plan.lane, urgency=urgency, group=group
                 ) as slot:
-                    data, attempts = await self._send_with_retries(plan.path, plan.body, slot)
+                    data, attempts = await self._with_retries(
+                        lambda: self._post_json(plan.path, plan.body), slot, plan.path
+                    )
         except builtins.TimeoutError as exc:
             raise TimeoutError(f"call did not finish within its timeout of {limit_s} s") from exc
         latency = self._clock() - start
@@ -681,20 +677,23 @@ class AsyncClient:
             )
         return data
 
-    async def _send_with_retries(
-        self, path: str, body: dict[str, Any], slot: Slot | None
-    ) -> tuple[dict[str, Any], int]:
+    async def _with_retries(
+        self, op: Callable[[], Awaitable[T]], slot: Slot | None, label: str
+    ) -> tuple[T, int]:
+        """Run ``op`` once; only if that fails retryably, hand over to :meth:`_retry_loop`.
+
+        The common path (success at once) builds no retry machinery.
+        """
         self._budget.record_request()
         try:
-            # The common path: one attempt, no retry machinery.
-            return await self._post_json(path, body), 1
+            return await op(), 1
         except DSClientError as first:
             if self._retry.attempts <= 1 or not self._should_retry(first):
                 if slot is not None:
                     slot.fail()
                 raise
             failure: DSClientError = first
-        return await self._retry_loop(path, body, failure, slot)
+        return await self._retry_loop(op, failure, slot, label)
 
     def _should_retry(self, exc: BaseException) -> bool:
         if not is_retryable(exc):
@@ -706,19 +705,18 @@ class AsyncClient:
 
     async def _retry_loop(
         self,
-        path: str,
-        body: dict[str, Any],
+        op: Callable[[], Awaitable[T]],
         first: DSClientError,
         slot: Slot | None,
-        op: Callable[[], Awaitable[T]] | None = None,
-    ) -> tuple[Any, int]:
+        label: str,
+    ) -> tuple[T, int]:
         retry = self._retry
         delay = compute_backoff(
             1, base=retry.base, cap=retry.cap, retry_after=retry_after_of(first), rng=self._rng
         )
         logger.info(
             "dsclient: %s failed with %s; retry 2/%d in %.2fs",
-            path,
+            label,
             describe(first),
             retry.attempts,
             delay,
@@ -736,7 +734,7 @@ class AsyncClient:
             )
             logger.info(
                 "dsclient: %s failed with %s; retry %d/%d in %.2fs",
-                path,
+                label,
                 describe(exc) if exc else "?",
                 state.attempt_number + 2,
                 retry.attempts,
@@ -756,7 +754,7 @@ class AsyncClient:
             async for attempt in retrying:
                 with attempt:
                     attempts += 1
-                    result = await (op() if op is not None else self._post_json(path, body))
+                    result = await op()
         except DSClientError as exc:
             exc.attempts = attempts
             if slot is not None:
@@ -837,11 +835,8 @@ class Stream:
         self._timeout = timeout
         self._sampling = sampling
         self._slot_cm: Any = None
-        self._slot: Slot | None = None
         self._response: httpx.Response | None = None
         self._events: AsyncIterator[dict[str, Any]] | None = None
-        self._deadline: float | None = None
-        self.text = ""
         self.ttft_s: float | None = None
         self.finish_reason: str | None = None
         self.attempts = 0
@@ -854,7 +849,7 @@ class Stream:
         client = self._client
         self._start = client._clock()
         try:
-            with anyio.fail_after(self._timeout):
+            async with _deadline(self._timeout):
                 kind: Literal["completion", "chat"] = (
                     "completion" if isinstance(self._prompt, str) else "chat"
                 )
@@ -866,7 +861,7 @@ class Stream:
                 self._slot_cm = client._governor.slot(
                     lane=plan.lane, urgency=self._urgency, group=self._group
                 )
-                self._slot = await self._slot_cm.__aenter__()
+                await self._slot_cm.__aenter__()
                 try:
                     await self._open(plan.path, body)
                 except BaseException as exc:
@@ -900,15 +895,7 @@ class Stream:
             self._response = response
             self._events = iter_sse_data(response.aiter_lines())
 
-        client._budget.record_request()
-        try:
-            await attempt()
-            return
-        except DSClientError as first:
-            if client._retry.attempts <= 1 or not client._should_retry(first):
-                raise
-            failure = first
-        await client._retry_loop(path, body, failure, None, op=attempt)
+        await client._with_retries(attempt, None, path)
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._iterate()
@@ -925,7 +912,6 @@ class Stream:
                     if self.ttft_s is None:
                         self.ttft_s = self._client._clock() - self._start
                     self._chunks.append(delta)
-                    self.text += delta
                     yield delta
         except httpx.TransportError as exc:
             raise translate_transport_error(exc) from exc
@@ -944,6 +930,11 @@ class Stream:
     async def __aexit__(self, et: Any, ev: Any, tb: Any) -> None:
         with anyio.CancelScope(shield=True):
             await self._release(ev)
+
+    @property
+    def text(self) -> str:
+        """All deltas received so far."""
+        return "".join(self._chunks)
 
     @property
     def latency_s(self) -> float:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from openai.types import Completion
-from openai.types.chat import ChatCompletion
 from pydantic import BaseModel, ConfigDict, PrivateAttr
+
+if TYPE_CHECKING:
+    # Importing openai costs about 0.8 s; only ``raw`` needs it, so it loads on first use.
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
 
 __all__ = ["ChatResult", "CompletionResult", "Failure", "Result", "Usage"]
 
@@ -65,6 +68,8 @@ class CompletionResult(Result):
     def raw(self) -> Completion:
         """The response as ``openai.types.Completion`` (validated on first access)."""
         if self._raw is None:
+            from openai.types import Completion
+
             self._raw = Completion.model_validate(self._raw_data)
         return self._raw
 
@@ -78,6 +83,8 @@ class ChatResult(Result):
     def raw(self) -> ChatCompletion:
         """The response as ``openai.types.chat.ChatCompletion`` (validated on first access)."""
         if self._raw is None:
+            from openai.types.chat import ChatCompletion
+
             self._raw = ChatCompletion.model_validate(self._raw_data)
         return self._raw
 

@@ -1,7 +1,7 @@
 """Retry policy: which failures to retry, how long to wait, and how many retries to allow.
 
-Everything here is pure (no network, no sleeping); the client asks and sleeps. The waiting is
-tenacity's ``wait`` protocol, so the client drives it with ``tenacity.AsyncRetrying``.
+Everything here is pure (no network, no sleeping); the client asks and sleeps, driving the
+attempts with ``tenacity.AsyncRetrying`` whose ``wait`` calls :func:`compute_backoff`.
 """
 
 from __future__ import annotations
@@ -13,11 +13,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from ._exceptions import (
     ConnectionError,
-    DSClientError,
     Overloaded,
     RequestRefused,
     TimeoutError,
@@ -194,22 +192,4 @@ def describe(exc: BaseException) -> str:
     """A short label of a failure for logs (never includes headers, so never a secret)."""
     if isinstance(exc, RequestRefused):
         return f"HTTP {exc.status}"
-    if isinstance(exc, DSClientError):
-        return type(exc).__name__
     return type(exc).__name__
-
-
-def tenacity_wait(retry: Retry, rng: random.Random | None = None) -> Callable[[Any], float]:
-    """A tenacity ``wait`` callable applying :func:`compute_backoff` to a retry state."""
-
-    def wait(state: Any) -> float:
-        exc = state.outcome.exception() if state.outcome is not None else None
-        return compute_backoff(
-            state.attempt_number,
-            base=retry.base,
-            cap=retry.cap,
-            retry_after=retry_after_of(exc) if exc is not None else None,
-            rng=rng,
-        )
-
-    return wait
