@@ -32,13 +32,12 @@ import textwrap
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import aclosing
 from typing import IO, Any
 
 import anyio
 import httpx
 
-from ._batch import InvalidItem, _run_batch
+from ._batch import InvalidItem, Outcome, _run_direct
 from ._client import USE_DEFAULT, AsyncClient
 from ._exceptions import DSClientError, RequestRefused
 from ._jsonl import JsonlStore, derive_id, explicit_id
@@ -296,10 +295,18 @@ async def _run(
 ) -> tuple[int, int, int, float]:
     start = time.perf_counter()
     total = failed = resumed = 0
+
+    def count(_index: int, outcome: Outcome, from_file: bool) -> None:
+        nonlocal total, failed, resumed
+        total += 1
+        failed += isinstance(outcome, Failure)
+        resumed += from_file
+
     async with AsyncClient(url, model=args.model, transport=transport) as client:
-        batch = _run_batch(
+        await _run_direct(
             client,
             requests,
+            count,
             on_error="return",
             progress=False if args.no_progress else None,
             output=store,
@@ -310,11 +317,6 @@ async def _run(
             timeout=USE_DEFAULT,
             sampling={},
         )
-        async with aclosing(batch) as outcomes:
-            async for _, outcome, from_file in outcomes:
-                total += 1
-                failed += isinstance(outcome, Failure)
-                resumed += from_file
     return total, failed, resumed, time.perf_counter() - start
 
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 import dsclient
-from dsclient import AsyncClient, Failure, RequestRefused
+from dsclient import AsyncClient, Failure, RequestRefused, _batch
 from dsclient._batch import BatchResults, iter_map_blocking, read_ahead
 from dsclient._display import stats_html
 from dsclient._jsonl import JsonlStore, derive_id, item_id, valid_length
@@ -170,6 +170,61 @@ async def test_input_is_read_lazily():
                 await anyio.sleep(0.0005)  # a slow consumer must not make the reader run ahead
     assert yielded == consumed == 200
     assert worst <= bound, (worst, bound)
+
+
+async def test_map_reads_at_most_the_cap_ahead_of_what_is_done():
+    server = EchoServer(delay=lambda p: 0.001 * (int(p[1:]) % 7))
+    done = 0
+    worst = 0
+
+    def items():
+        nonlocal worst
+        for i in range(200):
+            worst = max(worst, i - done)  # items read before this one, minus those finished
+            yield f"p{i}"
+
+    def count(index, outcome, from_file):
+        nonlocal done
+        done += 1
+
+    async with make_client(server) as client:
+        results = await client.map(items(), progress=False)
+        assert [r.text for r in results] == [f"p{i}" for i in range(200)]
+        # The bound, seen through the runner's hook (map() collects with the same hook).
+        worst = 0
+        await _batch._run_direct(
+            client,
+            items(),
+            count,
+            on_error="return",
+            progress=False,
+            output=None,
+            resume=False,
+            max_tokens=None,
+            urgency=0,
+            group=None,
+            timeout=None,
+            sampling={},
+        )
+        assert done == 200
+        assert 0 < worst <= client.limit, (worst, client.limit)
+
+
+async def test_map_stops_with_the_outputs_own_error(tmp_path):
+    class FullDisk(JsonlStore):
+        def append(self, index, rid, outcome):
+            if index >= 3:
+                raise OSError(28, "No space left on device")
+            super().append(index, rid, outcome)
+
+    store = FullDisk(str(tmp_path / "out.jsonl"))
+    server = EchoServer(delay=lambda p: 0.002)
+    async with make_client(server) as client:
+        with pytest.raises(OSError, match="No space left"):  # itself, not an ExceptionGroup
+            await client.map([f"p{i}" for i in range(3)] + ["p3"] * 40, output=store)
+        assert client.in_flight == 0
+    assert store._out is None  # closed, flushed
+    assert sorted(r["index"] for r in lines(tmp_path / "out.jsonl")) == [0, 1, 2]
 
 
 async def test_async_iterable_input():
