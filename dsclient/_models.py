@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
@@ -12,6 +12,8 @@ if TYPE_CHECKING:
     from openai.types.chat import ChatCompletion
 
 __all__ = ["ChatResult", "CompletionResult", "Failure", "Result", "Usage"]
+
+_set = object.__setattr__  # frozen models: what pydantic's own model_construct uses
 
 
 class Usage(BaseModel):
@@ -25,6 +27,23 @@ class Usage(BaseModel):
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+    @classmethod
+    def _trusted(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        """Build from values already checked, without pydantic's per-field machinery."""
+        usage = cls.__new__(cls)
+        _set(
+            usage,
+            "__dict__",
+            {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
+        )
+        _set(usage, "__pydantic_fields_set__", {"prompt_tokens", "completion_tokens"})
+        _set(usage, "__pydantic_extra__", None)
+        _set(usage, "__pydantic_private__", None)
+        return usage
+
+
+R = TypeVar("R", bound="Result")
 
 
 class Result(BaseModel):
@@ -58,6 +77,48 @@ class Result(BaseModel):
 
         return result_html(self)
 
+    @classmethod
+    def _trusted(
+        cls: type[R],
+        *,
+        text: str,
+        finish_reason: str | None,
+        usage: Usage,
+        latency_s: float,
+        queued_s: float,
+        attempts: int,
+        max_tokens: int | None,
+        lane: str,
+        index: int | None,
+        raw_data: dict[str, Any],
+    ) -> R:
+        """Build from values the client has already checked (every field given).
+
+        What ``model_construct`` does, without its per-field loop: on the client's hot path it
+        cost more than the rest of building a result. ``tests/test_models.py`` checks that the
+        two build equal objects.
+        """
+        result = cls.__new__(cls)
+        _set(
+            result,
+            "__dict__",
+            {
+                "text": text,
+                "finish_reason": finish_reason,
+                "usage": usage,
+                "latency_s": latency_s,
+                "queued_s": queued_s,
+                "attempts": attempts,
+                "max_tokens": max_tokens,
+                "lane": lane,
+                "index": index,
+            },
+        )
+        _set(result, "__pydantic_fields_set__", set(_RESULT_FIELDS))
+        _set(result, "__pydantic_extra__", None)
+        _set(result, "__pydantic_private__", {"_raw_data": raw_data, "_raw": None})
+        return result
+
 
 class CompletionResult(Result):
     """The result of ``generate()`` (the completions endpoint)."""
@@ -87,6 +148,9 @@ class ChatResult(Result):
 
             self._raw = ChatCompletion.model_validate(self._raw_data)
         return self._raw
+
+
+_RESULT_FIELDS = frozenset(Result.model_fields)
 
 
 class Failure(BaseModel):
