@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -259,9 +260,21 @@ def main() -> None:
         for name in ("map", "httpx", "openai")
     }
     memory = [spawn("imap_output", int(size)) for size in args.sizes.split(",")]
+    # Also the ratio within each round (the legs of a round ran back to back): its median is
+    # steadier than a ratio of two minima when the machine's speed drifts between rounds.
+    per_round = [
+        round(m["cpu_us_per_req"] / h["cpu_us_per_req"], 2)
+        for m, h in zip(
+            [r for r in runs if r["leg"] == "map"],
+            [r for r in runs if r["leg"] == "httpx"],
+            strict=True,
+        )
+    ]
     summary = {
         "best_cpu_us_per_req": best,
         "map_over_httpx": round(best["map"] / best["httpx"], 2),
+        "map_over_httpx_per_round": per_round,
+        "map_over_httpx_median_of_rounds": statistics.median(per_round),
         "openai_over_httpx": round(best["openai"] / best["httpx"], 2),
         "imap_output_peak_rss_mib": {str(m["n"]): m["peak_rss_mib"] for m in memory},
     }
