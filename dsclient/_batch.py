@@ -38,6 +38,7 @@ from collections.abc import (
     Sequence,
 )
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
 
 import anyio
@@ -384,48 +385,54 @@ async def iter_map(
     run = _run_batch(
         client,
         items,
-        on_error=on_error,
-        progress=progress,
-        output=output,
-        resume=resume,
-        max_tokens=max_tokens,
-        urgency=urgency,
-        group=group,
-        timeout=timeout,
-        sampling=sampling,
+        _Options(on_error, progress, output, resume, max_tokens, urgency, group, timeout, sampling),
     )
     async with aclosing(run) as outcomes:
         async for index, outcome, _ in outcomes:
             yield index, outcome
 
 
+@dataclass(frozen=True)
+class _Options:
+    """A batch's settings, as map(), imap() and ``dsclient map`` were given them."""
+
+    on_error: OnError
+    progress: bool | Mapping[str, Any] | None
+    output: str | os.PathLike[str] | JsonlStore | None
+    resume: bool
+    max_tokens: int | None
+    urgency: int
+    group: str | None
+    timeout: Any
+    sampling: dict[str, Any]
+
+
 async def _open_batch(
-    client: AsyncClient,
-    items: Iterable[Any] | AsyncIterable[Any],
-    *,
-    on_error: OnError,
-    progress: bool | Mapping[str, Any] | None,
-    output: str | os.PathLike[str] | JsonlStore | None,
-    resume: bool,
-    max_tokens: int | None,
-    urgency: int,
-    group: str | None,
-    timeout: Any,
-    sampling: dict[str, Any],
+    client: AsyncClient, items: Iterable[Any] | AsyncIterable[Any], options: _Options
 ) -> tuple[_Source, JsonlStore | None, _Run, Progress]:
     """Check the arguments, discover the server, open the output and the bar."""
+    on_error, resume, max_tokens = options.on_error, options.resume, options.max_tokens
     if on_error not in _ON_ERROR:
         raise ValueError(f"on_error must be 'return' or 'raise', got {on_error!r}")
     if not isinstance(resume, bool):
         raise TypeError(f"resume must be a bool, got {type(resume).__name__}")
     _check_max_tokens(max_tokens)
-    client._timeout_of(timeout)  # validates
+    client._timeout_of(options.timeout)  # validates
     source = _Source(items)
     await client.discover()
-    store, done_ids = _open_store(output, resume)
-    run = _Run(client, store, done_ids, max_tokens, urgency, group, timeout, sampling)
+    store, done_ids = _open_store(options.output, resume)
+    run = _Run(
+        client,
+        store,
+        done_ids,
+        max_tokens,
+        options.urgency,
+        options.group,
+        options.timeout,
+        options.sampling,
+    )
     try:
-        bar: Progress = open_progress(progress, total=_total_of(items))
+        bar: Progress = open_progress(options.progress, total=_total_of(items))
     except BaseException:
         if store is not None:
             store.close()
@@ -437,16 +444,7 @@ async def _run_direct(
     client: AsyncClient,
     items: Iterable[Any] | AsyncIterable[Any],
     sink: Callable[[int, Outcome, bool], None],
-    *,
-    on_error: OnError,
-    progress: bool | Mapping[str, Any] | None,
-    output: str | os.PathLike[str] | JsonlStore | None,
-    resume: bool,
-    max_tokens: int | None,
-    urgency: int,
-    group: str | None,
-    timeout: Any,
-    sampling: dict[str, Any],
+    options: _Options,
 ) -> None:
     """The run behind ``map()`` and ``dsclient map``: each worker settles its own outcomes.
 
@@ -457,19 +455,7 @@ async def _run_direct(
     stop the batch (``on_error="raise"``, the input raising, the output failing) cancels the
     other workers and is raised as itself, not as an ``ExceptionGroup``.
     """
-    source, store, run, bar = await _open_batch(
-        client,
-        items,
-        on_error=on_error,
-        progress=progress,
-        output=output,
-        resume=resume,
-        max_tokens=max_tokens,
-        urgency=urgency,
-        group=group,
-        timeout=timeout,
-        sampling=sampling,
-    )
+    source, store, run, bar = await _open_batch(client, items, options)
     stop: list[BaseException] = []
     try:
         async with anyio.create_task_group() as tg:
@@ -478,7 +464,7 @@ async def _run_direct(
                 try:
                     while (got := await source.next()) is not None:
                         done = await run.process(*got)
-                        sink(*_settle(done, store, bar, run.running, on_error))
+                        sink(*_settle(done, store, bar, run.running, options.on_error))
                 except Exception as exc:
                     stop.append(exc)
                     tg.cancel_scope.cancel()
@@ -494,33 +480,10 @@ async def _run_direct(
 
 
 async def _run_batch(
-    client: AsyncClient,
-    items: Iterable[Any] | AsyncIterable[Any],
-    *,
-    on_error: OnError,
-    progress: bool | Mapping[str, Any] | None,
-    output: str | os.PathLike[str] | JsonlStore | None,
-    resume: bool,
-    max_tokens: int | None,
-    urgency: int,
-    group: str | None,
-    timeout: Any,
-    sampling: dict[str, Any],
+    client: AsyncClient, items: Iterable[Any] | AsyncIterable[Any], options: _Options
 ) -> AsyncGenerator[tuple[int, Outcome, bool], None]:
     """The run behind ``imap()``: yields ``(index, outcome, read back from the output file)``."""
-    source, store, run, bar = await _open_batch(
-        client,
-        items,
-        on_error=on_error,
-        progress=progress,
-        output=output,
-        resume=resume,
-        max_tokens=max_tokens,
-        urgency=urgency,
-        group=group,
-        timeout=timeout,
-        sampling=sampling,
-    )
+    source, store, run, bar = await _open_batch(client, items, options)
     # Errors leave the task group only after it is closed, so callers get the original error,
     # not an ExceptionGroup, and aclose() gets its GeneratorExit back.
     stop: BaseException | None = None
@@ -535,7 +498,9 @@ async def _run_batch(
                     tg.start_soon(run.worker, source, send.clone())
             while (done := await _receive(receive)) is not None:
                 try:
-                    index, outcome, resumed = _settle(done, store, bar, run.running, on_error)
+                    index, outcome, resumed = _settle(
+                        done, store, bar, run.running, options.on_error
+                    )
                 except Exception as exc:
                     stop = exc
                     break
@@ -645,15 +610,7 @@ async def run_map(
         client,
         items,
         keep,
-        on_error=on_error,
-        progress=progress,
-        output=output,
-        resume=resume,
-        max_tokens=max_tokens,
-        urgency=urgency,
-        group=group,
-        timeout=timeout,
-        sampling=sampling,
+        _Options(on_error, progress, output, resume, max_tokens, urgency, group, timeout, sampling),
     )
     missing = [i for i, o in enumerate(outcomes) if o is None]
     if missing:  # a broken invariant must never look like a short batch

@@ -37,7 +37,7 @@ from typing import IO, Any
 import anyio
 import httpx
 
-from ._batch import InvalidItem, Outcome, _run_direct
+from ._batch import InvalidItem, Outcome, _Options, _run_direct
 from ._client import USE_DEFAULT, AsyncClient
 from ._exceptions import DSClientError, RequestRefused
 from ._jsonl import JsonlStore, derive_id, explicit_id
@@ -303,10 +303,7 @@ async def _run(
         resumed += from_file
 
     async with AsyncClient(url, model=args.model, transport=transport) as client:
-        await _run_direct(
-            client,
-            requests,
-            count,
+        options = _Options(
             on_error="return",
             progress=False if args.no_progress else None,
             output=store,
@@ -317,6 +314,7 @@ async def _run(
             timeout=USE_DEFAULT,
             sampling={},
         )
+        await _run_direct(client, requests, count, options)
     return total, failed, resumed, time.perf_counter() - start
 
 

@@ -192,20 +192,8 @@ async def test_map_reads_at_most_the_cap_ahead_of_what_is_done():
         assert [r.text for r in results] == [f"p{i}" for i in range(200)]
         # The bound, seen through the runner's hook (map() collects with the same hook).
         worst = 0
-        await _batch._run_direct(
-            client,
-            items(),
-            count,
-            on_error="return",
-            progress=False,
-            output=None,
-            resume=False,
-            max_tokens=None,
-            urgency=0,
-            group=None,
-            timeout=None,
-            sampling={},
-        )
+        options = _batch._Options("return", False, None, False, None, 0, None, None, {})
+        await _batch._run_direct(client, items(), count, options)
         assert done == 200
         assert 0 < worst <= client.limit, (worst, client.limit)
 
