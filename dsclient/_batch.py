@@ -243,26 +243,33 @@ class _InputFailed:
 _Done = tuple[int, Outcome, "str | None", bool]
 
 
+@dataclass(frozen=True)
+class _Options:
+    """A batch's settings, as map(), imap() and ``dsclient map`` were given them."""
+
+    on_error: OnError
+    progress: bool | Mapping[str, Any] | None
+    output: str | os.PathLike[str] | JsonlStore | None
+    resume: bool
+    max_tokens: int | None
+    urgency: int
+    group: str | None
+    timeout: Any
+    sampling: dict[str, Any]
+
+
 class _Run:
     def __init__(
         self,
         client: AsyncClient,
         store: JsonlStore | None,
         done_ids: dict[str, int],
-        max_tokens: int | None,
-        urgency: int,
-        group: str | None,
-        timeout: Any,
-        sampling: dict[str, Any],
+        options: _Options,
     ) -> None:
         self.client = client
         self.store = store
         self.done_ids = done_ids
-        self.max_tokens = max_tokens
-        self.urgency = urgency
-        self.group = group
-        self.timeout = timeout
-        self.sampling = sampling
+        self.options = options
         self.running = 0
 
     async def worker(
@@ -296,9 +303,10 @@ class _Run:
             offset = self.done_ids.pop(rid, None)
             if offset is not None:
                 return index, self.store.load(offset, index), rid, True
+        options = self.options
         try:
             kind, prompt, max_tokens, sampling = _parse_item(
-                item, index, self.max_tokens, self.sampling
+                item, index, options.max_tokens, options.sampling
             )
         except (ValueError, TypeError) as exc:
             return index, Failure(index=index, id=rid or _id_of(item, index), error=exc), rid, False
@@ -308,9 +316,9 @@ class _Run:
                 kind,
                 prompt,
                 max_tokens,
-                self.urgency,
-                self.group,
-                self.timeout,
+                options.urgency,
+                options.group,
+                options.timeout,
                 sampling,
                 index=index,
             )
@@ -392,45 +400,20 @@ async def iter_map(
             yield index, outcome
 
 
-@dataclass(frozen=True)
-class _Options:
-    """A batch's settings, as map(), imap() and ``dsclient map`` were given them."""
-
-    on_error: OnError
-    progress: bool | Mapping[str, Any] | None
-    output: str | os.PathLike[str] | JsonlStore | None
-    resume: bool
-    max_tokens: int | None
-    urgency: int
-    group: str | None
-    timeout: Any
-    sampling: dict[str, Any]
-
-
 async def _open_batch(
     client: AsyncClient, items: Iterable[Any] | AsyncIterable[Any], options: _Options
 ) -> tuple[_Source, JsonlStore | None, _Run, Progress]:
     """Check the arguments, discover the server, open the output and the bar."""
-    on_error, resume, max_tokens = options.on_error, options.resume, options.max_tokens
-    if on_error not in _ON_ERROR:
-        raise ValueError(f"on_error must be 'return' or 'raise', got {on_error!r}")
-    if not isinstance(resume, bool):
-        raise TypeError(f"resume must be a bool, got {type(resume).__name__}")
-    _check_max_tokens(max_tokens)
+    if options.on_error not in _ON_ERROR:
+        raise ValueError(f"on_error must be 'return' or 'raise', got {options.on_error!r}")
+    if not isinstance(options.resume, bool):
+        raise TypeError(f"resume must be a bool, got {type(options.resume).__name__}")
+    _check_max_tokens(options.max_tokens)
     client._timeout_of(options.timeout)  # validates
     source = _Source(items)
     await client.discover()
-    store, done_ids = _open_store(options.output, resume)
-    run = _Run(
-        client,
-        store,
-        done_ids,
-        max_tokens,
-        options.urgency,
-        options.group,
-        options.timeout,
-        options.sampling,
-    )
+    store, done_ids = _open_store(options.output, options.resume)
+    run = _Run(client, store, done_ids, options)
     try:
         bar: Progress = open_progress(options.progress, total=_total_of(items))
     except BaseException:

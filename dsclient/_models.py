@@ -43,7 +43,7 @@ class Usage(BaseModel):
         return usage
 
 
-R = TypeVar("R", bound="Result")
+_R = TypeVar("_R", bound="Result")
 
 
 class Result(BaseModel):
@@ -79,7 +79,7 @@ class Result(BaseModel):
 
     @classmethod
     def _trusted(
-        cls: type[R],
+        cls: type[_R],
         *,
         text: str,
         finish_reason: str | None,
@@ -91,7 +91,7 @@ class Result(BaseModel):
         lane: str,
         index: int | None,
         raw_data: dict[str, Any],
-    ) -> R:
+    ) -> _R:
         """Build from values the client has already checked (every field given).
 
         What ``model_construct`` does, without its per-field loop: on the client's hot path it
