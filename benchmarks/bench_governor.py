@@ -55,6 +55,10 @@ LONG_TOKENS_OUT = 256
 SHORT_WORDS = 20
 SHORT_TOKENS_OUT = (16, 32)
 STRATEGIES = ("dsclient", "unbounded", "semaphore8")
+#: Requests (3 short : 1 long) sent at once before the first measured run. After a warm-up of
+#: 8, the first measured run was once the session's slowest by far (short service times 4-7x
+#: the next run's); 40 take a few seconds more and leave vLLM having run every batch size.
+WARM_UP = 40
 #: Variants of dsclient for diagnosis (``--strategies``): what the cap and the lane each cost.
 DIAGNOSTICS: dict[str, dict[str, Any]] = {
     "dsclient-nolane": {"long_share": 1.0},  # cap 5, long requests may take all 5
@@ -242,14 +246,79 @@ async def openai_strategy(
         yield call, lambda: {"semaphore": gate._value if gate else None}
 
 
-def strategy(name: str, url: str) -> contextlib.AbstractAsyncContextManager[Any]:
+def dsclient_options(name: str) -> dict[str, Any] | None:
+    """``dsclient``, a name in DIAGNOSTICS, or ``dsclient[key=value;...]``: AsyncClient options.
+
+    Values are read as Python literals (``dsclient[long_share=0.8;short_first=True]``); ``None``
+    for a name that is not a dsclient strategy.
+    """
     if name == "dsclient":
-        return dsclient_strategy(url)
+        return {}
     if name in DIAGNOSTICS:
-        return dsclient_strategy(url, **DIAGNOSTICS[name])
+        return DIAGNOSTICS[name]
+    if name.startswith("dsclient[") and name.endswith("]"):
+        import ast
+
+        pairs = (item.partition("=") for item in name[len("dsclient[") : -1].split(";") if item)
+        return {key.strip(): ast.literal_eval(value.strip()) for key, _, value in pairs}
+    return None
+
+
+def strategy(name: str, url: str) -> contextlib.AbstractAsyncContextManager[Any]:
+    options = dsclient_options(name)
+    if options is not None:
+        return dsclient_strategy(url, **options)
     if name == "unbounded":
         return openai_strategy(url, None)
     return openai_strategy(url, asyncio.Semaphore(MAX_NUM_SEQS))
+
+
+def _gauge(metrics: str, name: str) -> float:
+    """The sum of a Prometheus gauge's samples (every label set) in a ``/metrics`` text."""
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@contextlib.asynccontextmanager
+async def engine_sampler(url: str, every: float = 0.2) -> AsyncIterator[dict[str, float]]:
+    """Polls vLLM's ``/metrics`` while the block runs; fills in the engine's mean occupancy.
+
+    ``running_mean`` is the mean of ``vllm:num_requests_running`` (sequences in the engine's
+    batch) over the samples taken while anything was running or waiting, ``waiting_mean`` the
+    same for ``vllm:num_requests_waiting`` (the server's own queue).
+    """
+    import httpx
+
+    found: dict[str, float] = {}
+    samples: list[tuple[float, float]] = []
+
+    async def poll() -> None:
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            while True:
+                try:
+                    text = (await http.get(url + "/metrics")).text
+                except httpx.HTTPError:
+                    pass
+                else:
+                    running = _gauge(text, "vllm:num_requests_running")
+                    waiting = _gauge(text, "vllm:num_requests_waiting")
+                    if running or waiting:
+                        samples.append((running, waiting))
+                await asyncio.sleep(every)
+
+    task = asyncio.create_task(poll())
+    try:
+        yield found
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if samples:
+            found["running_mean"] = round(sum(r for r, _ in samples) / len(samples), 2)
+            found["waiting_mean"] = round(sum(w for _, w in samples) / len(samples), 2)
 
 
 async def execute(call: Call, requests: list[Request]) -> tuple[list[Outcome], float]:
@@ -346,7 +415,7 @@ async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
                     seed = args.seed + 7919 * (len(plans) + 1)
                     plans.append((scenario, run, name, await build(seed, args, count, per_word)))
         warm = await batch_workload(
-            args.seed - 1, argparse.Namespace(**{**vars(args), "batch": 8}), count, per_word
+            args.seed - 1, argparse.Namespace(**{**vars(args), "batch": WARM_UP}), count, per_word
         )
         server_info = counter.server
     say(
@@ -363,7 +432,7 @@ async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
             f"{scenario} run {run} {name}: {sum(r.kind == 'short' for r in requests)} short, "
             f"{sum(r.kind == 'long' for r in requests)} long ..."
         )
-        async with strategy(name, url) as (call, info):
+        async with strategy(name, url) as (call, info), engine_sampler(url) as engine:
             outcomes, makespan = await execute(call, requests)
             details = info()
         row = {
@@ -371,6 +440,7 @@ async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
             "run": run,
             "strategy": name,
             **summarize(outcomes, makespan),
+            **{f"engine_{key}": value for key, value in engine.items()},
             "client": details,
             "loadavg_1min_after": round(os.getloadavg()[0], 2),
         }
@@ -398,14 +468,17 @@ async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
 def table(runs: list[dict[str, Any]]) -> str:
     head = (
         "| scenario | strategy | run | makespan s | long span s | short p50 s | short p99 s "
-        "| long p50 s | long p99 s | errors |\n|---|---|---|---|---|---|---|---|---|---|"
+        "| long p50 s | long p99 s | errors | engine running | server queue |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in runs:
         lines.append(
             f"| {r['scenario']} | {r['strategy']} | {r['run']} | {r['makespan_s']:.1f} | "
             f"{r.get('long_span_s', 0):.1f} | {r['short_p50_s']:.2f} | {r['short_p99_s']:.2f} | "
-            f"{r['long_p50_s']:.2f} | {r['long_p99_s']:.2f} | {r['errors']} |"
+            f"{r['long_p50_s']:.2f} | {r['long_p99_s']:.2f} | {r['errors']} | "
+            f"{r.get('engine_running_mean', float('nan')):.1f} | "
+            f"{r.get('engine_waiting_mean', float('nan')):.1f} |"
         )
     return "\n".join(lines)
 
@@ -419,7 +492,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--strategies",
         default=",".join(STRATEGIES),
-        help=f"comma-separated, from {', '.join((*STRATEGIES, *DIAGNOSTICS))}",
+        help=(
+            f"comma-separated, from {', '.join((*STRATEGIES, *DIAGNOSTICS))}, or"
+            " dsclient[key=value;...] with AsyncClient options"
+        ),
     )
     parser.add_argument("--rate", type=float, default=8.0, help="short arrivals per second")
     parser.add_argument(
@@ -433,7 +509,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--url", help="use this running server instead of launching one")
     args = parser.parse_args(argv)
     for name in args.strategies.split(","):
-        if name not in STRATEGIES and name not in DIAGNOSTICS:
+        if name not in STRATEGIES and dsclient_options(name) is None:
             parser.error(f"unknown strategy {name!r}")
 
     started = time.monotonic()
