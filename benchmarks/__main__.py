@@ -3,6 +3,7 @@
     python -m benchmarks                      # list them
     python -m benchmarks client-cost          # client CPU per request (mock transport, ~1 min)
     python -m benchmarks governor             # online + batch on a real tiny vLLM (~12 min)
+    python -m benchmarks placement            # where vLLM's EngineCore runs (real vLLM, ~4 min)
     python -m benchmarks map                  # map() overhead and memory (mock transport)
     python -m benchmarks instructions         # the same legs in callgrind instructions (~6 min)
     python -m benchmarks governor --help      # each benchmark's own options
@@ -26,6 +27,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "governor": (
         "benchmarks.bench_governor",
         "online and batch latency on a real tiny vLLM: dsclient vs unbounded vs semaphore",
+    ),
+    "placement": (
+        "benchmarks.bench_placement",
+        "vLLM's EngineCore on the engine's CPUs (the launcher) vs anywhere (vLLM), one server",
     ),
     "map": (
         "benchmarks.bench_map",

@@ -274,6 +274,9 @@ class LaunchPlan:
     max_model_len: int
     profile: str
     notes: tuple[str, ...] = field(default=())
+    #: CPU backend: the CPUs the launcher moves vLLM's EngineCore process to once it runs (the
+    #: engine's own, where its busy-polling costs nothing), or ``None`` to leave it alone.
+    engine_core_cpus: tuple[int, ...] | None = None
 
     def shell(self) -> str:
         """The plan as one shell line (``VAR=value ... python -m ...``), for ``--dry-run``."""
@@ -456,6 +459,7 @@ def build_command(
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }
+    engine_core_cpus: tuple[int, ...] | None = None
     if on_gpu:
         if gpu_memory_utilization is None:
             gpu_memory_utilization = prof.gpu_memory_utilization
@@ -480,6 +484,7 @@ def build_command(
         )
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_bind(hardware, notes)
+        engine_core_cpus = _engine_core_cpus(hardware, notes)
 
     # --- extra args -------------------------------------------------------------------------
     for arg in extra_args:
@@ -521,6 +526,7 @@ def build_command(
         max_model_len=max_model_len,
         profile=prof.name,
         notes=tuple(notes),
+        engine_core_cpus=engine_core_cpus,
     )
 
 
@@ -575,14 +581,37 @@ def _cpu_kv_cache_gib(
     return gib
 
 
+def _engine_cpus(hardware: Hardware) -> list[int]:
+    """The CPUs the engine computes on: all but the last one, which the API server keeps."""
+    ids = sorted(hardware.cpu_ids)
+    return ids[:-1] if len(ids) > 1 else ids
+
+
 def _cpu_bind(hardware: Hardware, notes: list[str]) -> str:
     """Bind the engine's OpenMP threads to all cores but one, left to the API server."""
     ids = sorted(hardware.cpu_ids)
-    bound = ids[:-1] if len(ids) > 1 else ids
-    value = format_cpu_list(bound)
-    free = "" if len(ids) == 1 else f", CPU {ids[-1]} left to the API server and scheduler"
+    value = format_cpu_list(_engine_cpus(hardware))
+    free = "" if len(ids) == 1 else f", CPU {ids[-1]} left to the API server"
     notes.append(f"VLLM_CPU_OMP_THREADS_BIND={value}: engine threads on CPUs {value}{free}")
     return value
+
+
+def _engine_core_cpus(hardware: Hardware, notes: list[str]) -> tuple[int, ...] | None:
+    """Where the EngineCore process goes: with the engine's threads, off the API server's CPU.
+
+    vLLM's EngineCore (the scheduler) busy-polls for the worker's results and is otherwise
+    free to run on any CPU, the API server's included. On the 2-core reference machine it took
+    85 % of the API server's core, and short requests waited there: moving it to the engine's
+    CPU raised throughput of 64-token requests at 8 in flight from 9.5 to 40 requests/s.
+    """
+    if len(hardware.cpu_ids) == 1:
+        return None  # one CPU: nothing to separate
+    cpus = tuple(_engine_cpus(hardware))
+    notes.append(
+        f"EngineCore moved to CPUs {format_cpu_list(cpus)} once started: its busy-polling"
+        " stays off the API server's CPU"
+    )
+    return cpus
 
 
 def describe_profiles() -> str:

@@ -49,6 +49,7 @@ import httpx
 
 from ._exceptions import DSClientError
 from ._hardware import detect_hardware
+from ._placement import engine_core_pids, group_members, pin_process
 from ._profiles import DEFAULT_PROFILE, Hardware, LaunchPlan, ModelFacts, build_command
 from ._records import LaunchRecord, remove_record, state_dir, write_record
 
@@ -521,17 +522,7 @@ def _group_alive(pgid: int) -> bool:
     if not proc.is_dir():  # pragma: no cover - not Linux: trust killpg
         return True
     # killpg also "finds" zombies, which an init that does not reap orphans keeps around.
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
-            return True
-    return False
+    return any(True for _ in group_members(pgid, proc))
 
 
 class Server:
@@ -659,6 +650,30 @@ class Server:
             f" {self.startup_timeout:.0f} s; log: {_last_line(self.log_path)}"
         )
 
+    def _place_engine_core(self) -> None:
+        """Move the EngineCore onto ``plan.engine_core_cpus`` (CPU backend, Linux); never fatal.
+
+        A vLLM whose processes are named otherwise, or a system that refuses, leaves the server
+        as vLLM placed it: it runs, only slower on a small machine, and the log says so.
+        """
+        cpus = self.plan.engine_core_cpus
+        if not cpus or self._proc is None or not hasattr(os, "sched_setaffinity"):
+            return
+        where = ",".join(map(str, cpus))
+        try:
+            pids = engine_core_pids(self._proc.pid)
+            for pid in pids:
+                threads = pin_process(pid, cpus)
+                self._say(f"moved vLLM's EngineCore (pid {pid}, {threads} threads) to CPU {where}")
+        except OSError as exc:
+            logger.warning("could not move vLLM's EngineCore to CPU %s: %s", where, exc)
+            return
+        if not pids:
+            logger.warning(
+                "no %r process found in vLLM's process group; left where vLLM put it",
+                "VLLM::EngineCore",
+            )
+
     def _record(self) -> LaunchRecord:
         assert self._proc is not None
         return LaunchRecord(
@@ -690,6 +705,7 @@ class Server:
                         self._waiting(now - begun)
                         next_note = now + 10.0
                     time.sleep(0.5)
+            self._place_engine_core()
             write_record(self._record())
         except BaseException:
             # Nothing to drain yet, and vLLM may ignore SIGTERM while compiling: be brief.
@@ -714,6 +730,7 @@ class Server:
                         self._waiting(now - begun)
                         next_note = now + 10.0
                     await anyio.sleep(0.5)
+            await anyio.to_thread.run_sync(self._place_engine_core)
             await anyio.to_thread.run_sync(write_record, self._record())
         except BaseException:
             await self.astop(grace=_STARTING_GRACE)

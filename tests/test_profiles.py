@@ -169,6 +169,18 @@ def test_thread_binding_leaves_one_cpu():
     assert format_cpu_list([5, 2, 3, 4, 9]) == "2-5,9"
 
 
+def test_engine_core_goes_to_the_engines_cpus_on_the_cpu_backend_only():
+    two = plan()
+    assert two.engine_core_cpus == (0,)  # with the engine's threads; CPU 1 stays the API's
+    assert any("EngineCore moved to CPUs 0" in n for n in two.notes)
+    big = Hardware(cpu_ids=(0, 1, 2, 3, 8, 9), mem_gib=64)
+    assert plan(big).engine_core_cpus == (0, 1, 2, 3, 8)
+    one = plan(Hardware(cpu_ids=(0,), mem_gib=8))
+    assert one.engine_core_cpus is None  # one CPU: nothing to separate
+    assert not any("EngineCore" in n for n in one.notes)
+    assert plan(GPU24).engine_core_cpus is None
+
+
 def test_host_and_default_name():
     p = plan(host="0.0.0.0")
     assert flag(p.argv, "--host") == "0.0.0.0"

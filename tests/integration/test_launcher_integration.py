@@ -6,6 +6,7 @@ servers of their own, as the launcher's own behaviour is what they check.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -66,6 +67,25 @@ def test_record_describes_the_shared_server(vllm_server: Server):
     # A record for another server (other context length) would not be believed.
     stale = type(record)(**{**record.__dict__, "max_model_len": 4096})
     assert not record_matches(stale, models)
+
+
+def test_engine_core_runs_on_the_engines_cpus(vllm_server: Server):
+    # The EngineCore busy-polls: on the API server's CPU it starved the HTTP side (launcher.md).
+    assert vllm_server.pid is not None
+    members = {}
+    for pid in group_members(vllm_server.pid):
+        with contextlib.suppress(OSError):
+            members[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
+    cores = [pid for pid, comm in members.items() if comm == "VLLM::EngineCor"]
+    assert len(cores) == 1, members
+    wanted = vllm_server.plan.engine_core_cpus
+    everything = os.sched_getaffinity(vllm_server.pid)  # the API server is left alone
+    expected = set(wanted) if wanted is not None else everything
+    for task in Path(f"/proc/{cores[0]}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):
+            assert os.sched_getaffinity(int(task.name)) == expected, task.name
+    if wanted is not None:
+        assert set(wanted) < everything  # a CPU is left over for the API server
 
 
 def test_dry_run_prints_the_command_and_starts_nothing(tmp_path):
