@@ -608,8 +608,8 @@ def _engine_core_cpus(hardware: Hardware, notes: list[str]) -> tuple[int, ...] |
         return None  # one CPU: nothing to separate
     cpus = tuple(_engine_cpus(hardware))
     notes.append(
-        f"EngineCore moved to CPUs {format_cpu_list(cpus)} once started: its busy-polling"
-        " stays off the API server's CPU"
+        f"EngineCore moved to CPUs {format_cpu_list(cpus)} by the launcher once started (the"
+        " shell line cannot say it): its busy-polling stays off the API server's CPU"
     )
     return cpus
 
