@@ -50,7 +50,14 @@ import httpx
 from ._exceptions import DSClientError
 from ._hardware import detect_hardware
 from ._placement import engine_core_pids, group_members, pin_process
-from ._profiles import DEFAULT_PROFILE, Hardware, LaunchPlan, ModelFacts, build_command
+from ._profiles import (
+    DEFAULT_PROFILE,
+    Hardware,
+    LaunchPlan,
+    ModelFacts,
+    build_command,
+    format_cpu_list,
+)
 from ._records import LaunchRecord, remove_record, state_dir, write_record
 
 __all__ = [
@@ -659,14 +666,14 @@ class Server:
         cpus = self.plan.engine_core_cpus
         if not cpus or self._proc is None or not hasattr(os, "sched_setaffinity"):
             return
-        where = ",".join(map(str, cpus))
+        where = ("CPUs " if len(cpus) > 1 else "CPU ") + format_cpu_list(cpus)
         try:
             pids = engine_core_pids(self._proc.pid)
             for pid in pids:
                 threads = pin_process(pid, cpus)
-                self._say(f"moved vLLM's EngineCore (pid {pid}, {threads} threads) to CPU {where}")
+                self._say(f"moved vLLM's EngineCore (pid {pid}, {threads} threads) to {where}")
         except OSError as exc:
-            logger.warning("could not move vLLM's EngineCore to CPU %s: %s", where, exc)
+            logger.warning("could not move vLLM's EngineCore to %s: %s", where, exc)
             return
         if not pids:
             logger.warning(

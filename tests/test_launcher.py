@@ -40,12 +40,21 @@ FAKE = textwrap.dedent(
     p.add_argument("--delay", type=float, default=0.5)
     p.add_argument("--die", action="store_true")
     p.add_argument("--ignore-term", action="store_true")
+    p.add_argument("--engine-name", default="VLLM::EngineCore")
     a = p.parse_args()
     print("fake vllm starting", flush=True)
     if a.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # An "engine" child in the same process group, like vLLM's EngineCore.
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    # It names itself as vLLM's does, where the system lets it (Linux: /proc/self/comm).
+    engine = (
+        "import contextlib, threading, time\n"
+        "with contextlib.suppress(OSError):\n"
+        f"    open('/proc/self/comm', 'w').write({a.engine_name!r})\n"
+        "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
+        "time.sleep(600)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", engine])
     print(f"engine pid {child.pid}", flush=True)
     if a.die:
         print("ValueError: Unsupported CPU attention configuration: head_dim=16", flush=True)
@@ -92,7 +101,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def make_server(script: Path, tmp_path: Path, *extra: str, timeout: float = 30.0) -> Server:
+def make_server(
+    script: Path,
+    tmp_path: Path,
+    *extra: str,
+    timeout: float = 30.0,
+    engine_core_cpus: tuple[int, ...] | None = None,
+) -> Server:
     port = free_port()
     argv = (
         sys.executable, str(script), "--model", "/m/tiny", "--served-model-name", "tiny",
@@ -107,6 +122,7 @@ def make_server(script: Path, tmp_path: Path, *extra: str, timeout: float = 30.0
         max_num_seqs=8,
         max_model_len=2048,
         profile="balanced",
+        engine_core_cpus=engine_core_cpus,
     )
     return Server(plan, log_path=tmp_path / "logs" / "fake.log", startup_timeout=timeout)
 
@@ -156,6 +172,40 @@ def test_with_starts_records_and_stops_the_whole_group(fake_script, tmp_path):
     assert read_record(server.url) is None
     assert "# dsclient launcher: FAKE=1" in server.log_path.read_text()
     server.stop()  # a second stop is harmless
+
+
+linux_affinity = pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or not Path("/proc/self/comm").exists(),
+    reason="Linux only: /proc and sched_setaffinity",
+)
+
+
+@linux_affinity
+def test_start_moves_the_engine_core_onto_the_planned_cpus(fake_script, tmp_path):
+    everything = os.sched_getaffinity(0)
+    cpu = min(everything)
+    said: list[str] = []
+    server = make_server(fake_script, tmp_path, engine_core_cpus=(cpu,))
+    server._progress = said.append
+    with server as s:
+        child = engine_pid(s)
+        tasks = list(Path(f"/proc/{child}/task").iterdir())
+        assert len(tasks) == 2  # the engine's main thread and its sleeper: both moved
+        for task in tasks:
+            assert os.sched_getaffinity(int(task.name)) == {cpu}
+        assert s.pid is not None and os.sched_getaffinity(s.pid) == everything
+    assert any(f"moved vLLM's EngineCore (pid {child}, 2 threads) to CPU {cpu}" in m for m in said)
+
+
+@linux_affinity
+def test_no_engine_core_found_is_a_warning_not_a_failure(fake_script, tmp_path, caplog):
+    everything = os.sched_getaffinity(0)
+    server = make_server(
+        fake_script, tmp_path, "--engine-name", "SomethingElse", engine_core_cpus=(min(everything),)
+    )
+    with caplog.at_level("WARNING", logger="dsclient"), server as s:
+        assert os.sched_getaffinity(engine_pid(s)) == everything  # left alone
+    assert "no 'VLLM::EngineCore' process found" in caplog.text
 
 
 def test_async_with_does_not_block_the_loop(fake_script, tmp_path):
