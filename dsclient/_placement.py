@@ -46,7 +46,7 @@ def pin_process(pid: int, cpus: Collection[int], *, proc: Path = Path("/proc")) 
     """
     mask = set(cpus)
     done = 0
-    for task in sorted((proc / str(pid) / "task").iterdir(), key=lambda p: p.name):
+    for task in (proc / str(pid) / "task").iterdir():
         try:
             os.sched_setaffinity(int(task.name), mask)
         except ProcessLookupError:

@@ -529,7 +529,7 @@ def _group_alive(pgid: int) -> bool:
     if not proc.is_dir():  # pragma: no cover - not Linux: trust killpg
         return True
     # killpg also "finds" zombies, which an init that does not reap orphans keeps around.
-    return any(True for _ in group_members(pgid, proc))
+    return any(group_members(pgid, proc))  # (pid, comm) pairs: never falsy
 
 
 class Server:
