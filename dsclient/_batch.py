@@ -3,13 +3,16 @@
     results = await client.map(prompts, max_tokens=32, output="results.jsonl", resume=True)
     print(results.failures, results.summary())
 
-A fixed pool of workers pulls items from the input one at a time and calls the client; the
-client's governor orders the calls. For ``map()`` there are ``client.limit`` workers and each
-records its own outcomes, so the input is read at most ``limit`` items ahead of what is done.
-For ``imap()`` there are ``limit`` plus a small read-ahead, and a finished outcome waits in its
-worker or in a buffer of read-ahead size until the consumer takes it, so the input is read at
-most ``limit + 2 * read_ahead(limit)`` items ahead of what has been yielded, whatever its
-length: with ``output=`` a batch of a million items runs in flat memory.
+A pool of workers pulls items from the input one at a time and calls the client; the client's
+governor orders the calls. There are ``limit + read_ahead(limit)`` workers, so a few calls always
+wait in the governor: that waiting is the demand the limit controller grows on. The pool follows
+the limit: when it rises, workers are added (never removed; extra ones just wait for a slot).
+For ``map()`` each worker records its own outcomes, so the input is read at most
+``L + read_ahead(L)`` items ahead of what is done, ``L`` the highest limit of the run. For
+``imap()`` a finished outcome waits in its worker or in a buffer of read-ahead size until the
+consumer takes it, so the input is read at most ``L + 2 * read_ahead(L)`` items ahead of what
+has been yielded, whatever its length: with ``output=`` a batch of a million items runs in flat
+memory.
 
 Items are prompts (``str``), message lists, or request dicts::
 
@@ -149,6 +152,10 @@ def _nearest_rank(ordered: Sequence[float], percent: int) -> float | None:
 class _Source:
     """Numbers the items of an iterable or async iterable as they are read, one at a time."""
 
+    @property
+    def exhausted(self) -> bool:
+        return self._exhausted
+
     def __init__(self, items: Any) -> None:
         if isinstance(items, (str, bytes, Mapping)):
             raise TypeError(
@@ -273,7 +280,7 @@ class _Run:
         self.running = 0
 
     async def worker(
-        self, source: _Source, send: MemoryObjectSendStream[_Done | _InputFailed]
+        self, source: _Source, send: MemoryObjectSendStream[_Done | _InputFailed], pool: _Pool
     ) -> None:
         async with send:
             while True:
@@ -284,8 +291,10 @@ class _Run:
                     message = _InputFailed(exc)
                 else:
                     if got is None:
+                        pool.grow()  # the input is done: the pool closes its own sender
                         return
                     message = await self.process(*got)
+                    pool.grow()
                 try:
                     try:
                         send.send_nowait(message)  # no checkpoint: the common case is cheap
@@ -312,7 +321,7 @@ class _Run:
             return index, Failure(index=index, id=rid or _id_of(item, index), error=exc), rid, False
         self.running += 1
         try:
-            result = await self.client._call(
+            result = await self.client._request(
                 kind,
                 prompt,
                 max_tokens,
@@ -440,6 +449,7 @@ async def _run_direct(
     """
     source, store, run, bar = await _open_batch(client, items, options)
     stop: list[BaseException] = []
+    pool: _Pool | None = None
     try:
         async with anyio.create_task_group() as tg:
 
@@ -448,13 +458,16 @@ async def _run_direct(
                     while (got := await source.next()) is not None:
                         done = await run.process(*got)
                         sink(*_settle(done, store, bar, run.running, options.on_error))
+                        workers.grow()
                 except Exception as exc:
                     stop.append(exc)
                     tg.cancel_scope.cancel()
 
-            for _ in range(client.limit):
-                tg.start_soon(worker)
+            pool = workers = _Pool(client, source, lambda: tg.start_soon(worker))
+            workers.follow()
     finally:
+        if pool is not None:
+            pool.close()
         bar.close()
         if store is not None:
             store.close()
@@ -476,9 +489,15 @@ async def _run_batch(
         read = read_ahead(client.limit)
         send, receive = anyio.create_memory_object_stream[_Done | _InputFailed](read)
         async with receive, anyio.create_task_group() as tg:
-            with send:
-                for _ in range(client.limit + read):
-                    tg.start_soon(run.worker, source, send.clone())
+            # The workers' clones of `send` close the stream when the last one ends, so the pool
+            # keeps the original open while it may still start workers.
+            pool = _Pool(
+                client,
+                source,
+                lambda: tg.start_soon(run.worker, source, send.clone(), pool),
+                on_close=send.close,
+            )
+            pool.follow()
             while (done := await _receive(receive)) is not None:
                 try:
                     index, outcome, resumed = _settle(
@@ -495,12 +514,64 @@ async def _run_batch(
                     break
                 del outcome  # hold nothing while waiting for the next one
             tg.cancel_scope.cancel()
+            pool.close()
     finally:
         bar.close()
         if store is not None:
             store.close()
     if stop is not None:
         raise stop
+
+
+class _Pool:
+    """Keeps ``limit + read_ahead(limit)`` workers while the input lasts; grows with the limit.
+
+    ``start()`` starts one worker in the batch's task group. Between :meth:`follow` and
+    :meth:`close` a rise of the limit starts workers at once; workers also call :meth:`grow`
+    after each item.
+    """
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        source: _Source,
+        start: Callable[[], object],
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self._client = client
+        self._source = source
+        self._start = start
+        self._on_close = on_close
+        self._workers = 0
+        self._remove: Callable[[], None] | None = None
+        self._closed = False
+
+    def follow(self) -> None:
+        self._remove = self._client._endpoint.on_raise(self.grow)
+        self.grow()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._remove is not None:
+            self._remove()
+            self._remove = None
+        if self._on_close is not None:
+            self._on_close()
+
+    def grow(self) -> None:
+        """Start workers up to what the limit needs (cheap when there are enough)."""
+        if self._closed:
+            return
+        if self._source.exhausted:
+            self.close()
+            return
+        limit = self._client.limit
+        wanted = limit + read_ahead(limit)
+        while self._workers < wanted:
+            self._workers += 1
+            self._start()
 
 
 async def _receive(receive: MemoryObjectReceiveStream[T]) -> T | None:

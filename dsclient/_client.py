@@ -1,4 +1,11 @@
-"""The async client: validation, discovery, token budget, governor and retries around httpx."""
+"""The async client: validation, discovery, token budget and the request path, wired to httpx.
+
+The per-server state (governor, limit controller, load) lives in :class:`~dsclient._endpoint.
+Endpoint`; the per-attempt path (slot, send once, release with the outcome, retry outside the
+slot) in :mod:`dsclient._pipeline`. :meth:`AsyncClient._request` and
+:meth:`AsyncClient._open_stream` are the one internal entry point that calls, streams, ``map()``
+and ``dsclient map`` go through.
+"""
 
 from __future__ import annotations
 
@@ -13,28 +20,26 @@ import random
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
 import httpx
 import sniffio
-import tenacity
 
 from ._discovery import DEFAULT_MAX_NUM_SEQS, ServerInfo, discover
-from ._exceptions import (
-    DSClientError,
-    MalformedResponse,
-    TimeoutError,
-    error_from_response,
-    translate_transport_error,
-)
-from ._governor import Governor, GovernorStats, choose_lane, compute_limit, default_long_threshold
+from ._endpoint import ControlOptions, Endpoint, fetch_load
+from ._exceptions import DSClientError, MalformedResponse, TimeoutError, translate_transport_error
+from ._governor import GovernorStats, choose_lane, compute_limit, default_long_threshold
 from ._models import ChatResult, CompletionResult, Failure, Result, Usage
-from ._retry import Retry, RetryBudget, compute_backoff, describe, is_retryable, retry_after_of
+from ._pipeline import RequestPath, outcome_of
+from ._retry import Retry, RetryBudget
 from ._streaming import delta_of, iter_sse_data
 from ._tokens import (
+    CALIBRATION_TEXT,
     TokenCounter,
     count_exact,
+    lane_is_uncertain,
     needs_exact_count,
     plan_from_estimate,
     plan_max_tokens,
@@ -170,6 +175,15 @@ def _check_max_tokens(max_tokens: Any) -> None:
 Lane = Literal["short", "long"]
 
 
+def _handle_tokenizer(handle: Any) -> str | None:
+    """The launched model's own ``tokenizer.json``, when the handle's model is a local folder."""
+    model_path = getattr(handle, "model_path", None) if handle is not None else None
+    if not isinstance(model_path, str):
+        return None
+    candidate = Path(model_path) / "tokenizer.json"
+    return str(candidate) if candidate.is_file() else None
+
+
 class _Plan:
     """What one call will send: endpoint, body, lane and the governor's options."""
 
@@ -198,6 +212,11 @@ class AsyncClient:
             result = await client.generate("Once upon a time", max_tokens=32)
             print(result.text, result.latency_s)
 
+    The in-flight limit starts at ``floor(headroom x max_num_seqs)`` and then follows the
+    server: it grows while calls wait here and the server's own queue is short, and shrinks
+    when that queue grows, on 429 / 503, and when a ``latency_target`` is missed (see
+    ``docs/governor.md``). Without queue metrics it stays between 1 and ``max_num_seqs``.
+
     Parameters:
         base_url: the server's URL, with or without ``/v1``, or a launched ``Server`` handle.
         model: the model to ask for; ``None`` takes the server's only model.
@@ -206,21 +225,32 @@ class AsyncClient:
         retry: the retry policy (:class:`dsclient.Retry`); ``Retry(attempts=1)`` turns it off.
         transport: any ``httpx.AsyncBaseTransport`` (tests pass ``httpx.MockTransport``).
         max_num_seqs: the server's batch size, if you know it better than discovery.
-        headroom: in-flight cap as a share of ``max_num_seqs`` (0 < headroom <= 2; default 0.7).
+        headroom: where the limit starts, as a share of ``max_num_seqs`` (0 < headroom <= 2;
+            default 0.7); with ``adaptive=False`` it is the limit for good.
+        adaptive: let the limit follow the server (default). ``False`` keeps it where it starts.
+        limit: a fixed in-flight limit (implies ``adaptive=False``).
+        max_limit: the most the adaptive limit may reach; default ``max(64, 4 x max_num_seqs)``
+            with queue metrics, ``max_num_seqs`` without.
+        latency_target: seconds; when the p99 of recent attempts' service times passes 120% of
+            it the limit halves, and it does not grow while the p99 is above it.
+        scrape_interval: seconds between two scrapes of the server's ``/metrics`` while there is
+            traffic (default 0.25); nothing is scraped while the client is idle.
         max_model_len: the model's context, if you know it better than discovery.
         max_queue: bound on calls waiting in the client; beyond it calls fail with
             :class:`dsclient.Overloaded` at once. ``None`` (default) waits.
         long_threshold: estimated prompt + max_tokens above which a call takes the long lane;
             default a quarter of the context.
-        long_share: the share of the cap the long lane may hold (default 0.5).
+        long_share: the share of the limit the long lane may hold (default 0.5).
         long_idle_borrow: seconds without short traffic after which long calls may borrow
-            idle short slots (all but one); ``None`` makes the long share a hard ceiling.
+            idle short slots (short calls reclaim them); ``None`` makes the long share a hard
+            ceiling.
         short_first: at equal urgency, admit waiting short calls before waiting long ones (a
             long one still goes first while none is running). Default ``False``: arrival order.
-        group_caps: caps per traffic group as shares of the cap, e.g. ``{"batch": 0.5}``.
+        group_caps: caps per traffic group as shares of the limit, e.g. ``{"batch": 0.5}``.
         default_max_tokens: ``max_tokens`` sent when a call gives none, cut to the room left.
         tokenizer: a ``tokenizer.json`` path, a tiktoken encoding name or a ``str -> int``
-            callable for local token estimates.
+            callable for local token estimates; default: the launched model's own tokenizer,
+            else tiktoken calibrated against the server's ``/tokenize`` at discovery.
         sleep, rng, clock: injectable for tests (retry sleeps, jitter source, latency clock).
     """
 
@@ -235,6 +265,11 @@ class AsyncClient:
         transport: httpx.AsyncBaseTransport | None = None,
         max_num_seqs: int | None = None,
         headroom: float = 0.7,
+        adaptive: bool = True,
+        limit: int | None = None,
+        max_limit: int | None = None,
+        latency_target: float | None = None,
+        scrape_interval: float = 0.25,
         max_model_len: int | None = None,
         max_queue: int | None = None,
         long_threshold: int | None = None,
@@ -256,7 +291,7 @@ class AsyncClient:
             model = model if model is not None else getattr(handle, "model", None)
             # The handle's limits back up discovery, which normally finds the launcher's record
             # for this url (and reports it as such); they are not "explicit" settings.
-        self._url = _root_url(base_url)
+        url = _root_url(base_url)
         if model is not None and not isinstance(model, str):
             raise TypeError(f"model must be a str, got {type(model).__name__}")
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
@@ -268,6 +303,8 @@ class AsyncClient:
             ("max_model_len", max_model_len),
             ("max_queue", max_queue),
             ("long_threshold", long_threshold),
+            ("limit", limit),
+            ("max_limit", max_limit),
         ):
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
@@ -275,6 +312,19 @@ class AsyncClient:
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         if not isinstance(default_max_tokens, int) or default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be an int >= 1, got {default_max_tokens!r}")
+        if not isinstance(adaptive, bool):
+            raise TypeError(f"adaptive must be a bool, got {type(adaptive).__name__}")
+        if latency_target is not None and not (
+            isinstance(latency_target, (int, float)) and latency_target > 0
+        ):
+            raise ValueError(
+                f"latency_target must be a positive number of seconds or None, "
+                f"got {latency_target!r}"
+            )
+        if not (isinstance(scrape_interval, (int, float)) and 0.05 <= scrape_interval <= 60):
+            raise ValueError(
+                f"scrape_interval must be between 0.05 and 60 seconds, got {scrape_interval!r}"
+            )
         key = api_key or os.environ.get("DSCLIENT_API_KEY") or os.environ.get("OPENAI_API_KEY")
         self._api_key = _Secret(key) if key else None
         self._model = model
@@ -285,41 +335,62 @@ class AsyncClient:
             floor=self._retry.budget_floor,
             window=self._retry.budget_window,
         )
-        self._headroom = headroom
         self._explicit_max_num_seqs = max_num_seqs
         self._explicit_max_model_len = max_model_len
         self._long_threshold = long_threshold
         self._default_max_tokens = default_max_tokens
-        self._sleep = sleep or anyio.sleep
-        self._rng = rng or random.Random()
         self._clock = clock
-        # Until discovery runs, the cap uses the explicit value or a cautious single slot's worth.
-        self._governor = Governor(
-            limit=compute_limit(max_num_seqs or DEFAULT_MAX_NUM_SEQS, headroom),
-            long_share=long_share,
-            long_idle_borrow=long_idle_borrow,
-            short_first=short_first,
-            max_queue=max_queue,
-            group_caps=group_caps,
+        # Until discovery runs, the limit uses the explicit value or the default guess.
+        options = ControlOptions(
+            headroom=headroom,
+            adaptive=adaptive,
+            limit=limit,
+            max_limit=max_limit,
+            latency_target=float(latency_target) if latency_target is not None else None,
+            scrape_interval=float(scrape_interval),
+        )
+        self._endpoint = Endpoint(
+            url,
+            options,
+            {
+                "long_share": long_share,
+                "long_idle_borrow": long_idle_borrow,
+                "short_first": short_first,
+                "max_queue": max_queue,
+                "group_caps": group_caps,
+            },
+            start=limit or compute_limit(max_num_seqs or DEFAULT_MAX_NUM_SEQS, headroom),
             clock=clock,
         )
-        self._tokens = TokenCounter(tokenizer)
+        self._tokens = TokenCounter(
+            tokenizer if tokenizer is not None else _handle_tokenizer(handle)
+        )
         request_headers = {"User-Agent": "dsclient/0.1"}
         request_headers.update(headers or {})
         if self._api_key is not None:
             request_headers["Authorization"] = f"Bearer {self._api_key.reveal()}"
         # The governor is the only concurrency limit: the pool must never be the tighter one,
-        # so it is unbounded; keep-alive connections cover a large cap without reconnects.
+        # so it is unbounded; keep-alive connections cover a large limit without reconnects.
         self._http = httpx.AsyncClient(
             transport=transport,
             headers=request_headers,
             timeout=httpx.Timeout(self._timeout, connect=min(self._timeout or 10.0, 10.0)),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
         )
-        self._server: ServerInfo | None = None
+        self._path = RequestPath(
+            self._http,
+            self._endpoint,
+            self._retry,
+            self._budget,
+            sleep=sleep or anyio.sleep,
+            rng=rng or random.Random(),
+        )
         self._discover_lock = anyio.Lock()
         self._tokenize_limiter = anyio.CapacityLimiter(8)
         self._closed = False
+        self._poller_scope: anyio.CancelScope | None = None
+        self._poller_task: asyncio.Task[None] | None = None
+        self._task_group: Any = None
         self._handle_facts = {
             key: value
             for key in ("max_num_seqs", "max_model_len")
@@ -329,19 +400,54 @@ class AsyncClient:
     # -- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncClient:
         await self.discover()
+        if self._endpoint.controller.mode != "fixed":
+            group = anyio.create_task_group()
+            await group.__aenter__()
+            self._task_group = group
+            group.start_soon(self._run_poller)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+        group, self._task_group = self._task_group, None
+        if group is not None:
+            group.cancel_scope.cancel()
+            await group.__aexit__(None, None, None)
 
     async def aclose(self) -> None:
-        """Close the connections. The client cannot be used afterwards."""
+        """Close the connections and stop the load poller. The client cannot be used afterwards."""
         self._closed = True
+        if self._poller_scope is not None:
+            self._poller_scope.cancel()
+        task, self._poller_task = self._poller_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await self._http.aclose()
+
+    async def _run_poller(self) -> None:
+        with anyio.CancelScope() as scope:
+            self._poller_scope = scope
+            await self._endpoint.run_poller(self._http)
+
+    def _ensure_poller(self) -> None:
+        """Outside ``async with`` (a client used bare, or the sync ``Client``), start the poller as
+        an asyncio task on first use; on trio the limit then moves on outcomes only."""
+        if (
+            self._poller_scope is not None
+            or self._poller_task is not None
+            or self._closed
+            or self._endpoint.controller.mode == "fixed"
+        ):
+            return
+        if sniffio.current_async_library() != "asyncio":
+            return
+        self._poller_task = asyncio.get_running_loop().create_task(self._run_poller())
 
     def __repr__(self) -> str:
         return (
-            f"AsyncClient(url={self._url!r}, model={self._model!r}, limit={self.limit}, "
+            f"AsyncClient(url={self.url!r}, model={self._model!r}, limit={self.limit}, "
             f"in_flight={self.in_flight}, api_key={'***' if self._api_key else None})"
         )
 
@@ -349,7 +455,7 @@ class AsyncClient:
     @property
     def url(self) -> str:
         """The server's root URL (without ``/v1``)."""
-        return self._url
+        return self._endpoint.url
 
     @property
     def model(self) -> str | None:
@@ -357,51 +463,86 @@ class AsyncClient:
 
     @property
     def server(self) -> ServerInfo | None:
-        """What discovery found (``None`` before it ran); see :meth:`discover`."""
-        return self._server
+        """What discovery found (``None`` before it ran), updated when the metrics teach
+        ``max_num_seqs`` (``server.sources["max_num_seqs"]`` then says so)."""
+        return self._endpoint.info
 
     @property
     def limit(self) -> int:
-        """The in-flight cap: ``max(1, floor(headroom * max_num_seqs))``."""
-        return self._governor.limit
+        """The in-flight limit now: ``floor(headroom x max_num_seqs)`` right after discovery,
+        then wherever the controller moved it."""
+        return self._endpoint.governor.limit
 
     @property
     def in_flight(self) -> int:
-        return self._governor.in_flight
+        return self._endpoint.governor.in_flight
 
     def stats(self) -> GovernorStats:
-        """Per-lane in flight, waiting, done, failed and sliding-window latency percentiles."""
-        return self._governor.stats()
+        """Per-lane in flight, waiting, done, failed and latency percentiles, and ``control``:
+        the limit's mode, why it last moved, the server's running / waiting as last seen and the
+        learned capacity."""
+        return self._endpoint.governor.stats(control=self._endpoint.control_stats())
 
     # -- discovery ---------------------------------------------------------------------------
     async def discover(self, *, refresh: bool = False) -> ServerInfo:
-        """Find the server's kind, model, context and ``max_num_seqs`` (once; cached)."""
-        if self._server is not None and not refresh:
-            return self._server
+        """Find the server's kind, model, context and ``max_num_seqs`` (once; cached).
+
+        Also scrapes ``/metrics`` once (whether the limit can follow the server's queue) and,
+        where the server has ``/tokenize``, calibrates the local token estimate on a sample text.
+        """
+        info = self._endpoint.info
+        if info is not None and not refresh:
+            return info
         async with self._discover_lock:
-            if self._server is not None and not refresh:
-                return self._server
+            info = self._endpoint.info
+            if info is not None and not refresh:
+                return info
+            url = self.url
             info = await discover(
                 self._http,
-                self._url,
+                url,
                 model=self._model,
                 max_num_seqs=self._explicit_max_num_seqs,
                 max_model_len=self._explicit_max_model_len,
             )
             info = self._with_handle_facts(info)
-            self._server = info
             self._model = info.model if info.model is not None else self._model
-            self._governor.set_limit(compute_limit(info.max_num_seqs, self._headroom))
+            load = None
+            if info.kind not in ("ollama", "unknown"):
+                load = await fetch_load(self._http, url, model=info.model, timeout=2.0)
+            self._endpoint.seed(info, load)
+            if info.has_tokenize and self._tokens.samples == 0:
+                await self._calibrate()
+            control = self._endpoint.controller
             logger.info(
-                "dsclient: %s at %s, model %s, max_num_seqs %s (%s), cap %d",
+                "dsclient: %s at %s, model %s, max_num_seqs %s (%s), limit %d (%s, up to %d)",
                 info.kind,
-                self._url,
+                url,
                 info.model,
                 info.max_num_seqs,
                 info.sources.get("max_num_seqs", "?"),
-                self._governor.limit,
+                self.limit,
+                control.mode,
+                control.ceiling,
             )
-            return info
+            return self._endpoint.info or info
+
+    async def _calibrate(self) -> None:
+        """One exact count of a fixed sample text fits the local estimate to the served model."""
+        try:
+            exact = await self._count_exact(CALIBRATION_TEXT)
+        except DSClientError as exc:  # a server that refuses the sample must not break discovery
+            logger.debug("dsclient: token calibration failed: %r", exc)
+            return
+        if exact is not None:
+            local = self._tokens.count(CALIBRATION_TEXT)
+            self._tokens.learn(local, exact)
+            logger.debug(
+                "dsclient: calibrated token estimate: sample %d local, %d served (x%.2f)",
+                local,
+                exact,
+                self._tokens.correction,
+            )
 
     def _with_handle_facts(self, info: ServerInfo) -> ServerInfo:
         """Fill what discovery could not find from the launched ``Server`` handle, if any."""
@@ -418,7 +559,12 @@ class AsyncClient:
     async def _ready(self) -> ServerInfo:
         if self._closed:
             raise RuntimeError("this AsyncClient is closed")
-        return self._server if self._server is not None else await self.discover()
+        info = self._endpoint.info
+        if info is None:
+            info = await self.discover()
+        if self._poller_scope is None and self._poller_task is None:
+            self._ensure_poller()
+        return info
 
     # -- token budget ------------------------------------------------------------------------
     async def count_tokens(self, prompt: Prompt, *, exact: bool = True) -> int:
@@ -441,7 +587,7 @@ class AsyncClient:
         async with self._tokenize_limiter:
             return await count_exact(
                 self._http,
-                self._url,
+                self.url,
                 model=self._model,
                 prompt=prompt if isinstance(prompt, str) else None,
                 messages=None if isinstance(prompt, str) else [dict(m) for m in prompt],
@@ -461,29 +607,34 @@ class AsyncClient:
         wanted = max_tokens if max_tokens is not None else self._default_max_tokens
         margin = tokens.margin
         threshold = self._long_threshold or default_long_threshold(ctx)
-        # Cheapest first: a byte bound (no tokenizer). When even that fits, counting cannot
-        # change what is sent, so a short prompt never pays for tiktoken or /tokenize.
+        # Cheapest first: a byte bound (no tokenizer). When even that fits the context and the
+        # short lane, counting cannot change what is sent or where, so a short prompt never pays
+        # for tiktoken or /tokenize.
         upper = tokens.upper_bound(prompt)
         lane: Lane
-        if upper is not None and not needs_exact_count(
-            estimate=upper, error_bound=0, wanted=wanted, max_model_len=ctx, margin=margin
+        if (
+            upper is not None
+            and upper + wanted <= threshold
+            and not needs_exact_count(
+                estimate=upper, error_bound=0, wanted=wanted, max_model_len=ctx, margin=margin
+            )
         ):
             send = wanted
-            if upper + send <= threshold:
-                lane = "short"
-                prompt_tokens = upper
-            else:
-                prompt_tokens = tokens.estimate(prompt)
-                lane = choose_lane(estimated_total_tokens=prompt_tokens + send, threshold=threshold)
+            lane = "short"
+            prompt_tokens = upper
         else:
             m = tokens.measure(prompt)
             prompt_tokens = m.estimate
+            # The lane, like a context overflow, is an outcome the estimate's error can change:
+            # count exactly when its bound straddles the threshold.
             if needs_exact_count(
                 estimate=m.estimate,
                 error_bound=m.error_bound,
                 wanted=wanted,
                 max_model_len=ctx,
                 margin=margin,
+            ) or lane_is_uncertain(
+                estimate=m.estimate, error_bound=m.error_bound, wanted=wanted, threshold=threshold
             ):
                 counted = await self._count_exact(prompt) if info.has_tokenize else None
                 if counted is not None:
@@ -545,7 +696,7 @@ class AsyncClient:
         """
         _check_prompt(prompt)
         _check_max_tokens(max_tokens)
-        result = await self._call(
+        result = await self._request(
             "completion", prompt, max_tokens, urgency, group, timeout, sampling
         )
         assert isinstance(result, CompletionResult)
@@ -569,7 +720,9 @@ class AsyncClient:
         """
         _check_messages(messages)
         _check_max_tokens(max_tokens)
-        result = await self._call("chat", messages, max_tokens, urgency, group, timeout, sampling)
+        result = await self._request(
+            "chat", messages, max_tokens, urgency, group, timeout, sampling
+        )
         assert isinstance(result, ChatResult)
         return result
 
@@ -628,7 +781,7 @@ class AsyncClient:
         return float(timeout) if timeout is not None else None
 
     # -- the request path --------------------------------------------------------------------
-    async def _call(
+    async def _request(
         self,
         kind: Literal["completion", "chat"],
         prompt: Prompt,
@@ -640,127 +793,37 @@ class AsyncClient:
         *,
         index: int | None = None,
     ) -> Result:
+        """The one internal entry point of a call (``generate``, ``chat``, ``map()``): plan,
+        then attempts under the governor (see :mod:`dsclient._pipeline`), within the timeout."""
         limit_s = self._timeout_of(timeout)
         start = self._clock()
         try:
             async with _deadline(limit_s):
                 plan = await self._plan(kind, prompt, max_tokens, sampling)
-                async with self._governor.slot(
-                    lane=plan.lane, urgency=urgency, group=group
-                ) as slot:
-                    data, attempts = await self._with_retries(
-                        lambda: self._post_json(plan.path, plan.body), slot, plan.path
-                    )
+                data, attempts, queued = await self._path.send_json(
+                    plan.path, plan.body, lane=plan.lane, urgency=urgency, group=group
+                )
         except builtins.TimeoutError as exc:
             raise TimeoutError(f"call did not finish within its timeout of {limit_s} s") from exc
         latency = self._clock() - start
-        return _build_result(kind, data, latency, slot.queued_s, attempts, plan, index)
+        return _build_result(kind, data, latency, queued, attempts, plan, index)
 
-    async def _post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """One attempt: POST, check the status, parse JSON. Raises dsclient errors only."""
-        try:
-            response = await self._http.post(self._url + path, json=body)
-        except httpx.TransportError as exc:
-            raise translate_transport_error(exc) from exc
-        if response.status_code >= 400:
-            raise error_from_response(response)
-        try:
-            data = json.loads(response.content)
-        except ValueError as exc:
-            raise MalformedResponse(
-                f"server answered HTTP {response.status_code} with a body that is not JSON",
-                body=response.text,
-            ) from exc
-        if not isinstance(data, dict):
-            raise MalformedResponse(
-                "server answered with JSON that is not an object", body=response.text
-            )
-        return data
-
-    async def _with_retries(
-        self, op: Callable[[], Awaitable[T]], slot: Slot | None, label: str
-    ) -> tuple[T, int]:
-        """Run ``op`` once; only if that fails retryably, hand over to :meth:`_retry_loop`.
-
-        The common path (success at once) builds no retry machinery.
-        """
-        self._budget.record_request()
-        try:
-            return await op(), 1
-        except DSClientError as first:
-            if self._retry.attempts <= 1 or not self._should_retry(first):
-                if slot is not None:
-                    slot.fail()
-                raise
-            failure: DSClientError = first
-        return await self._retry_loop(op, failure, slot, label)
-
-    def _should_retry(self, exc: BaseException) -> bool:
-        if not is_retryable(exc):
-            return False
-        if not self._budget.try_spend():
-            logger.warning("dsclient: retry budget spent; not retrying %s", describe(exc))
-            return False
-        return True
-
-    async def _retry_loop(
+    async def _open_stream(
         self,
-        op: Callable[[], Awaitable[T]],
-        first: DSClientError,
-        slot: Slot | None,
-        label: str,
-    ) -> tuple[T, int]:
-        retry = self._retry
-        delay = compute_backoff(
-            1, base=retry.base, cap=retry.cap, retry_after=retry_after_of(first), rng=self._rng
+        prompt: Prompt,
+        max_tokens: int | None,
+        urgency: int,
+        group: str | None,
+        sampling: dict[str, Any],
+    ) -> tuple[_Plan, httpx.Response, Slot, int]:
+        """The entry point of a stream: plan, then open it under a slot the caller holds."""
+        kind: Literal["completion", "chat"] = "completion" if isinstance(prompt, str) else "chat"
+        plan = await self._plan(kind, prompt, max_tokens, dict(sampling))
+        body = dict(plan.body, stream=True)
+        response, slot, attempts, _ = await self._path.open_stream(
+            plan.path, body, lane=plan.lane, urgency=urgency, group=group
         )
-        logger.info(
-            "dsclient: %s failed with %s; retry 2/%d in %.2fs",
-            label,
-            describe(first),
-            retry.attempts,
-            delay,
-        )
-        await self._sleep(delay)
-
-        def wait(state: tenacity.RetryCallState) -> float:
-            exc = state.outcome.exception() if state.outcome is not None else None
-            seconds = compute_backoff(
-                state.attempt_number + 1,
-                base=retry.base,
-                cap=retry.cap,
-                retry_after=retry_after_of(exc) if exc else None,
-                rng=self._rng,
-            )
-            logger.info(
-                "dsclient: %s failed with %s; retry %d/%d in %.2fs",
-                label,
-                describe(exc) if exc else "?",
-                state.attempt_number + 2,
-                retry.attempts,
-                seconds,
-            )
-            return seconds
-
-        attempts = 1
-        retrying = tenacity.AsyncRetrying(
-            stop=tenacity.stop_after_attempt(retry.attempts - 1),
-            wait=wait,
-            retry=tenacity.retry_if_exception(self._should_retry),
-            sleep=self._sleep,
-            reraise=True,
-        )
-        try:
-            async for attempt in retrying:
-                with attempt:
-                    attempts += 1
-                    result = await op()
-        except DSClientError as exc:
-            exc.attempts = attempts
-            if slot is not None:
-                slot.fail()
-            raise
-        return result, attempts
+        return plan, response, slot, attempts
 
 
 def _build_result(
@@ -832,7 +895,7 @@ class Stream:
         self._group = group
         self._timeout = timeout
         self._sampling = sampling
-        self._slot_cm: Any = None
+        self._slot: Slot | None = None
         self._response: httpx.Response | None = None
         self._events: AsyncIterator[dict[str, Any]] | None = None
         self.ttft_s: float | None = None
@@ -848,52 +911,17 @@ class Stream:
         self._start = client._clock()
         try:
             async with _deadline(self._timeout):
-                kind: Literal["completion", "chat"] = (
-                    "completion" if isinstance(self._prompt, str) else "chat"
+                plan, response, slot, attempts = await client._open_stream(
+                    self._prompt, self._max_tokens, self._urgency, self._group, self._sampling
                 )
-                plan = await client._plan(
-                    kind, self._prompt, self._max_tokens, dict(self._sampling)
-                )
-                self.lane, self.max_tokens = plan.lane, plan.max_tokens
-                body = dict(plan.body, stream=True)
-                self._slot_cm = client._governor.slot(
-                    lane=plan.lane, urgency=self._urgency, group=self._group
-                )
-                await self._slot_cm.__aenter__()
-                try:
-                    await self._open(plan.path, body)
-                except BaseException as exc:
-                    await self._release(exc)
-                    raise
         except builtins.TimeoutError as exc:
             raise TimeoutError(
                 f"stream did not open within its timeout of {self._timeout} s"
             ) from exc
+        self.lane, self.max_tokens, self.attempts = plan.lane, plan.max_tokens, attempts
+        self._response, self._slot = response, slot
+        self._events = iter_sse_data(response.aiter_lines())
         return self
-
-    async def _open(self, path: str, body: dict[str, Any]) -> None:
-        """Open the response; retried only while nothing has been received."""
-        client = self._client
-
-        async def attempt() -> None:
-            self.attempts += 1
-            request = client._http.build_request("POST", client._url + path, json=body)
-            try:
-                response = await client._http.send(request, stream=True)
-            except httpx.TransportError as exc:
-                raise translate_transport_error(exc) from exc
-            if response.status_code >= 400:
-                try:
-                    await response.aread()
-                except httpx.TransportError:
-                    pass
-                finally:
-                    await response.aclose()
-                raise error_from_response(response)
-            self._response = response
-            self._events = iter_sse_data(response.aiter_lines())
-
-        await client._with_retries(attempt, None, path)
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._iterate()
@@ -918,12 +946,14 @@ class Stream:
         if self._response is not None:
             await self._response.aclose()
             self._response = None
-        if self._slot_cm is not None:
-            cm, self._slot_cm = self._slot_cm, None
+        if self._slot is not None:
+            slot, self._slot = self._slot, None
+            if isinstance(exc, DSClientError):
+                slot.set_outcome(outcome_of(exc))
             if exc is not None:
-                await cm.__aexit__(type(exc), exc, exc.__traceback__)
+                await slot.__aexit__(type(exc), exc, exc.__traceback__)
             else:
-                await cm.__aexit__(None, None, None)
+                await slot.__aexit__(None, None, None)
 
     async def __aexit__(self, et: Any, ev: Any, tb: Any) -> None:
         with anyio.CancelScope(shield=True):

@@ -1,15 +1,20 @@
 """Admission control: how many requests may be in flight at once, and who goes next.
 
-The client wraps every request in a slot::
+The client wraps every attempt at a request in a slot::
 
     async with governor.slot(lane="short", urgency=0, group=None) as slot:
-        ...  # send the request; slot.queued_s is the time it waited for admission
-        slot.fail()  # optional: an exception leaving the block counts as a failure too
+        ...  # send once; slot.queued_s is the time it waited for admission
+        slot.set_outcome("overloaded")  # or "ok" (default), "error"; an exception is "error",
+                                        # a cancellation "cancelled"
 
-**The cap.** At most ``limit`` requests are in flight, with
-``limit = max(1, floor(headroom * max_num_seqs))`` (:func:`compute_limit`). A client cap does
-not make the server faster; it moves the queue from the server to the client, where it can be
-ordered. ``set_limit`` changes the cap at run time: raising it admits waiters at once, lowering
+On release the governor calls ``on_release(slot, outcome, service_s)`` (service time: admission
+to release), which is how the client's limit controller hears about every attempt.
+
+**The cap.** At most ``limit`` requests are in flight. It starts at
+``max(1, floor(headroom * max_num_seqs))`` (:func:`compute_limit`) and the client's limit
+controller (``dsclient._control``) moves it with ``set_limit``; the governor does not care where
+the number comes from. A client cap does not make the server faster; it moves the queue from the
+server to the client, where it can be ordered. Raising the cap admits waiters at once, lowering
 it never cancels running work, it only admits nobody until in-flight drops below the new cap.
 
 **Lanes.** A request is ``"short"`` or ``"long"`` (:func:`choose_lane`). Long requests may hold
@@ -19,6 +24,13 @@ reference CPU vLLM server a burst of long requests held short ones up to 10 s be
 semaphore, and 0.4 s with long requests held to half of the cap, at the same makespan, while a
 fixed 4 + 1 split made a mixed batch 2.5x slower. A long request that waits because its lane is
 full never blocks short requests queued behind it.
+
+**Borrowing is lent, not given.** While no short request has asked for a slot for
+``long_idle_borrow`` seconds, long requests may borrow idle short slots (up to ``limit - 1``).
+A long request runs for seconds, so short requests can always reclaim them: a short request is
+admitted while ``short in flight + min(long in flight, long share) < limit``, that is, borrowed
+long slots do not count against it. In-flight may then pass the limit by what was borrowed, for
+as long as those long requests run; the limit controller sees the server's queue and cuts.
 
 **Urgency, not priority.** Among waiters, higher ``urgency`` is admitted first, FIFO within
 equal urgency. It is deliberately not called ``priority``: vLLM's own request field ``priority``
@@ -52,11 +64,14 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 import anyio
 
 from ._exceptions import Overloaded
+
+if TYPE_CHECKING:
+    from ._control import ControlStats
 
 __all__ = [
     "Governor",
@@ -176,12 +191,17 @@ class LaneStats:
 
 @dataclass(frozen=True, kw_only=True)
 class GovernorStats:
-    """A snapshot of a :class:`Governor`: totals, and one :class:`LaneStats` per lane."""
+    """A snapshot of a :class:`Governor`: totals, and one :class:`LaneStats` per lane.
+
+    ``control`` (set by the client) is the limit controller's state: mode, why the limit last
+    moved, the server's running / waiting as last seen, the learned capacity.
+    """
 
     limit: int
     in_flight: int
     waiting: int
     lanes: Mapping[str, LaneStats]
+    control: ControlStats | None = None
 
     def _repr_html_(self) -> str:  # notebooks show a table, not a dataclass repr
         from ._display import stats_html
@@ -264,6 +284,7 @@ class _Queue:
 
 
 _NEW, _WAITING, _ACTIVE, _DONE = range(4)
+_OUTCOMES = ("ok", "overloaded", "error", "cancelled")
 
 
 class Slot:
@@ -277,13 +298,14 @@ class Slot:
     """
 
     __slots__ = (
+        "_admitted",
         "_cancelled",
         "_event",
-        "_failed",
         "_governor",
         "_granted",
         "_group_state",
         "_lane_state",
+        "_outcome",
         "_started",
         "_state",
         "group",
@@ -309,7 +331,8 @@ class Slot:
         self._lane_state = lane_state
         self._group_state = group_state
         self._state = _NEW
-        self._failed = False
+        self._outcome: str | None = None
+        self._admitted = 0.0
         self._granted = False
         self._cancelled = False
         self._started = 0.0
@@ -317,12 +340,24 @@ class Slot:
 
     @property
     def failed(self) -> bool:
-        """Whether :meth:`fail` was called (an exception leaving the block also counts)."""
-        return self._failed
+        """Whether the attempt was marked as not ``"ok"`` (an exception leaving also counts)."""
+        return self._outcome not in (None, "ok")
+
+    @property
+    def outcome(self) -> str | None:
+        """What :meth:`set_outcome` recorded (``None``: not yet)."""
+        return self._outcome
 
     def fail(self) -> None:
-        """Count this request as failed when the slot is released."""
-        self._failed = True
+        """Count this attempt as failed (``"error"``) when the slot is released."""
+        self._outcome = "error"
+
+    def set_outcome(self, outcome: str) -> None:
+        """Record the attempt's outcome: ``"ok"``, ``"overloaded"``, ``"error"`` or
+        ``"cancelled"``; the release passes it to ``on_release``."""
+        if outcome not in _OUTCOMES:
+            raise ValueError(f"outcome must be one of {', '.join(_OUTCOMES)}, got {outcome!r}")
+        self._outcome = outcome
 
     async def __aenter__(self) -> Slot:
         if self._state != _NEW:
@@ -333,6 +368,7 @@ class Slot:
         if governor._admissible(self._lane_state, self._group_state):
             governor._take(self)
             self._state = _ACTIVE
+            self._admitted = self._started
         else:
             await governor._wait(self)
         return self
@@ -345,7 +381,11 @@ class Slot:
     ) -> None:
         if self._state == _ACTIVE:
             self._state = _DONE
-            self._governor._release(self, failed=self._failed or exc_type is not None)
+            outcome = self._outcome
+            if exc_type is not None and outcome in (None, "ok"):
+                cancelled = issubclass(exc_type, anyio.get_cancelled_exc_class())
+                outcome = "cancelled" if cancelled else "error"
+            self._governor._release(self, outcome or "ok")
 
     def __repr__(self) -> str:
         return f"Slot(lane={self.lane!r}, urgency={self.urgency}, group={self.group!r})"
@@ -379,6 +419,8 @@ class Governor:
             :class:`~dsclient._exceptions.Overloaded` with status 0. ``None``: unbounded.
         latency_window: recent releases per lane kept for the percentiles, >= 100.
         clock: seconds from a monotonic source, for ``queued_s`` and latencies.
+        on_release: called as ``on_release(slot, outcome, service_s)`` when a slot is released
+            (``service_s``: admission to release); it must not raise.
     """
 
     __slots__ = (
@@ -391,6 +433,7 @@ class Governor:
         "_long_idle_borrow",
         "_long_share",
         "_max_queue",
+        "_on_release",
         "_queues",
         "_seq",
         "_short",
@@ -409,6 +452,7 @@ class Governor:
         max_queue: int | None = None,
         latency_window: int = 1000,
         clock: Callable[[], float] = time.monotonic,
+        on_release: Callable[[Slot, str, float], None] | None = None,
     ) -> None:
         _check_int("limit", limit, 1)
         _check_share("long_share", long_share)
@@ -429,6 +473,7 @@ class Governor:
         self._long_share = long_share
         self._max_queue = max_queue
         self._clock = clock
+        self._on_release = on_release
         self._groups = groups
         self._lanes: dict[str, _LaneState] = {
             "short": _LaneState("short", limit, latency_window),
@@ -501,13 +546,14 @@ class Governor:
             group.cap = _floor_share(group.share, limit)
         self._dispatch()
 
-    def stats(self) -> GovernorStats:
+    def stats(self, control: ControlStats | None = None) -> GovernorStats:
         """A frozen snapshot of the counters (sorts each lane's latency window: not per request)."""
         return GovernorStats(
             limit=self._limit,
             in_flight=self._in_flight,
             waiting=self._waiting,
             lanes=MappingProxyType({name: lane.snapshot() for name, lane in self._lanes.items()}),
+            control=control,
         )
 
     def __repr__(self) -> str:
@@ -520,11 +566,14 @@ class Governor:
     def _admissible(self, lane: _LaneState, group: _GroupState | None) -> bool:
         # Dispatch runs after every change that frees capacity, so whenever this is true no
         # waiter could use the slot: a caller taking it at once jumps nobody who could go.
-        return (
-            self._in_flight < self._limit
-            and lane.in_flight < self._lane_cap(lane)
-            and (group is None or group.in_flight < group.cap)
-        )
+        return self._has_room(lane) and (group is None or group.in_flight < group.cap)
+
+    def _has_room(self, lane: _LaneState) -> bool:
+        if lane is self._short:
+            # Long slots beyond the long share are borrowed: a short request reclaims them.
+            long = self._long
+            return lane.in_flight + min(long.in_flight, long.cap) < self._limit
+        return self._in_flight < self._limit and lane.in_flight < self._lane_cap(lane)
 
     def _lane_cap(self, lane: _LaneState) -> int:
         """The lane's cap now: the long share, or ``limit - 1`` while shorts are idle."""
@@ -586,7 +635,8 @@ class Governor:
                 self._withdraw(slot, queue)
             raise
         slot._state = _ACTIVE
-        slot.queued_s = self._clock() - slot._started
+        slot._admitted = self._clock()
+        slot.queued_s = slot._admitted - slot._started
 
     def _withdraw(self, slot: Slot, queue: _Queue) -> None:
         slot._cancelled = True
@@ -603,16 +653,19 @@ class Governor:
             queue.heap = [entry for entry in queue.heap if not entry[2]._cancelled]
             heapq.heapify(queue.heap)
 
-    def _release(self, slot: Slot, *, failed: bool) -> None:
+    def _release(self, slot: Slot, outcome: str) -> None:
         self._untake(slot)
         lane = slot._lane_state
-        if failed:
-            lane.failed += 1
-        else:
+        if outcome == "ok":
             lane.done += 1
-        lane.samples.append(self._clock() - slot._started)
+        else:
+            lane.failed += 1
+        now = self._clock()
+        lane.samples.append(now - slot._started)
         if self._waiting:
             self._dispatch()
+        if self._on_release is not None:
+            self._on_release(slot, outcome, now - slot._admitted)
 
     def _dispatch(self) -> None:
         """Admit waiters, best (urgency, arrival) first, while any of them fits its caps.
@@ -621,13 +674,13 @@ class Governor:
         long one (shortest job first), except that a long request goes first while no long
         request is in flight, so the long lane never starves.
         """
-        while self._waiting and self._in_flight < self._limit:
+        while self._waiting:
             best: _Queue | None = None
             best_key: tuple[int, int, int] | None = None
             for queue in self._queues:
                 # A queue whose lane or group is full is skipped, not waited on: no
                 # head-of-line blocking across lanes or groups.
-                if not queue.live or queue.lane.in_flight >= self._lane_cap(queue.lane):
+                if not queue.live or not self._has_room(queue.lane):
                     continue
                 if queue.group is not None and queue.group.in_flight >= queue.group.cap:
                     continue

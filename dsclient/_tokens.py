@@ -46,6 +46,7 @@ from ._exceptions import ContextOverflow, context_overflow_from_response
 
 __all__ = [
     "BYTES_PER_TOKEN",
+    "CALIBRATION_TEXT",
     "CHAT_PRIMING_TOKENS",
     "DEFAULT_ENCODING",
     "DEFAULT_MARGIN",
@@ -55,6 +56,7 @@ __all__ = [
     "TokenCounter",
     "TokenEstimate",
     "count_exact",
+    "lane_is_uncertain",
     "needs_exact_count",
     "plan_from_estimate",
     "plan_max_tokens",
@@ -95,6 +97,23 @@ PRIOR_RELATIVE_ERROR = 0.5
 #: ... plus this many tokens, which covers template and special-token differences on short
 #: prompts where a relative error means nothing.
 ERROR_SLACK_TOKENS = 8
+
+#: The sample a client counts once at discovery, locally and with the server's ``/tokenize``, so
+#: that its first estimates are already in the served model's units: ordinary prose with some
+#: digits, punctuation and code-like words, about 200 cl100k tokens. One fixed text: a served
+#: tokenizer that splits it 3x finer than cl100k (the tiny test model) would otherwise put a
+#: 740-token prompt at 240 tokens and in the short lane.
+CALIBRATION_TEXT = (
+    "The server answered the first request in 0.31 seconds, and the next twelve arrived before "
+    "the batch had room for them. Each one waited in the queue, counted its tokens, and took the "
+    "short lane or the long one. A long prompt of 1,024 tokens costs as much as several short "
+    "ones, so the client holds it apart: it reads the limit, checks the context (2048 tokens), "
+    "and sends max_tokens=256 only when that fits. When the answer comes back with HTTP 503, it "
+    "waits a random while, between zero and half a second, then tries again; after three tries "
+    "it gives up and says why. Meanwhile the morning report is written: 17 jobs done, 2 failed, "
+    "one still running. Please keep the river map, the winter notes and the list of numbers "
+    "(3, 14, 159, 2653) together with the user's question about the weather in the mountains."
+)
 
 #: Tokens a chat template may add that no per-message constant covers (Llama 3.1's date
 #: preamble, Qwen's default system prompt: ~20-30 tokens). Used only by the hard upper bound.
@@ -516,6 +535,20 @@ def needs_exact_count(
     if max_model_len is None:
         return False
     return estimate + error_bound + wanted + margin > max_model_len
+
+
+def lane_is_uncertain(*, estimate: int, error_bound: int, wanted: int, threshold: int) -> bool:
+    """Whether the estimate's error could move a request across the long-lane threshold.
+
+        lane_is_uncertain(estimate=240, error_bound=128, wanted=256, threshold=512)  # True
+        lane_is_uncertain(estimate=100, error_bound=58, wanted=64, threshold=512)    # False
+
+    True when ``estimate - error_bound + wanted <= threshold < estimate + error_bound + wanted``:
+    counting exactly (one ``/tokenize``) then decides the lane, as it decides a context overflow.
+    """
+    low = max(0, estimate - error_bound) + wanted
+    high = estimate + error_bound + wanted
+    return low <= threshold < high
 
 
 # --- I/O -----------------------------------------------------------------------------------------

@@ -1,0 +1,455 @@
+"""Limit control: how many requests one client lets through to one server, decided from what the
+server says about itself.
+
+Pure: no network, no sleeping, no clock of its own (every method takes ``now``). The client's
+endpoint feeds it and applies its :attr:`LimitController.limit` to the governor.
+
+**What it aims at.** A server's throughput is flat once its batch is full; every request beyond
+that waits in the server's first-come queue, where nobody can reorder it. So the controller keeps
+the server's batch full and its own queue short, and lets the excess wait on the client, where
+lanes, urgency and groups order it. vLLM, SGLang, llama.cpp and TGI publish both numbers on
+``/metrics`` (running, waiting); the controller holds ``waiting`` at a small target::
+
+    target = max(1, ceil(queue_share * capacity))        # capacity: max_num_seqs, known or learned
+
+a fraction of the batch, never a multiple of it: just enough that the batch stays full while
+finished sequences are replaced by requests still in transit (HTTP, tokenizing).
+
+**Modes.**
+
+==========  =====================================================================================
+metrics     the server reports running and waiting. Grow while the client has calls waiting and
+            the server's queue is at or under target (fast while it has never queued, then by half
+            the room seen); on a queue above target set ``limit = in_flight * (running + target)
+            / (running + waiting)`` (at most halving per step); cut by :data:`OVERLOAD_CUT` on 429
+            / 503 and on preemptions. Bounds: 1 .. ``max(64, 4 x capacity)``.
+latency     no queue signal: grow by 2 after three periods of demand without trouble, cut on 429
+            / 503; bounds 1 .. the server's known ``max_num_seqs`` (never above it).
+fixed       never moves (``adaptive=False`` or an explicit ``limit=``).
+==========  =====================================================================================
+
+In every mode, with a ``latency_target`` the limit halves when the p99 of recent service times
+exceeds 120% of it, and does not grow while the p99 is over the target.
+
+**Why proportional cuts and additive growth.** Several clients on one server each see the same
+queue. Each cuts in proportion to its own in-flight count and grows by the same steps, so their
+shares converge (AIMD) without talking to each other.
+
+**Learning the capacity.** :class:`CapacityLearner` takes ``max_num_seqs`` to be the most
+sequences seen running while requests waited (seen in at least two scrapes), bounded by the KV
+cache's blocks where the server reports them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Final, Literal
+
+__all__ = [
+    "CEILING_FLOOR",
+    "OVERLOAD_CUT",
+    "CapacityLearner",
+    "ControlStats",
+    "LimitController",
+    "Mode",
+    "Outcome",
+    "target_waiting",
+]
+
+Mode = Literal["metrics", "latency", "fixed"]
+Outcome = Literal["ok", "overloaded", "error", "cancelled"]
+
+#: Multiplier on 429 / 503 (the server refused for load) and on preemptions (its KV cache ran
+#: out). 0.7 rather than 0.5: the queue signal usually cuts first; a refusal is a late signal.
+OVERLOAD_CUT: Final = 0.7
+#: With a queue signal the limit may reach ``max(CEILING_FLOOR, 4 x capacity)``: in-flight counts
+#: requests in transit too, which on a busy API server were two thirds of them (ENVIRONMENT.md).
+CEILING_FLOOR: Final = 64
+_CEILING_PER_SEQ: Final = 4
+#: Growth before the server has ever queued: x1.5 a period ("slow start").
+_SLOW_START: Final = 1.5
+#: Share of the seen room added a period once the server has queued.
+_GAIN: Final = 0.5
+#: A proportional cut never goes below half of in-flight in one step.
+_MAX_CUT: Final = 0.5
+#: Latency rule (the tuning literature's baseline): halve above 120% of the target.
+_LATENCY_SLACK: Final = 1.2
+_LATENCY_CUT: Final = 0.5
+#: Latency mode grows by this after this many periods of unmet demand without trouble.
+_LATENCY_STEP: Final = 2
+_LATENCY_PERIODS: Final = 3
+#: Service times kept for the latency rule.
+_LATENCY_WINDOW: Final = 200
+
+
+def target_waiting(capacity: int | None, queue_share: float, running: int) -> int:
+    """The server queue the controller aims at: a fraction of the batch, at least 1.
+
+        target_waiting(8, 0.25, 3)      # 2
+        target_waiting(32, 0.25, 30)    # 8
+        target_waiting(None, 0.25, 12)  # 3: unknown capacity, the batch as seen
+
+    Parameters:
+        capacity: the server's ``max_num_seqs`` if known, else ``None``.
+        queue_share: the target as a share of it (default 0.25 in the client).
+        running: sequences running now; stands in for an unknown capacity.
+    """
+    base = capacity if capacity is not None else max(running, 1)
+    return max(1, math.ceil(queue_share * base - 1e-9))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControlStats:
+    """A snapshot of the limit control of one server (``client.stats().control``).
+
+    ``reason`` says why the limit last changed (``"start"`` until it first moves); ``changes``
+    counts the changes. ``server_running`` / ``server_waiting`` are the server's own counts as
+    last scraped (``None`` without a queue signal); ``target_waiting`` is the queue aimed at;
+    ``learned_max_num_seqs`` what the metrics taught (``None`` until the server has queued).
+    ``service_p99_s`` is the p99 of recent attempts' service times (slot to answer).
+    """
+
+    mode: Mode
+    limit: int
+    floor: int
+    ceiling: int
+    start: int
+    reason: str
+    changes: int
+    server_running: int | None
+    server_waiting: int | None
+    target_waiting: int | None
+    learned_max_num_seqs: int | None
+    latency_target_s: float | None
+    service_p99_s: float | None
+
+
+class CapacityLearner:
+    """``max_num_seqs`` from a server's gauges: the most sequences seen running while others waited.
+
+        learner = CapacityLearner()
+        learner.observe(running=8, waiting=3)
+        learner.observe(running=8, waiting=1)
+        learner.value  # 8
+
+    A single scrape with a queue may catch the scheduler between steps (a request just arrived,
+    not yet scheduled), so the value is set once a queue was seen in two scrapes; it only rises
+    after that. Where the server reports its KV cache (``kv_cache_size_tokens`` and
+    ``block_size``), no more sequences than its blocks can run, which bounds the value.
+    """
+
+    __slots__ = ("_bound", "_candidate", "_queued_scrapes", "max_running_seen", "value")
+
+    def __init__(self) -> None:
+        self.value: int | None = None
+        self.max_running_seen = 0
+        self._candidate = 0
+        self._queued_scrapes = 0
+        self._bound: int | None = None
+
+    def bound_by_kv(self, *, kv_cache_size_tokens: int | None, block_size: int | None) -> None:
+        """Set the KV cache's bound: one block at least per running sequence."""
+        if kv_cache_size_tokens and block_size and kv_cache_size_tokens > 0 and block_size > 0:
+            self._bound = max(1, kv_cache_size_tokens // block_size)
+
+    def observe(self, *, running: int, waiting: int) -> bool:
+        """Feed one scrape (``waiting``: requests queued for capacity); True if the value moved."""
+        if running < 0 or waiting < 0:
+            return False
+        self.max_running_seen = max(self.max_running_seen, running)
+        if waiting <= 0 or running <= 0:
+            return False
+        self._queued_scrapes += 1
+        self._candidate = max(self._candidate, running)
+        if self._queued_scrapes < 2:
+            return False
+        value = self._candidate if self._bound is None else min(self._candidate, self._bound)
+        if value != self.value:
+            self.value = value
+            return True
+        return False
+
+
+def _nearest_rank(values: list[float], percent: int) -> float:
+    ordered = sorted(values)
+    return ordered[max(1, (percent * len(ordered) + 99) // 100) - 1]
+
+
+class LimitController:
+    """The client's in-flight limit for one server, moved by the server's own signals.
+
+        control = LimitController(start=5, mode="metrics", capacity=8)
+        control.on_load(now, running=8, waiting=0, in_flight=5, demand=True)  # room: grows
+        control.limit, control.reason
+
+    Parameters:
+        start: the limit right after discovery (``floor(headroom x max_num_seqs)``), >= 1.
+        mode: ``"metrics"``, ``"latency"`` or ``"fixed"`` (see the module docstring).
+        capacity: the server's ``max_num_seqs`` when known (explicit, launcher record, the
+            server's own report); ``None`` when it is only a guess. Sets the target queue; in
+            latency mode also the ceiling.
+        ceiling: the most the limit may reach; default by mode (see the module docstring).
+        queue_share: the target queue as a share of the batch, in (0, 1].
+        latency_target: seconds; p99 of service times above 120% of it halves the limit.
+        period: seconds between two growth steps, > 0.
+        cooldown: seconds after a cut before the next cut for the same kind of signal.
+    """
+
+    __slots__ = (
+        "_capacity",
+        "_ceiling_fixed",
+        "_demand_periods",
+        "_last_cut",
+        "_last_grow",
+        "_last_latency_check",
+        "_preemptions",
+        "_saturated",
+        "_service",
+        "changes",
+        "cooldown",
+        "floor",
+        "latency_target",
+        "limit",
+        "mode",
+        "period",
+        "queue_share",
+        "reason",
+        "server_running",
+        "server_waiting",
+        "start",
+        "target",
+    )
+
+    def __init__(
+        self,
+        *,
+        start: int,
+        mode: Mode,
+        capacity: int | None = None,
+        ceiling: int | None = None,
+        queue_share: float = 0.25,
+        latency_target: float | None = None,
+        period: float = 0.25,
+        cooldown: float = 1.0,
+    ) -> None:
+        if isinstance(start, bool) or not isinstance(start, int) or start < 1:
+            raise ValueError(f"start must be an int >= 1, got {start!r}")
+        if mode not in ("metrics", "latency", "fixed"):
+            raise ValueError(f"mode must be 'metrics', 'latency' or 'fixed', got {mode!r}")
+        if not 0 < queue_share <= 1:
+            raise ValueError(f"queue_share must be in (0, 1], got {queue_share!r}")
+        if latency_target is not None and not latency_target > 0:
+            raise ValueError(f"latency_target must be > 0 seconds or None, got {latency_target!r}")
+        if not period > 0 or not cooldown >= 0:
+            raise ValueError(f"period must be > 0 and cooldown >= 0, got {period!r}, {cooldown!r}")
+        if ceiling is not None and (isinstance(ceiling, bool) or not isinstance(ceiling, int)):
+            raise ValueError(f"ceiling must be an int or None, got {ceiling!r}")
+        self.mode: Mode = mode
+        self.start = start
+        self.limit = start
+        self.floor = 1
+        self._capacity = capacity
+        self._ceiling_fixed = ceiling
+        self.queue_share = queue_share
+        self.latency_target = latency_target
+        self.period = period
+        self.cooldown = cooldown
+        self.reason = "start"
+        self.changes = 0
+        self.server_running: int | None = None
+        self.server_waiting: int | None = None
+        self.target: int | None = None
+        self._saturated = False
+        self._last_grow = -math.inf
+        self._last_cut: dict[str, float] = {}
+        self._last_latency_check = -math.inf
+        self._demand_periods = 0
+        self._preemptions: float | None = None
+        self._service: deque[float] = deque(maxlen=_LATENCY_WINDOW)
+
+    # -- bounds ---------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int | None:
+        """The server's ``max_num_seqs`` as the controller knows it (``None``: unknown)."""
+        return self._capacity
+
+    @property
+    def ceiling(self) -> int:
+        """The most the limit may reach now."""
+        if self.mode == "fixed":
+            return self.start
+        if self._ceiling_fixed is not None:
+            return max(self.start, self._ceiling_fixed)
+        if self.mode == "latency":
+            # Without a queue signal, never above the server's own batch (today's contract).
+            return max(self.start, self._capacity or self.start)
+        seen = max(self._capacity or 0, self.server_running or 0)
+        return max(self.start, CEILING_FLOOR, _CEILING_PER_SEQ * seen)
+
+    def set_capacity(self, capacity: int | None) -> None:
+        """A better ``max_num_seqs`` (learned from the metrics, or rediscovered)."""
+        if capacity is not None and capacity >= 1:
+            self._capacity = capacity
+
+    # -- signals -----------------------------------------------------------------------------
+    def on_load(
+        self,
+        now: float,
+        *,
+        running: int,
+        waiting: int,
+        in_flight: int,
+        demand: bool,
+        preemptions: float | None = None,
+    ) -> bool:
+        """One scrape of the server's queue. True when the limit changed.
+
+        Parameters:
+            now: seconds on the caller's monotonic clock.
+            running: sequences in the server's batch; waiting: its queue (all clients').
+            in_flight: this client's requests in flight to the server now.
+            demand: whether this client has calls waiting for a slot (or uses every slot).
+            preemptions: the server's cumulative preemption counter, if it has one.
+        """
+        self.server_running, self.server_waiting = running, waiting
+        target = self.target = target_waiting(self._capacity, self.queue_share, running)
+        if self.mode != "metrics":
+            return False
+        preempted = (
+            preemptions is not None
+            and self._preemptions is not None
+            and preemptions > self._preemptions
+        )
+        if preemptions is not None:
+            self._preemptions = preemptions
+        if preempted:
+            return self._cut(now, "preempt", OVERLOAD_CUT, "the server preempted sequences")
+        if waiting > target:
+            self._saturated = True
+            factor = max(_MAX_CUT, (running + target) / max(1, running + waiting))
+            wanted = max(self.floor, math.ceil(in_flight * factor))
+            if wanted < self.limit:
+                return self._set(
+                    wanted, f"server queue {waiting} > target {target} (running {running})"
+                )
+            return False
+        if not demand or now - self._last_grow < self.period or not self._latency_allows():
+            return False
+        self._last_grow = now
+        if not self._saturated and (self._capacity is None or running < self._capacity):
+            grown = math.ceil(self.limit * _SLOW_START)
+            why = f"server has room (running {running}, waiting {waiting})"
+        else:
+            room = target - waiting
+            if self._capacity is not None:
+                room += max(0, self._capacity - running)
+            grown = self.limit + max(1, math.ceil(_GAIN * room))
+            why = f"server queue {waiting} <= target {target} (running {running})"
+        return self._set(min(grown, self.ceiling), why)
+
+    def on_outcome(self, now: float, outcome: Outcome, service_s: float | None) -> bool:
+        """One attempt finished. True when the limit changed.
+
+        ``"overloaded"`` (the server answered 429 / 503) cuts by :data:`OVERLOAD_CUT`, once per
+        ``cooldown``; ``service_s`` (slot to answer) feeds the latency rule.
+        """
+        if outcome == "ok" and service_s is not None and service_s >= 0:
+            self._service.append(service_s)
+        if self.mode == "fixed":
+            return False
+        if outcome == "overloaded":
+            self._saturated = True
+            return self._cut(now, "overload", OVERLOAD_CUT, "the server refused for load")
+        return self._check_latency(now)
+
+    def on_idle_period(self, now: float, *, demand: bool) -> bool:
+        """A period passed without a queue signal (latency mode, or a failed scrape).
+
+        Grows by 2 after three periods of demand without trouble, up to the ceiling.
+        """
+        if self.mode != "latency":
+            return self.mode == "metrics" and self._check_latency(now)
+        if self._check_latency(now):
+            return True
+        if not demand or not self._latency_allows():
+            self._demand_periods = 0
+            return False
+        if now - self._last_grow < self.period:
+            return False
+        self._last_grow = now
+        self._demand_periods += 1
+        if self._demand_periods < _LATENCY_PERIODS:
+            return False
+        self._demand_periods = 0
+        return self._set(
+            min(self.limit + _LATENCY_STEP, self.ceiling),
+            f"{_LATENCY_PERIODS} periods of demand without overload",
+        )
+
+    # -- latency rule -------------------------------------------------------------------------
+    def service_p99(self) -> float | None:
+        """p99 of the recent attempts' service times, or ``None`` before any."""
+        return _nearest_rank(list(self._service), 99) if self._service else None
+
+    def _latency_allows(self) -> bool:
+        if self.latency_target is None or len(self._service) < 5:
+            return True
+        p99 = self.service_p99()
+        return p99 is not None and p99 <= self.latency_target
+
+    def _check_latency(self, now: float) -> bool:
+        if self.latency_target is None or len(self._service) < 20:
+            return False
+        if now - self._last_latency_check < self.period:
+            return False
+        self._last_latency_check = now
+        p99 = self.service_p99()
+        if p99 is None or p99 <= _LATENCY_SLACK * self.latency_target:
+            return False
+        changed = self._cut(
+            now,
+            "latency",
+            _LATENCY_CUT,
+            f"p99 service time {p99:.2f} s > 120% of the target {self.latency_target:g} s",
+        )
+        if changed:
+            # Judge the new limit on its own samples, not on the ones that caused the cut.
+            self._service.clear()
+        return changed
+
+    # -- changing the limit ----------------------------------------------------------------------
+    def _cut(self, now: float, kind: str, factor: float, why: str) -> bool:
+        if now - self._last_cut.get(kind, -math.inf) < self.cooldown:
+            return False
+        self._last_cut[kind] = now
+        self._demand_periods = 0
+        return self._set(max(self.floor, math.floor(self.limit * factor)), why)
+
+    def _set(self, limit: int, reason: str) -> bool:
+        limit = max(self.floor, min(limit, self.ceiling))
+        if limit == self.limit:
+            return False
+        self.limit = limit
+        self.reason = reason
+        self.changes += 1
+        return True
+
+    def stats(self, learned: int | None = None) -> ControlStats:
+        """A frozen snapshot (``learned``: the capacity the metrics taught, if any)."""
+        return ControlStats(
+            mode=self.mode,
+            limit=self.limit,
+            floor=self.floor,
+            ceiling=self.ceiling,
+            start=self.start,
+            reason=self.reason,
+            changes=self.changes,
+            server_running=self.server_running,
+            server_waiting=self.server_waiting,
+            target_waiting=self.target,
+            learned_max_num_seqs=learned,
+            latency_target_s=self.latency_target,
+            service_p99_s=self.service_p99(),
+        )

@@ -1,0 +1,281 @@
+"""A server as an object: its URL, what discovery found, its governor, its limit controller and its
+load as last seen, with the one task that scrapes that load.
+
+    endpoint = Endpoint("http://127.0.0.1:8000", options, clock=time.monotonic)
+    endpoint.seed(info, first_load)          # discovery's facts seed the controller
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(endpoint.run_poller, http)
+        ...                                  # calls take slots from endpoint.governor
+
+Only the controller sets the governor's limit. Discovery seeds it (the start, the mode, the known
+``max_num_seqs``); the poller feeds it the server's running and waiting counts; the governor
+feeds it every attempt's outcome. The poller scrapes only while the governor has traffic, at most
+once per ``scrape_interval``, and a call never waits for a scrape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+
+from ._control import CapacityLearner, ControlStats, LimitController, Mode
+from ._discovery import ServerInfo
+from ._governor import Governor, Slot, compute_limit
+from ._load import Load, parse_load
+
+__all__ = ["LEARNED_SOURCE", "ControlOptions", "Endpoint", "fetch_load"]
+
+logger = logging.getLogger("dsclient")
+
+#: ``ServerInfo.sources["max_num_seqs"]`` once the metrics taught it.
+LEARNED_SOURCE = "learned from /metrics (most sequences running while requests waited)"
+
+#: Sources of ``max_num_seqs`` that are guesses, which the metrics may replace.
+_GUESSES = frozenset({"default", "ollama default"})
+
+#: Limit changes are logged at INFO at most this often (each at DEBUG).
+_LOG_EVERY_S = 2.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControlOptions:
+    """How the client's limit is set (the client's keyword arguments of the same names)."""
+
+    headroom: float = 0.7
+    adaptive: bool = True
+    limit: int | None = None
+    max_limit: int | None = None
+    queue_share: float = 0.25
+    latency_target: float | None = None
+    scrape_interval: float = 0.25
+
+
+async def fetch_load(
+    http: httpx.AsyncClient, url: str, *, model: str | None, timeout: float
+) -> Load | None:
+    """GET ``{url}/metrics`` and parse it; ``None`` on any failure or without queue gauges."""
+    try:
+        with anyio.fail_after(timeout):
+            response = await http.get(url + "/metrics", timeout=timeout)
+    except (httpx.HTTPError, TimeoutError) as exc:
+        logger.debug("dsclient: scraping %s/metrics failed: %r", url, exc)
+        return None
+    if response.status_code != 200:
+        return None
+    return parse_load(response.text, model=model)
+
+
+class Endpoint:
+    """One server: URL, :class:`ServerInfo`, governor, limit controller, load as last seen.
+
+    Parameters:
+        url: the server's root URL.
+        options: how the limit is controlled.
+        governor_options: keyword arguments for :class:`~dsclient._governor.Governor`
+            (lanes, groups, queue bound).
+        clock: seconds from a monotonic source.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        options: ControlOptions,
+        governor_options: Mapping[str, Any],
+        *,
+        start: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.url = url
+        self.options = options
+        self.info: ServerInfo | None = None
+        self.load: Load | None = None
+        self.load_at: float | None = None
+        self.scrapes = 0
+        self._clock = clock
+        self.governor = Governor(
+            limit=start, clock=clock, on_release=self._released, **governor_options
+        )
+        self.controller = LimitController(start=start, mode="fixed")
+        self.learner = CapacityLearner()
+        self._wake: anyio.Event | None = None
+        self._raised: list[Callable[[], None]] = []
+        self._logged_at = -math.inf
+        self._silenced = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Endpoint(url={self.url!r}, mode={self.controller.mode!r}, "
+            f"limit={self.governor.limit}, in_flight={self.governor.in_flight})"
+        )
+
+    # -- seeding -------------------------------------------------------------------------------
+    def start_limit(self, info: ServerInfo) -> int:
+        """Where the limit starts: ``limit=`` if given, else ``floor(headroom x max_num_seqs)``."""
+        if self.options.limit is not None:
+            return self.options.limit
+        return compute_limit(info.max_num_seqs, self.options.headroom)
+
+    def seed(self, info: ServerInfo, load: Load | None) -> None:
+        """Discovery's facts and a first scrape choose the mode and the start; sets the limit."""
+        options = self.options
+        start = self.start_limit(info)
+        mode: Mode
+        if not options.adaptive or options.limit is not None:
+            mode = "fixed"
+        elif load is not None and load.running is not None and load.waiting is not None:
+            mode = "metrics"
+        else:
+            mode = "latency"
+        known = None if info.sources.get("max_num_seqs") in _GUESSES else info.max_num_seqs
+        if info.sources.get("max_num_seqs") == LEARNED_SOURCE:
+            known = info.max_num_seqs
+        self.info = info
+        self.controller = LimitController(
+            start=start,
+            mode=mode,
+            capacity=known,
+            ceiling=options.max_limit,
+            queue_share=options.queue_share,
+            latency_target=options.latency_target,
+            period=options.scrape_interval,
+        )
+        if mode == "latency" and known is None:
+            logger.info(
+                "dsclient: %s publishes no queue metrics and no max_num_seqs; the limit stays "
+                "between 1 and %d (pass max_num_seqs= to raise it)",
+                self.url,
+                self.controller.ceiling,
+            )
+        if load is not None:
+            self._learn(load)
+        self.governor.set_limit(start)
+
+    # -- signals ---------------------------------------------------------------------------------
+    def wake(self) -> None:
+        """A call started: let the poller run if it sleeps for want of traffic. Cheap."""
+        event = self._wake
+        if event is not None and not event.is_set():
+            event.set()
+
+    def on_raise(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback()`` whenever the limit rises (the batch runner adds workers); returns
+        a function that removes it."""
+        self._raised.append(callback)
+        return lambda: self._raised.remove(callback) if callback in self._raised else None
+
+    def _demand(self) -> bool:
+        governor = self.governor
+        return governor.waiting > 0 or governor.in_flight >= governor.limit
+
+    def observe_load(self, load: Load, now: float) -> None:
+        """Feed one scrape to the capacity learner and the controller."""
+        self.load, self.load_at = load, now
+        self.scrapes += 1
+        self._learn(load)
+        if load.running is None or load.waiting is None:
+            if self.controller.on_idle_period(now, demand=self._demand()):
+                self._apply()
+            return
+        if self.controller.on_load(
+            now,
+            running=load.running,
+            waiting=load.waiting,
+            in_flight=self.governor.in_flight,
+            demand=self._demand(),
+            preemptions=load.preemptions,
+        ):
+            self._apply()
+
+    def tick(self, now: float) -> None:
+        """A period without a scrape (no queue signal): the latency rules."""
+        if self.controller.on_idle_period(now, demand=self._demand()):
+            self._apply()
+
+    def _learn(self, load: Load) -> None:
+        learner = self.learner
+        learner.bound_by_kv(
+            kv_cache_size_tokens=load.kv_cache_size_tokens, block_size=load.block_size
+        )
+        if load.running is None or load.waiting is None:
+            return
+        waiting = load.waiting_capacity if load.waiting_capacity is not None else load.waiting
+        if not learner.observe(running=load.running, waiting=waiting):
+            return
+        info = self.info
+        if info is None or learner.value is None:
+            return
+        source = info.sources.get("max_num_seqs")
+        if source not in _GUESSES and source != LEARNED_SOURCE:
+            return  # a stated fact (explicit, record, the server's own report) stays
+        sources = dict(info.sources, max_num_seqs=LEARNED_SOURCE)
+        self.info = dataclasses.replace(info, max_num_seqs=learner.value, sources=sources)
+        self.controller.set_capacity(learner.value)
+        logger.info(
+            "dsclient: %s runs at most %d sequences at once (learned from /metrics)",
+            self.url,
+            learner.value,
+        )
+
+    def _released(self, slot: Slot, outcome: str, service_s: float) -> None:
+        if self.controller.on_outcome(self._clock(), outcome, service_s):  # type: ignore[arg-type]
+            self._apply()
+
+    def _apply(self) -> None:
+        governor, controller = self.governor, self.controller
+        old, new = governor.limit, controller.limit
+        if new == old:
+            return
+        governor.set_limit(new)
+        now = self._clock()
+        if now - self._logged_at >= _LOG_EVERY_S:
+            more = f" ({self._silenced} changes since the last line)" if self._silenced else ""
+            logger.info(
+                "dsclient: %s limit %d -> %d: %s%s", self.url, old, new, controller.reason, more
+            )
+            self._logged_at, self._silenced = now, 0
+        else:
+            self._silenced += 1
+            logger.debug("dsclient: %s limit %d -> %d: %s", self.url, old, new, controller.reason)
+        if new > old:
+            for callback in list(self._raised):
+                callback()
+
+    # -- the poller ------------------------------------------------------------------------------
+    async def run_poller(self, http: httpx.AsyncClient) -> None:
+        """Scrape the server's load while there is traffic; runs until cancelled.
+
+        At most one scrape per ``scrape_interval``; between bursts it sleeps on an event that
+        the next call sets. In latency or fixed mode there is nothing to scrape: it only ticks.
+        """
+        interval = self.options.scrape_interval
+        governor = self.governor
+        while True:
+            if not (governor.in_flight or governor.waiting):
+                self._wake = anyio.Event()
+                if not (governor.in_flight or governor.waiting):
+                    await self._wake.wait()
+            started = self._clock()
+            mode = self.controller.mode
+            if mode == "metrics":
+                model = self.info.model if self.info is not None else None
+                load = await fetch_load(http, self.url, model=model, timeout=max(1.0, interval * 4))
+                if load is not None:
+                    self.observe_load(load, self._clock())
+                else:
+                    self.tick(self._clock())
+            elif mode == "latency":
+                self.tick(self._clock())
+            else:
+                return  # fixed: nothing to watch
+            await anyio.sleep(max(0.0, interval - (self._clock() - started)))
+
+    def control_stats(self) -> ControlStats:
+        return self.controller.stats(learned=self.learner.value)

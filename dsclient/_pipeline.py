@@ -1,0 +1,252 @@
+"""The request path, one attempt at a time: a slot, one send, the slot back with its outcome.
+
+    path = RequestPath(http, endpoint, retry, budget, sleep=anyio.sleep, rng=random.Random())
+    data, attempts, queued_s = await path.send_json(plan, urgency=0, group=None)
+
+Each attempt takes its own slot from the endpoint's governor, sends once, and releases the slot
+with what happened (``ok``, ``overloaded``, ``error``, ``cancelled``); the governor passes that and
+the attempt's service time to the limit controller. A retry's backoff sleeps *outside* any slot,
+so a sleeping call holds no capacity and service times never include sleeps. Retries follow
+:class:`~dsclient._retry.Retry` through ``tenacity``; a retry spends one token of the retry budget,
+and only a retry that happens spends one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import httpx
+import tenacity
+
+from ._exceptions import (
+    DSClientError,
+    MalformedResponse,
+    Overloaded,
+    error_from_response,
+    translate_transport_error,
+)
+from ._retry import Retry, RetryBudget, compute_backoff, describe, is_retryable, retry_after_of
+
+if TYPE_CHECKING:
+    from ._endpoint import Endpoint
+    from ._governor import Lane, Slot
+
+__all__ = ["RequestPath", "outcome_of"]
+
+logger = logging.getLogger("dsclient")
+T = TypeVar("T")
+
+
+def outcome_of(exc: BaseException) -> str:
+    """The governor's name for how an attempt failed: ``"overloaded"`` when the server refused
+    for load (429 / 503), else ``"error"``."""
+    return "overloaded" if isinstance(exc, Overloaded) and exc.status != 0 else "error"
+
+
+class RequestPath:
+    """Sends planned requests to one endpoint, attempt by attempt, under its governor.
+
+    Parameters:
+        http: the shared ``httpx.AsyncClient`` (auth headers, transport).
+        endpoint: the server (URL, governor, limit controller).
+        retry: the retry policy; budget: the retry budget shared by every call of the client.
+        sleep, rng: injectable for tests (backoff sleeps, jitter).
+    """
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        endpoint: Endpoint,
+        retry: Retry,
+        budget: RetryBudget,
+        *,
+        sleep: Callable[[float], Awaitable[None]],
+        rng: random.Random,
+    ) -> None:
+        self._http = http
+        self._endpoint = endpoint
+        self._retry = retry
+        self._budget = budget
+        self._sleep = sleep
+        self._rng = rng
+
+    # -- one attempt -----------------------------------------------------------------------------
+    async def _post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One POST: check the status, parse JSON. Raises dsclient errors only."""
+        try:
+            response = await self._http.post(self._endpoint.url + path, json=body)
+        except httpx.TransportError as exc:
+            raise translate_transport_error(exc) from exc
+        if response.status_code >= 400:
+            raise error_from_response(response)
+        try:
+            data = json.loads(response.content)
+        except ValueError as exc:
+            raise MalformedResponse(
+                f"server answered HTTP {response.status_code} with a body that is not JSON",
+                body=response.text,
+            ) from exc
+        if not isinstance(data, dict):
+            raise MalformedResponse(
+                "server answered with JSON that is not an object", body=response.text
+            )
+        return data
+
+    async def _open(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        """One streaming POST, open once its status is known to be fine."""
+        request = self._http.build_request("POST", self._endpoint.url + path, json=body)
+        try:
+            response = await self._http.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise translate_transport_error(exc) from exc
+        if response.status_code >= 400:
+            try:
+                await response.aread()
+            except httpx.TransportError:
+                pass
+            finally:
+                await response.aclose()
+            raise error_from_response(response)
+        return response
+
+    # -- attempts ------------------------------------------------------------------------------
+    async def send_json(
+        self, path: str, body: dict[str, Any], *, lane: Lane, urgency: int, group: str | None
+    ) -> tuple[dict[str, Any], int, float]:
+        """POST ``body`` until it succeeds or may not be retried: ``(json, attempts, queued_s)``.
+
+        ``queued_s`` sums the waits for a slot over the attempts.
+        """
+        governor = self._endpoint.governor
+        queued = 0.0
+
+        async def attempt() -> dict[str, Any]:
+            nonlocal queued
+            async with governor.slot(lane=lane, urgency=urgency, group=group) as slot:
+                queued += slot.queued_s
+                try:
+                    return await self._post_json(path, body)
+                except DSClientError as exc:
+                    slot.set_outcome(outcome_of(exc))
+                    raise
+
+        self._endpoint.wake()
+        data, attempts = await self._with_retries(attempt, path)
+        return data, attempts, queued
+
+    async def open_stream(
+        self, path: str, body: dict[str, Any], *, lane: Lane, urgency: int, group: str | None
+    ) -> tuple[httpx.Response, Slot, int, float]:
+        """Open a streaming response under a slot: ``(response, slot, attempts, queued_s)``.
+
+        Retried only while nothing has been received. The caller holds the returned slot (already
+        entered) while it reads, and must ``await slot.__aexit__(...)`` when done.
+        """
+        governor = self._endpoint.governor
+        queued = 0.0
+
+        async def attempt() -> tuple[httpx.Response, Slot]:
+            nonlocal queued
+            slot = governor.slot(lane=lane, urgency=urgency, group=group)
+            await slot.__aenter__()
+            queued += slot.queued_s
+            try:
+                response = await self._open(path, body)
+            except BaseException as exc:
+                if isinstance(exc, DSClientError):
+                    slot.set_outcome(outcome_of(exc))
+                await slot.__aexit__(type(exc), exc, exc.__traceback__)
+                raise
+            return response, slot
+
+        self._endpoint.wake()
+        (response, slot), attempts = await self._with_retries(attempt, path)
+        return response, slot, attempts, queued
+
+    async def _with_retries(self, op: Callable[[], Awaitable[T]], label: str) -> tuple[T, int]:
+        """Run ``op`` once; only if that fails retryably, hand over to :meth:`_retry_loop`.
+
+        The common path (success at once) builds no retry machinery.
+        """
+        self._budget.record_request()
+        try:
+            return await op(), 1
+        except DSClientError as first:
+            if self._retry.attempts <= 1 or not is_retryable(first):
+                raise
+            if not self._spend(first):
+                raise
+            failure: DSClientError = first
+        return await self._retry_loop(op, failure, label)
+
+    def _spend(self, exc: BaseException) -> bool:
+        """Take one token for a retry that is about to happen."""
+        if self._budget.try_spend():
+            return True
+        logger.warning("dsclient: retry budget spent; not retrying %s", describe(exc))
+        return False
+
+    async def _retry_loop(
+        self, op: Callable[[], Awaitable[T]], first: DSClientError, label: str
+    ) -> tuple[T, int]:
+        retry = self._retry
+        delay = compute_backoff(
+            1, base=retry.base, cap=retry.cap, retry_after=retry_after_of(first), rng=self._rng
+        )
+        logger.info(
+            "dsclient: %s failed with %s; retry 2/%d in %.2fs",
+            label,
+            describe(first),
+            retry.attempts,
+            delay,
+        )
+        await self._sleep(delay)  # outside any slot
+
+        def wait(state: tenacity.RetryCallState) -> float:
+            exc = state.outcome.exception() if state.outcome is not None else None
+            seconds = compute_backoff(
+                state.attempt_number + 1,
+                base=retry.base,
+                cap=retry.cap,
+                retry_after=retry_after_of(exc) if exc else None,
+                rng=self._rng,
+            )
+            logger.info(
+                "dsclient: %s failed with %s; retry %d/%d in %.2fs",
+                label,
+                describe(exc) if exc else "?",
+                state.attempt_number + 2,
+                retry.attempts,
+                seconds,
+            )
+            return seconds
+
+        def stop(state: tenacity.RetryCallState) -> bool:
+            # tenacity asks `stop` only once `retry` said the failure is retryable, so this
+            # spends a token exactly when a retry is about to happen.
+            if state.attempt_number >= retry.attempts - 1:
+                return True
+            exc = state.outcome.exception() if state.outcome is not None else None
+            return not self._spend(exc or RuntimeError("?"))
+
+        attempts = 1
+        retrying = tenacity.AsyncRetrying(
+            stop=stop,
+            wait=wait,
+            retry=tenacity.retry_if_exception(is_retryable),
+            sleep=self._sleep,
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    attempts += 1
+                    result = await op()
+        except DSClientError as exc:
+            exc.attempts = attempts
+            raise
+        return result, attempts
