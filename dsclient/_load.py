@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 __all__ = ["Load", "parse_load", "parse_prometheus"]
 
-Samples = dict[str, list[tuple[dict[str, str], float]]]
+_Samples = dict[str, list[tuple[dict[str, str], float]]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,9 +88,9 @@ def _unescape(match: re.Match[str]) -> str:
     return _UNESCAPED.get(match[1], match[0])
 
 
-def _parse(text: str, wanted: Container[str] | None) -> Samples:
+def _parse(text: str, wanted: Container[str] | None) -> _Samples:
     """:func:`parse_prometheus`, skipping names not in ``wanted`` before reading their labels."""
-    out: Samples = {}
+    out: _Samples = {}
     for raw in text.split("\n"):
         line = raw.strip()
         if not line or line[0] == "#":
@@ -133,7 +133,7 @@ def _parse(text: str, wanted: Container[str] | None) -> Samples:
     return out
 
 
-def parse_prometheus(text: str) -> Samples:
+def parse_prometheus(text: str) -> _Samples:
     r"""Parse Prometheus text exposition into ``{metric name: [(labels, value), ...]}``.
 
     >>> parse_prometheus('# TYPE up gauge\nup{job="a \\"b\\""} 1 1700000000000\n')
@@ -221,7 +221,7 @@ _WANTED = frozenset(
 )
 
 
-def _series(samples: Samples, name: str, model: str | None) -> list[tuple[dict[str, str], float]]:
+def _series(samples: _Samples, name: str, model: str | None) -> list[tuple[dict[str, str], float]]:
     series = samples.get(name, [])
     if model is None:
         return series
@@ -229,7 +229,7 @@ def _series(samples: Samples, name: str, model: str | None) -> list[tuple[dict[s
     return [s for s in series if s[0].get("model_name", model) == model]
 
 
-def _values(samples: Samples, names: Iterable[str], model: str | None) -> list[float]:
+def _values(samples: _Samples, names: Iterable[str], model: str | None) -> list[float]:
     """The values of the first of ``names`` with any series left after the model filter."""
     for name in names:
         series = _series(samples, name, model)
@@ -277,10 +277,9 @@ def _label_values(series: Iterable[tuple[Mapping[str, str], float]], key: str) -
 
 
 def _vllm_fields(
-    samples: Samples, model: str | None
+    samples: _Samples, model: str | None
 ) -> tuple[int | None, int | None, float | None, int | None]:
-    """What only vLLM reports: ``waiting_capacity``, then the cache config (an info metric):
-    ``kv_cache_size_tokens``, ``kv_cache_max_concurrency`` and ``block_size``."""
+    """What only vLLM reports: why requests wait, and its cache config (an info metric)."""
     capacity = [
         value
         for labels, value in _series(samples, _VLLM_WAITING_BY_REASON, model)

@@ -543,3 +543,55 @@ async def test_a_launched_server_handle_backs_up_discovery():
     assert info.max_model_len == 2048  # the live server's answer wins over the handle
     assert client.limit == 11
     assert client.url == "http://127.0.0.1:8000"
+
+
+def _fine_tokenize(body):
+    # A served tokenizer that splits text 3x finer than the local estimate (as the tiny test
+    # model's 512-token BPE does against cl100k).
+    return 3 * len(body["prompt"].split())
+
+
+class _NoCalibration(FakeServer):
+    """A server whose /tokenize refuses the calibration sample (so the estimate stays raw)."""
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/tokenize" and CALIBRATION_TEXT in request.content.decode():
+            return httpx.Response(500, text="no")
+        return super().__call__(request)
+
+
+async def test_calibration_puts_a_long_prompt_in_the_long_lane_without_counting_it():
+    counted = []
+
+    def tokenize(body):
+        counted.append(body["prompt"][:20])
+        return _fine_tokenize(body)
+
+    fake = FakeServer(tokenize=tokenize, max_model_len=2048)
+    async with make_client(fake, tokenizer=lambda text: len(text.split())) as client:
+        assert client._tokens.correction == pytest.approx(3.0)
+        # 300 words: 300 locally, 900 served; even the low end of the bound (after a single
+        # calibration sample) + 64 out is over the 512 threshold, so no count is needed.
+        r = await client.generate(" ".join(["word"] * 300), max_tokens=64)
+    assert r.lane == "long"
+    assert len(counted) == 1  # the calibration sample only
+
+
+async def test_an_estimate_straddling_the_lane_threshold_is_counted_exactly():
+    counted = []
+
+    def tokenize(body):
+        counted.append(body["prompt"])
+        return _fine_tokenize(body)
+
+    fake = _NoCalibration(tokenize=tokenize, max_model_len=2048)
+    async with make_client(fake, tokenizer=lambda text: len(text.split())) as client:
+        assert client._tokens.samples == 0
+        # 250 words: estimate 250 +- 133 (+ 256 out) straddles 512; served it is 750 + 256.
+        r = await client.generate(" ".join(["word"] * 250), max_tokens=256)
+        assert r.lane == "long"
+        assert client._tokens.correction == pytest.approx(3.0)  # learned from that count
+        # Clearly short prompts are never counted, even before calibration.
+        r = await client.generate("a b c", max_tokens=16)
+        assert r.lane == "short"
+    assert len(counted) == 1 and counted[0].startswith("word")  # the straddler only

@@ -669,3 +669,33 @@ async def test_strict_arrival_order_by_default() -> None:
         await crowd.release("S0")
         assert crowd.admitted[-1] == "L1"
         await crowd.release_all()
+
+
+async def test_shorts_reclaim_borrowed_slots_at_once() -> None:
+    # A long call runs for seconds on the reference server: borrowed slots must not lock shorts
+    # out for that long. Shorts count long calls only up to the long share.
+    now = [100.0]
+    governor = Governor(8, clock=lambda: now[0])  # long share 4
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        for i in range(7):
+            await crowd.add(f"L{i}", lane="long")
+        assert governor.stats().lanes["long"].in_flight == 7  # 3 borrowed
+        for i in range(5):
+            await crowd.add(f"S{i}")
+        # 4 shorts go at once (short + min(long, 4) < 8); the fifth waits for a short to end.
+        assert [name for name in crowd.admitted if name.startswith("S")] == [
+            "S0",
+            "S1",
+            "S2",
+            "S3",
+        ]
+        assert governor.in_flight == 11 and governor.waiting == 1
+        await crowd.release("L0", "L1", "L2")  # borrowed longs ending free nothing for shorts
+        assert governor.waiting == 1
+        await crowd.release("S0")
+        assert crowd.admitted[-1] == "S4"
+        await crowd.add("L7", lane="long")  # the long lane is at its share and shorts are busy
+        assert "L7" not in crowd.admitted
+        await crowd.release_all()
+    assert (governor.in_flight, governor.waiting) == (0, 0)

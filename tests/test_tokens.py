@@ -404,3 +404,14 @@ async def test_count_exact_needs_one_input() -> None:
     async with _client(lambda r: httpx.Response(200)) as http:
         with pytest.raises(ValueError):
             await count_exact(http, "http://s", model="m", timeout=1)
+
+
+def test_lane_is_uncertain_only_when_the_bound_straddles_the_threshold():
+    from dsclient._tokens import lane_is_uncertain
+
+    assert lane_is_uncertain(estimate=240, error_bound=128, wanted=256, threshold=512)
+    assert not lane_is_uncertain(estimate=100, error_bound=58, wanted=64, threshold=512)
+    assert not lane_is_uncertain(estimate=900, error_bound=100, wanted=256, threshold=512)
+    # the edges: at the threshold is short, one above is long
+    assert not lane_is_uncertain(estimate=256, error_bound=0, wanted=256, threshold=512)
+    assert lane_is_uncertain(estimate=256, error_bound=1, wanted=256, threshold=512)

@@ -1,0 +1,171 @@
+"""The per-attempt request path: a slot per attempt, sleeps outside it, outcomes to the controller,
+one retry-budget token per retry that happens."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import httpx
+import pytest
+
+from dsclient import AsyncClient, Overloaded, RequestRefused, Retry
+
+from .fakes import FakeServer, completion_body
+
+pytestmark = pytest.mark.anyio
+
+
+def make_client(fake: FakeServer, sleep, **kwargs) -> AsyncClient:
+    kwargs.setdefault("rng", random.Random(0))
+    return AsyncClient("http://127.0.0.1:8000", transport=fake.transport, sleep=sleep, **kwargs)
+
+
+class SlotWatchingSleep:
+    """Records each backoff and how many slots the client held while it slept."""
+
+    def __init__(self) -> None:
+        self.client: AsyncClient | None = None
+        self.held: list[int] = []
+
+    async def __call__(self, seconds: float) -> None:
+        assert self.client is not None
+        self.held.append(self.client.in_flight)
+
+
+async def test_a_retry_spends_one_budget_token():
+    # Before: the retry predicate spent a token and tenacity's stop check came after it, so one
+    # retry could cost two. With a floor of 2 and no ratio, two calls must each get their retry.
+    fake = FakeServer(script=[httpx.Response(500, text="boom")])
+    sleep = SlotWatchingSleep()
+    retry = Retry(attempts=2, budget_ratio=0.0, budget_floor=2)
+    async with make_client(fake, sleep, retry=retry) as client:
+        sleep.client = client
+        for _ in range(2):
+            with pytest.raises(RequestRefused) as info:
+                await client.generate("x", max_tokens=1)
+            assert info.value.attempts == 2
+        assert len(fake.requests) == 4
+        assert len(client._budget._retries) == 2
+        # The budget is now spent: the third call fails after its first attempt.
+        with pytest.raises(RequestRefused) as info:
+            await client.generate("x", max_tokens=1)
+        assert info.value.attempts == 1
+        assert len(fake.requests) == 5
+
+
+async def test_three_attempts_spend_two_tokens():
+    fake = FakeServer(script=[httpx.Response(502, text="bad gateway")])
+    sleep = SlotWatchingSleep()
+    retry = Retry(attempts=3, budget_ratio=0.0, budget_floor=10)
+    async with make_client(fake, sleep, retry=retry) as client:
+        sleep.client = client
+        with pytest.raises(RequestRefused):
+            await client.generate("x", max_tokens=1)
+        assert len(fake.requests) == 3
+        assert len(client._budget._retries) == 2
+
+
+async def test_backoff_sleeps_hold_no_slot():
+    fake = FakeServer(
+        script=[
+            httpx.Response(503, text="busy"),
+            httpx.Response(500, text="boom"),
+            httpx.Response(200, json=completion_body()),
+        ]
+    )
+    sleep = SlotWatchingSleep()
+    async with make_client(fake, sleep, max_num_seqs=1, headroom=1.0) as client:
+        sleep.client = client
+        result = await client.generate("x", max_tokens=1)
+    assert result.attempts == 3
+    assert sleep.held == [0, 0]
+
+
+async def test_another_call_runs_while_one_backs_off():
+    # One slot. The first call fails and sleeps for real; the second must get the slot then.
+    order: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        prompt = request.read().decode()
+        if '"first"' in prompt and "first-failed" not in order:
+            order.append("first-failed")
+            return httpx.Response(503, text="busy")
+        order.append("first" if '"first"' in prompt else "second")
+        return httpx.Response(200, json=completion_body())
+
+    fake = FakeServer(script=[handler])
+
+    async def slow_sleep(seconds: float) -> None:
+        await anyio.sleep(0.2)
+
+    async with make_client(fake, slow_sleep, max_num_seqs=1, headroom=1.0) as client:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: client.generate("first", max_tokens=1))
+            await anyio.sleep(0.05)  # the first call is sleeping now
+            tg.start_soon(lambda: client.generate("second", max_tokens=1))
+    assert order == ["first-failed", "second", "first"]
+
+
+async def test_overload_reaches_the_controller_and_cuts_the_limit():
+    fake = FakeServer(
+        script=[httpx.Response(503, text="busy"), httpx.Response(200, json=completion_body())]
+    )
+    sleep = SlotWatchingSleep()
+    async with make_client(fake, sleep, max_num_seqs=8) as client:
+        sleep.client = client
+        assert client.limit == 5
+        result = await client.generate("x", max_tokens=1)
+        assert result.attempts == 2
+        assert client.limit == 3  # floor(5 x 0.7)
+        control = client.stats().control
+        assert control is not None and "refused" in control.reason
+        lanes = client.stats().lanes
+        assert lanes["short"].failed == 1 and lanes["short"].done == 1
+
+
+async def test_the_clients_own_full_queue_is_not_an_overload():
+    fake = FakeServer()
+    gate = anyio.Event()
+    sleep = SlotWatchingSleep()
+    async with make_client(fake, sleep, max_num_seqs=1, headroom=1.0, max_queue=1) as client:
+        async with anyio.create_task_group() as tg:
+
+            async def hold() -> None:
+                async with client._endpoint.governor.slot(lane="short"):
+                    await gate.wait()
+
+            tg.start_soon(hold)
+            await anyio.sleep(0.01)
+            tg.start_soon(lambda: client.generate("waits", max_tokens=1))
+            await anyio.sleep(0.01)
+            with pytest.raises(Overloaded) as info:
+                await client.generate("x", max_tokens=1)
+            assert info.value.status == 0
+            gate.set()
+        assert client.limit == 1
+        assert client.stats().control.reason == "start"
+
+
+async def test_stream_attempts_take_their_own_slots():
+    fake = FakeServer(
+        script=[
+            httpx.Response(503, text="busy"),
+            httpx.Response(
+                200,
+                headers={"content-type": "text/event-stream"},
+                text='data: {"choices": [{"text": "hi", "finish_reason": "length"}]}\n\n'
+                "data: [DONE]\n\n",
+            ),
+        ]
+    )
+    sleep = SlotWatchingSleep()
+    async with make_client(fake, sleep, max_num_seqs=8) as client:
+        sleep.client = client
+        async with client.stream("x", max_tokens=2) as s:
+            assert client.in_flight == 1
+            text = "".join([d async for d in s])
+        assert text == "hi" and s.attempts == 2
+        assert sleep.held == [0]
+        assert client.in_flight == 0
+        assert client.limit == 3  # the 503 reached the controller
