@@ -22,7 +22,10 @@ metrics     the server reports running and waiting. Grow while the client has ca
             the server's queue is at or under target (fast while it has never queued, then by half
             the room seen); on a queue above target set ``limit = in_flight * (running + target)
             / (running + waiting)`` (at most halving per step); cut by :data:`OVERLOAD_CUT` on 429
-            / 503 and on preemptions. Bounds: 1 .. ``max(64, 4 x capacity)``.
+            / 503 and on preemptions. No growth for ``cooldown`` after any cut (the cut needs a
+            round trip to show). Room in the batch counts only while the queue is empty: a
+            queue means the batch is full, whatever ``max_num_seqs`` says. Bounds: 1 ..
+            ``max(64, 4 x capacity)``.
 latency     no queue signal: grow by 2 after three periods of demand without trouble, cut on 429
             / 503; bounds 1 .. the server's known ``max_num_seqs`` (never above it).
 fixed       never moves (``adaptive=False`` or an explicit ``limit=``).
@@ -202,6 +205,7 @@ class LimitController:
         "_ceiling_fixed",
         "_demand_periods",
         "_last_cut",
+        "_last_cut_any",
         "_last_grow",
         "_last_latency_check",
         "_preemptions",
@@ -264,6 +268,7 @@ class LimitController:
         self._saturated = False
         self._last_grow = -math.inf
         self._last_cut: dict[str, float] = {}
+        self._last_cut_any = -math.inf
         self._last_latency_check = -math.inf
         self._demand_periods = 0
         self._preemptions: float | None = None
@@ -331,19 +336,24 @@ class LimitController:
             factor = max(_MAX_CUT, (running + target) / max(1, running + waiting))
             wanted = max(self.floor, math.ceil(in_flight * factor))
             if wanted < self.limit:
+                self._last_cut_any = now
                 return self._set(
                     wanted, f"server queue {waiting} > target {target} (running {running})"
                 )
             return False
         if not demand or now - self._last_grow < self.period or not self._latency_allows():
             return False
+        if now - self._last_cut_any < self.cooldown:
+            return False  # a cut needs a round trip to show in the queue before growing again
         self._last_grow = now
         if not self._saturated and (self._capacity is None or running < self._capacity):
             grown = math.ceil(self.limit * _SLOW_START)
             why = f"server has room (running {running}, waiting {waiting})"
         else:
             room = target - waiting
-            if self._capacity is not None:
+            if self._capacity is not None and waiting == 0:
+                # A queue means the batch is full, whatever max_num_seqs says (the KV cache may
+                # be what limits it): only an empty queue shows room in the batch.
                 room += max(0, self._capacity - running)
             grown = self.limit + max(1, math.ceil(_GAIN * room))
             why = f"server queue {waiting} <= target {target} (running {running})"
@@ -424,6 +434,7 @@ class LimitController:
         if now - self._last_cut.get(kind, -math.inf) < self.cooldown:
             return False
         self._last_cut[kind] = now
+        self._last_cut_any = now
         self._demand_periods = 0
         return self._set(max(self.floor, math.floor(self.limit * factor)), why)
 

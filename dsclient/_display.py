@@ -6,7 +6,7 @@ import html
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["batch_html", "result_html", "stats_html", "table_html"]
+__all__ = ["batch_html", "control_html", "result_html", "stats_html", "table_html"]
 
 
 def table_html(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -86,9 +86,11 @@ def batch_html(summary: Mapping[str, Any], failures: Sequence[Any], *, show: int
 
 
 def stats_html(stats: Any) -> str:
-    """A ``GovernorStats`` snapshot: the totals, then one row per lane."""
+    """A ``GovernorStats`` snapshot: the limit control, the totals, then one row per lane."""
     lanes = getattr(stats, "lanes", {}) or {}
-    return table_html(
+    control = getattr(stats, "control", None)
+    head = control_html(control) if control is not None else ""
+    return head + table_html(
         ["lane", "limit", "in flight", "waiting", "done", "failed", "p50 s", "p95 s", "p99 s"],
         [["all", stats.limit, stats.in_flight, stats.waiting, None, None, None, None, None]]
         + [
@@ -104,6 +106,37 @@ def stats_html(stats: Any) -> str:
                 lane.p99,
             ]
             for name, lane in lanes.items()
+        ],
+    )
+
+
+def control_html(control: Any) -> str:
+    """The limit control (``ControlStats``): mode, limit and bounds, why it last moved, the
+    server's queue as last seen and the learned capacity."""
+    return table_html(
+        [
+            "mode",
+            "limit",
+            "bounds",
+            "last change",
+            "changes",
+            "server running",
+            "server waiting",
+            "target waiting",
+            "learned max_num_seqs",
+        ],
+        [
+            [
+                control.mode,
+                control.limit,
+                f"{control.floor}..{control.ceiling}",
+                control.reason,
+                control.changes,
+                control.server_running,
+                control.server_waiting,
+                control.target_waiting,
+                control.learned_max_num_seqs,
+            ]
         ],
     )
 

@@ -212,12 +212,15 @@ class Endpoint:
         info = self.info
         if info is None or learner.value is None:
             return
+        # The controller aims at the batch the server shows, even against a stated value: a
+        # server seen queueing with 8 running has a batch of 8 now, whatever was configured
+        # (a wrong max_num_seqs=, or a KV cache that holds fewer sequences).
+        self.controller.set_capacity(learner.value)
         source = info.sources.get("max_num_seqs")
         if source not in _GUESSES and source != LEARNED_SOURCE:
-            return  # a stated fact (explicit, record, the server's own report) stays
+            return  # a stated fact (explicit, record, the server's own report) stays reported
         sources = dict(info.sources, max_num_seqs=LEARNED_SOURCE)
         self.info = dataclasses.replace(info, max_num_seqs=learner.value, sources=sources)
-        self.controller.set_capacity(learner.value)
         logger.info(
             "dsclient: %s runs at most %d sequences at once (learned from /metrics)",
             self.url,

@@ -9,6 +9,14 @@ the attempt's service time to the limit controller. A retry's backoff sleeps *ou
 so a sleeping call holds no capacity and service times never include sleeps. Retries follow
 :class:`~dsclient._retry.Retry` through ``tenacity``; a retry spends one token of the retry budget,
 and only a retry that happens spends one.
+
+One exception: under an adaptive limit, a refusal for load (429 / 503) is retried without a
+token. The refusal has just cut the limit, and the retry takes a slot again under that cut
+limit, so these retries cannot add load beyond what the controller allows: they are the queue
+moving back to the client, as intended. A server that refuses everything still sees at most
+``Retry.attempts`` tries per call, paced by a limit that keeps shrinking towards 1. (vLLM's
+``--max-num-queued-reqs`` answers 503 the moment its queue is full; charging those to the budget
+lost requests in a burst.)
 """
 
 from __future__ import annotations
@@ -184,7 +192,10 @@ class RequestPath:
         return await self._retry_loop(op, failure, label)
 
     def _spend(self, exc: BaseException) -> bool:
-        """Take one token for a retry that is about to happen."""
+        """Take one token for a retry that is about to happen (none for a load refusal under an
+        adaptive limit: see the module docstring)."""
+        if outcome_of(exc) == "overloaded" and self._endpoint.controller.mode != "fixed":
+            return True
         if self._budget.try_spend():
             return True
         logger.warning("dsclient: retry budget spent; not retrying %s", describe(exc))

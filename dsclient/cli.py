@@ -287,18 +287,44 @@ def _run_probe(args: argparse.Namespace) -> int:
 
     from ._client import AsyncClient
 
-    async def probe() -> tuple[Any, int]:
+    async def probe() -> tuple[Any, Any, Any]:
         async with AsyncClient(
             args.url, model=args.model, api_key=args.api_key, headroom=args.headroom
         ) as client:
-            return await client.discover(), client.limit
+            return await client.discover(), client.stats().control, client._endpoint.load
 
-    info, limit = anyio.run(probe)
+    info, control, load = anyio.run(probe)
+    queue = None
+    if load is not None:
+        queue = {
+            "source": load.source,
+            "running": load.running,
+            "waiting": load.waiting,
+            "kv_cache_usage": load.kv_usage,
+        }
     if args.json:
-        print(json.dumps({**info.to_dict(), "dsclient_limit": limit}, indent=2))
+        payload = {
+            **info.to_dict(),
+            "dsclient_limit": control.limit,
+            "limit_mode": control.mode,
+            "limit_ceiling": control.ceiling,
+            "queue_metrics": queue,
+        }
+        print(json.dumps(payload, indent=2))
+        return 0
+    print(info)
+    print(f"dsclient limit: starts at {control.limit} in flight (headroom {args.headroom})")
+    if control.mode == "metrics" and load is not None:
+        print(
+            f"  then follows {load.source} (running {load.running}, waiting {load.waiting} now):"
+            f" keeps the server's queue short, between 1 and {control.ceiling}"
+        )
+        print("  max_num_seqs is learned from it once requests queue, if nothing stated it")
     else:
-        print(info)
-        print(f"dsclient cap: {limit} in flight (headroom {args.headroom})")
+        print(
+            "  the server publishes no queue metrics: the limit moves on 429/503 and latency"
+            f" only, between 1 and {control.ceiling}"
+        )
     return 0
 
 

@@ -56,6 +56,36 @@ def _vllm_server_session() -> Iterator[Server]:
         yield server
 
 
+#: The plain server: what a user might start by hand, with vLLM's admission control on.
+PLAIN_MAX_NUM_SEQS = 8
+PLAIN_MAX_NUM_QUEUED_REQS = 16
+
+
+@pytest.fixture(scope="session")
+def plain_vllm_server() -> Iterator[str]:
+    """A real vLLM started by hand (not by dsclient's launcher): no launch record, no dev mode,
+    ``--max-num-seqs 8 --max-num-queued-reqs 16``. Yields its URL. Integration tests only."""
+    from tests.integration.plain_vllm import plain_vllm
+
+    try:
+        install = resolve_server_python()
+    except LaunchError as exc:
+        pytest.fail(f"the integration tests need the vLLM server venv: {exc}", pytrace=False)
+    model = make_tiny_model(python=install.python)
+    _progress("starting a plain vLLM (not through the launcher) ...")
+    args = [
+        "--max-num-seqs",
+        str(PLAIN_MAX_NUM_SEQS),
+        "--max-num-queued-reqs",
+        str(PLAIN_MAX_NUM_QUEUED_REQS),
+        "--max-model-len",
+        "2048",
+    ]
+    with plain_vllm(install.python, str(model), args) as url:
+        _progress(f"plain vLLM at {url}")
+        yield url
+
+
 @pytest.fixture
 def vllm_server(request: pytest.FixtureRequest) -> Server:
     """The shared real vLLM server (a :class:`dsclient.launcher.Server`); integration tests only.

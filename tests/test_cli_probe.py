@@ -28,4 +28,5 @@ def test_probe_table_names_the_cap(capsys):
     url = f"http://127.0.0.1:{_closed_port()}/v1"
     assert main(["probe", url, "--headroom", "1.0"]) == 0
     out = capsys.readouterr().out
-    assert "dsclient cap: 8 in flight" in out
+    assert "dsclient limit: starts at 8 in flight" in out
+    assert "no queue metrics" in out

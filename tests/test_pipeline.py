@@ -169,3 +169,24 @@ async def test_stream_attempts_take_their_own_slots():
         assert sleep.held == [0]
         assert client.in_flight == 0
         assert client.limit == 3  # the 503 reached the controller
+
+
+@pytest.mark.parametrize(("adaptive", "tokens"), [(True, 0), (False, 2)])
+async def test_load_refusals_are_not_charged_to_the_budget_under_an_adaptive_limit(
+    adaptive, tokens
+):
+    fake = FakeServer(
+        script=[
+            httpx.Response(503, text="busy"),
+            httpx.Response(429, text="slow down"),
+            httpx.Response(200, json=completion_body()),
+        ]
+    )
+    sleep = SlotWatchingSleep()
+    retry = Retry(attempts=4, budget_ratio=0.0, budget_floor=5)
+    async with make_client(fake, sleep, retry=retry, adaptive=adaptive) as client:
+        sleep.client = client
+        result = await client.generate("x", max_tokens=1)
+        assert result.attempts == 3
+        assert len(client._budget._retries) == tokens
+        assert client.limit == (3 if adaptive else 5)  # one cut per cooldown (1 s)
