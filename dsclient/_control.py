@@ -73,6 +73,10 @@ CEILING_FLOOR: Final = 64
 _CEILING_PER_SEQ: Final = 4
 #: Growth before the server has ever queued: x1.5 a period ("slow start").
 _SLOW_START: Final = 1.5
+#: Slow start grows at once when the server shows at least this share of what is in flight,
+#: else after this many periods.
+_LANDED_SHARE: Final = 0.5
+_SLOW_START_WAIT: Final = 2
 #: Share of the seen room added a period once the server has queued.
 _GAIN: Final = 0.5
 #: A proportional cut never goes below half of in-flight in one step.
@@ -138,9 +142,10 @@ class CapacityLearner:
         learner.value  # 8
 
     A single scrape with a queue may catch the scheduler between steps (a request just arrived,
-    not yet scheduled), so the value is set once a queue was seen in two scrapes; it only rises
-    after that. Where the server reports its KV cache (``kv_cache_size_tokens`` and
-    ``block_size``), no more sequences than its blocks can run, which bounds the value.
+    not yet scheduled), so the value is set once a queue was seen in two scrapes in a row, from
+    the most running among the queued scrapes so far; it only rises after that. Where the server
+    reports its KV cache (``kv_cache_size_tokens`` and ``block_size``), no more sequences than
+    its blocks can run, which bounds the value.
     """
 
     __slots__ = ("_bound", "_candidate", "_queued_scrapes", "max_running_seen", "value")
@@ -163,6 +168,7 @@ class CapacityLearner:
             return False
         self.max_running_seen = max(self.max_running_seen, running)
         if waiting <= 0 or running <= 0:
+            self._queued_scrapes = 0
             return False
         self._queued_scrapes += 1
         self._candidate = max(self._candidate, running)
@@ -345,11 +351,18 @@ class LimitController:
             return False
         if now - self._last_cut_any < self.cooldown:
             return False  # a cut needs a round trip to show in the queue before growing again
-        self._last_grow = now
         if not self._saturated and (self._capacity is None or running < self._capacity):
+            # Slow start, paced by what the server shows: requests in transit (HTTP, a busy API
+            # server tokenizing) are not in its gauges yet, and growing on an empty-looking
+            # server overshot to 43 in flight against a batch of 12 on a cold start.
+            landed = running + waiting >= _LANDED_SHARE * in_flight
+            if not landed and now - self._last_grow < _SLOW_START_WAIT * self.period:
+                return False
+            self._last_grow = now
             grown = math.ceil(self.limit * _SLOW_START)
             why = f"server has room (running {running}, waiting {waiting})"
         else:
+            self._last_grow = now
             room = target - waiting
             if self._capacity is not None and waiting == 0:
                 # A queue means the batch is full, whatever max_num_seqs says (the KV cache may

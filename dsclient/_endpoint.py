@@ -212,13 +212,13 @@ class Endpoint:
         info = self.info
         if info is None or learner.value is None:
             return
-        # The controller aims at the batch the server shows, even against a stated value: a
-        # server seen queueing with 8 running has a batch of 8 now, whatever was configured
-        # (a wrong max_num_seqs=, or a KV cache that holds fewer sequences).
-        self.controller.set_capacity(learner.value)
         source = info.sources.get("max_num_seqs")
         if source not in _GUESSES and source != LEARNED_SOURCE:
-            return  # a stated fact (explicit, record, the server's own report) stays reported
+            # A stated fact (explicit, record, the server's own report) stays. If it is wrong,
+            # the controller still sees the queue: room in the batch counts only while the
+            # server's queue is empty.
+            return
+        self.controller.set_capacity(learner.value)
         sources = dict(info.sources, max_num_seqs=LEARNED_SOURCE)
         self.info = dataclasses.replace(info, max_num_seqs=learner.value, sources=sources)
         logger.info(

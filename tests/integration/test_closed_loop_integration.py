@@ -1,7 +1,7 @@
 """The closed loop against real vLLM servers: behaviour, not timings.
 
 The launched server (``vllm_server``: max_num_seqs 8, known from the launch record) and a plain
-one started by hand (``plain_vllm_server``: max_num_seqs 8 unknown to the client,
+one started by hand (``plain_vllm_server``: max_num_seqs 12 unknown to the client,
 ``--max-num-queued-reqs 16``).
 """
 
