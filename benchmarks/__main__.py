@@ -4,6 +4,7 @@
     python -m benchmarks client-cost          # client CPU per request (mock transport, ~1 min)
     python -m benchmarks governor             # online + batch on a real tiny vLLM (~12 min)
     python -m benchmarks placement            # where vLLM's EngineCore runs (real vLLM, ~4 min)
+    python -m benchmarks closed-loop          # closed-loop governor on hand-started vLLMs (real)
     python -m benchmarks map                  # map() overhead and memory (mock transport)
     python -m benchmarks instructions         # the same legs in callgrind instructions (~6 min)
     python -m benchmarks governor --help      # each benchmark's own options
@@ -27,6 +28,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "governor": (
         "benchmarks.bench_governor",
         "online and batch latency on a real tiny vLLM: dsclient vs unbounded vs semaphore",
+    ),
+    "closed-loop": (
+        "benchmarks.bench_closed_loop",
+        "closed-loop governor on hand-started vLLMs: sweep, two processes, admission 503s",
     ),
     "placement": (
         "benchmarks.bench_placement",

@@ -1,12 +1,27 @@
-"""Helpers shared by the benchmarks: canned vLLM answers, percentiles, the results folder."""
+"""Helpers shared by the benchmarks.
+
+Canned vLLM answers, percentiles and the results folder; for the benchmarks on a real vLLM also
+prompts of the tiny model's words, a vLLM started by hand (no launcher), a ``/metrics`` sampler
+and a sampler of any value (``client.limit``).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import platform
+import random
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +97,347 @@ def write_results(name: str, payload: dict[str, Any]) -> Path:
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# -- prompts -------------------------------------------------------------------------------------
+# Words the tiny model's BPE tokenizer was trained on (dsclient/_data/build_tiny_model.py), so a
+# prompt costs about a token or two per word, as English text does for a real tokenizer.
+_WORD_TEXT = (
+    "the a an one two three many few some every this that these those model server token "
+    "request batch queue limit client engine cache memory prompt answer cat dog bird fish tree "
+    "river stone cloud light night day morning evening winter summer run walk read write send "
+    "wait start stop count measure build serve listen think fast slow small large quiet busy "
+    "careful simple random tiny open closed early late and or but so because while when if "
+    "then after before under over near far with without is are was were will can may must "
+    "should could would has have had do does did user hello thanks please yes no maybe number "
+    "time place world word"
+)
+WORDS = _WORD_TEXT.split()
+
+
+def words(rng: random.Random, n: int) -> str:
+    """``n`` random words of the tiny model's vocabulary, as a sentence."""
+    text = " ".join(rng.choice(WORDS) for _ in range(n))
+    return text[0].upper() + text[1:] + "."
+
+
+# -- vLLM's /metrics -----------------------------------------------------------------------------
+def gauge(metrics: str, name: str) -> float:
+    """The sum of a Prometheus gauge's samples (every label set) in a ``/metrics`` text."""
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def engine_summary(samples: Sequence[tuple[float, float]]) -> dict[str, float]:
+    """Mean running, and mean / p90 / max waiting, of ``(running, waiting)`` samples."""
+    if not samples:
+        return {}
+    waiting = [w for _, w in samples]
+    return {
+        "running_mean": round(sum(r for r, _ in samples) / len(samples), 2),
+        "waiting_mean": round(sum(waiting) / len(samples), 2),
+        "waiting_p90": percentile(waiting, 90) or 0.0,
+        "waiting_max": max(waiting),
+        "samples": len(samples),
+    }
+
+
+@contextlib.asynccontextmanager
+async def engine_sampler(url: str, every: float = 0.2) -> AsyncIterator[dict[str, float]]:
+    """Polls vLLM's ``/metrics`` while the block runs; fills in the engine's occupancy after.
+
+    Samples count only while anything was running or waiting (idle moments before the first
+    request and after the last would dilute the means). The keys are :func:`engine_summary`'s:
+    ``vllm:num_requests_running`` is the engine's batch, ``vllm:num_requests_waiting`` the
+    server's own queue. ``polls`` and ``poll_max_s`` tell whether the sampler itself kept up: a
+    busy API server answers ``/metrics`` late, and then there are fewer samples than 1 / every.
+    """
+    import httpx
+
+    found: dict[str, float] = {}
+    samples: list[tuple[float, float]] = []
+    polls: list[float] = []  # seconds each poll took
+
+    async def poll() -> None:
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            while True:
+                begun = time.perf_counter()
+                try:
+                    text = (await http.get(url + "/metrics")).text
+                except httpx.HTTPError:
+                    pass
+                else:
+                    running = gauge(text, "vllm:num_requests_running")
+                    waiting = gauge(text, "vllm:num_requests_waiting")
+                    if running or waiting:
+                        samples.append((running, waiting))
+                polls.append(time.perf_counter() - begun)
+                await asyncio.sleep(every)
+
+    task = asyncio.create_task(poll())
+    try:
+        yield found
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        found.update(engine_summary(samples))
+        found.update(polls=len(polls), poll_max_s=round(max(polls, default=0.0), 3))
+
+
+# -- any value over time (client.limit) ----------------------------------------------------------
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Min, mean, max and last of sampled values (``{}`` for none)."""
+    if not values:
+        return {}
+    return {
+        "min": min(values),
+        "mean": round(sum(values) / len(values), 2),
+        "max": max(values),
+        "final": values[-1],
+        "samples": len(values),
+    }
+
+
+@contextlib.asynccontextmanager
+async def sample_every(read: Callable[[], float], every: float = 0.2) -> AsyncIterator[list[float]]:
+    """Calls ``read()`` at once, then every ``every`` s while the block runs, and once on leaving.
+
+    Yields the list the values go into (live: read it inside the block for what came so far).
+    """
+    values: list[float] = []
+
+    async def poll() -> None:
+        while True:
+            values.append(read())
+            await asyncio.sleep(every)
+
+    task = asyncio.create_task(poll())
+    try:
+        yield values
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        values.append(read())
+
+
+def client_facts(client: Any) -> dict[str, Any]:
+    """What a dsclient client found and decided: limit, ``max_num_seqs`` and its source, control.
+
+    ``stats().control`` is the closed-loop governor's frozen dataclass; older clients have none.
+    """
+    server = getattr(client, "server", None)
+    facts: dict[str, Any] = {
+        "limit": client.limit,
+        "max_num_seqs": getattr(server, "max_num_seqs", None),
+        "max_num_seqs_source": (getattr(server, "sources", None) or {}).get("max_num_seqs"),
+    }
+    control = getattr(client.stats(), "control", None)
+    if control is not None:
+        facts["control"] = (
+            dataclasses.asdict(control) if dataclasses.is_dataclass(control) else repr(control)
+        )
+    return facts
+
+
+# -- a vLLM started by hand ----------------------------------------------------------------------
+#: The environment of a vLLM started by hand here (docs: /work/shared/ENVIRONMENT.md).
+HAND_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+#: What vLLM calls its engine process (``comm`` is cut to 15 characters by the kernel).
+ENGINE_CORE_COMM = "VLLM::EngineCor"
+
+
+def vllm_processes() -> list[str]:
+    """Command lines of the vLLM API servers running on this machine."""
+    done = subprocess.run(
+        ["pgrep", "-af", "vllm.entrypoints"], capture_output=True, text=True, check=False
+    )
+    return [line for line in done.stdout.splitlines() if line.strip()]
+
+
+def wait_for_no_vllm(timeout: float | None = None, every: float = 30.0) -> None:
+    """Wait until no other vLLM runs (numbers on a shared 2-core machine would be meaningless).
+
+    ``timeout`` ``None`` waits for ever; past it, exits with the processes found.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    others = vllm_processes()
+    while others:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise SystemExit("another vLLM server is still running:\n  " + "\n  ".join(others))
+        say("another vLLM server is running; waiting for it to finish:\n  " + "\n  ".join(others))
+        time.sleep(every)
+        others = vllm_processes()
+
+
+def group_pids(pgid: int, proc: Path = Path("/proc")) -> dict[int, str]:
+    """``{pid: comm}`` of the live processes in process group ``pgid`` (Linux ``/proc``).
+
+    dsclient has the same in a private module; the benchmarks keep their own copy so that they
+    do not break when dsclient's modules move.
+    """
+    found = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+        comm = stat[stat.find("(") + 1 : stat.rfind(")")]
+        fields = stat[stat.rfind(")") + 1 :].split()
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            found[int(entry.name)] = comm
+    return found
+
+
+def thread_affinities(pid: int) -> dict[str, int]:
+    """How many threads of ``pid`` may run on which CPUs, e.g. ``{"0": 5, "0,1": 12}``."""
+    counts: dict[str, int] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            key = ",".join(map(str, sorted(os.sched_getaffinity(int(task.name)))))
+        except OSError:  # a thread that exited meanwhile
+            continue
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def pin_threads(pid: int, cpus: Collection[int]) -> int:
+    """Move every thread of ``pid`` onto ``cpus`` (what dsclient's launcher does to EngineCore)."""
+    done = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):  # a thread that exited meanwhile
+            os.sched_setaffinity(int(task.name), set(cpus))
+            done += 1
+    return done
+
+
+@dataclass
+class HandServer:
+    """A vLLM that :func:`hand_started_vllm` started: its url, process group and log."""
+
+    url: str
+    pid: int
+    log_path: Path
+    argv: list[str]
+    facts: dict[str, Any]  # engine_core_pid, where its threads were, where they went (--place)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stop_group(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
+    """SIGTERM the whole process group, SIGKILL what is left after ``grace`` s; wait for all."""
+    pgid = proc.pid  # start_new_session made it the group's leader
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while (proc.poll() is None or group_pids(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if proc.poll() is None or group_pids(pgid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + grace
+        while group_pids(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def hand_started_vllm(
+    python: str,
+    model: str | os.PathLike[str],
+    *,
+    max_num_seqs: int,
+    max_model_len: int = 2048,
+    served_model_name: str = "tiny",
+    extra_args: Sequence[str] = (),
+    engine_core_cpus: Collection[int] | None = None,
+    startup_timeout: float = 180.0,
+) -> Iterator[HandServer]:
+    """Start vLLM as a user would by hand (no launcher: no launch record, no placement).
+
+        with hand_started_vllm(py, model_dir, max_num_seqs=32) as server:
+            ...  # server.url answers /health
+
+    ``engine_core_cpus`` moves the EngineCore's threads there once healthy, as dsclient's
+    launcher does. The log goes to a temporary file that is kept (its path is printed). The
+    whole process group is stopped on the way out, whatever happens.
+    """
+    import httpx
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", os.fspath(model),
+        "--served-model-name", served_model_name,
+        "--dtype", "float32",
+        "--max-num-seqs", str(max_num_seqs),
+        "--max-model-len", str(max_model_len),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        *extra_args,
+    ]  # fmt: skip
+    fd, log_name = tempfile.mkstemp(prefix="bench-vllm-", suffix=".log")
+    log_path = Path(log_name)
+    with os.fdopen(fd, "wb") as log:
+        log.write(f"# {' '.join(argv)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **HAND_ENV},
+            start_new_session=True,  # its own group: stopped as a whole, never half-way
+        )
+    say(f"started vLLM by hand (pid {proc.pid}) at {url}; log: {log_path}")
+    try:
+        begun = time.monotonic()
+        with httpx.Client(timeout=2.0) as http:
+            while True:
+                if proc.poll() is not None:
+                    tail = log_path.read_text(errors="replace")[-3000:]
+                    raise SystemExit(f"vLLM exited with status {proc.returncode}:\n{tail}")
+                if time.monotonic() - begun > startup_timeout:
+                    raise SystemExit(f"vLLM not healthy after {startup_timeout:.0f} s: {log_path}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if http.get(url + "/health").status_code == 200:
+                        break
+                time.sleep(0.5)
+        say(f"vLLM is healthy after {time.monotonic() - begun:.0f} s")
+        facts: dict[str, Any] = {}
+        cores = [pid for pid, comm in group_pids(proc.pid).items() if comm == ENGINE_CORE_COMM]
+        if len(cores) == 1:
+            facts["engine_core_pid"] = cores[0]
+            facts["engine_core_threads_before"] = thread_affinities(cores[0])
+            if engine_core_cpus:
+                cpus = sorted(engine_core_cpus)
+                moved = pin_threads(cores[0], cpus)
+                facts.update(engine_core_moved_to=cpus, engine_core_threads_moved=moved)
+                say(f"moved EngineCore (pid {cores[0]}, {moved} threads) to CPUs {cpus}")
+        elif engine_core_cpus:
+            raise SystemExit(f"expected one EngineCore in vLLM's group to move, found {cores}")
+        yield HandServer(url, proc.pid, log_path, argv, facts)
+    finally:
+        _stop_group(proc)
+        say(f"stopped vLLM (process group {proc.pid})")

@@ -2,12 +2,14 @@
 
     .venv/bin/python -m benchmarks governor              # ~10 min; writes results/governor.json
     .venv/bin/python -m benchmarks governor --runs 1 --online-seconds 8   # a quick look
+    .venv/bin/python -m benchmarks governor --scenarios online --rates 4,8  # two arrival rates
 
 Starts ONE vLLM server through ``dsclient.launcher`` (the tiny random Llama, ``max_num_seqs`` 8,
 ``max_model_len`` 2048, served as ``"tiny"``) and stops it at the end. Two scenarios:
 
 * **online**: short requests (~20 words, 16-32 tokens out) arrive as a Poisson process at
-  ``--rate`` per second (8) for ``--online-seconds`` (default 16); at t = 1 s a burst of
+  ``--rate`` per second (8; ``--rates 4,8`` runs each rate in turn, rows labelled with it) for
+  ``--online-seconds`` (default 16); at t = 1 s a burst of
   ``--burst`` (40) long requests (prompts calibrated to ~1000 tokens of the served model's
   tokenizer with ``/tokenize``, 256 tokens out) is submitted at once. Runs until all finish.
 * **batch**: ``--batch`` (160) requests, 3 short : 1 long in a seeded shuffle, submitted at once.
@@ -15,7 +17,8 @@ Starts ONE vLLM server through ``dsclient.launcher`` (the tiny random Llama, ``m
 Every request sends ``ignore_eos``, so the output lengths are exactly what was asked. Strategies:
 
 * ``dsclient``: ``dsclient.AsyncClient(url)`` with its defaults; discovery reads the launcher's
-  record (``max_num_seqs`` 8), so the cap is 5 and the long lane holds at most 2;
+  record (``max_num_seqs`` 8), so the cap is 5 and the long lane holds at most 2 (a closed-loop
+  governor moves its cap: ``client.limit`` is sampled every 0.2 s, min / mean / max / final);
 * ``unbounded``: ``asyncio.gather`` over ``openai.AsyncOpenAI(base_url=url + "/v1")`` calls;
 * ``semaphore8``: the same behind ``asyncio.Semaphore(8)``.
 
@@ -34,7 +37,6 @@ import contextlib
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -45,7 +47,20 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import machine, percentile, write_results
+from benchmarks._common import (
+    WORDS,
+    client_facts,
+    engine_sampler,
+    machine,
+    percentile,
+    sample_every,
+    say,
+    spread,
+    wait_for_no_vllm,
+    words,
+    write_results,
+)
+from benchmarks._common import gauge as _gauge  # noqa: F401  (tests/test_bench_governor.py)
 
 MAX_NUM_SEQS = 8
 MAX_MODEL_LEN = 2048
@@ -64,24 +79,6 @@ DIAGNOSTICS: dict[str, dict[str, Any]] = {
     "dsclient-nolane": {"long_share": 1.0},  # cap 5, long requests may take all 5
     "dsclient-cap8": {"headroom": 1.0},  # cap 8, long lane 4
 }
-
-# Words the tiny model's BPE tokenizer was trained on (dsclient/_data/build_tiny_model.py), so a
-# prompt costs about a token or two per word, as English text does for a real tokenizer.
-_WORD_TEXT = (
-    "the a an one two three many few some every this that these those model server token "
-    "request batch queue limit client engine cache memory prompt answer cat dog bird fish tree "
-    "river stone cloud light night day morning evening winter summer run walk read write send "
-    "wait start stop count measure build serve listen think fast slow small large quiet busy "
-    "careful simple random tiny open closed early late and or but so because while when if "
-    "then after before under over near far with without is are was were will can may must "
-    "should could would has have had do does did user hello thanks please yes no maybe number "
-    "time place world word"
-)
-WORDS = _WORD_TEXT.split()
-
-
-def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # -- workload ------------------------------------------------------------------------------------
@@ -103,11 +100,6 @@ class Outcome:
     error: str | None = None
     lane: str | None = None  # dsclient only
     queued_s: float | None = None  # dsclient only: time spent in the governor's queue
-
-
-def words(rng: random.Random, n: int) -> str:
-    text = " ".join(rng.choice(WORDS) for _ in range(n))
-    return text[0].upper() + text[1:] + "."
 
 
 def short_request(rng: random.Random, at: float) -> Request:
@@ -141,16 +133,17 @@ async def online_workload(
     args: argparse.Namespace,
     count: Callable[[str], Awaitable[int]],
     per_word: list[float],
+    rate: float,
 ) -> list[Request]:
     # Arrival times come from the scenario's own seed (identical in every run); the prompts'
     # words from the run's seed.
     times = random.Random(args.seed)
     text = random.Random(seed)
     requests: list[Request] = []
-    t = times.expovariate(args.rate)
+    t = times.expovariate(rate)
     while t < args.online_seconds:
         requests.append(short_request(text, t))
-        t += times.expovariate(args.rate)
+        t += times.expovariate(rate)
     requests += await asyncio.gather(
         *(
             long_request(random.Random(seed * 1000 + i), args.burst_at, count, per_word)
@@ -166,6 +159,7 @@ async def batch_workload(
     args: argparse.Namespace,
     count: Callable[[str], Awaitable[int]],
     per_word: list[float],
+    rate: float | None = None,  # unused: a batch arrives at once
 ) -> list[Request]:
     n_long = args.batch // 4
     kinds = ["long"] * n_long + ["short"] * (args.batch - n_long)
@@ -192,8 +186,11 @@ async def dsclient_strategy(
 ) -> AsyncIterator[tuple[Call, Callable[[], Any]]]:
     import dsclient
 
-    # Discovery happens on entering, before the run.
-    async with dsclient.AsyncClient(url, **options) as client:
+    # Discovery happens on entering, before the run; the limit is sampled from then on.
+    async with (
+        dsclient.AsyncClient(url, **options) as client,
+        sample_every(lambda: client.limit) as limits,
+    ):
 
         async def call(request: Request) -> Outcome | None:
             result = await client.generate(
@@ -204,15 +201,12 @@ async def dsclient_strategy(
             return outcome
 
         def info() -> dict[str, Any]:
-            server = client.server
-            stats = client.stats()
             return {
-                "limit": client.limit,
-                "max_num_seqs": server.max_num_seqs if server else None,
-                "max_num_seqs_source": server.sources.get("max_num_seqs") if server else None,
+                **client_facts(client),
+                "limit_samples": spread(limits),
                 "lanes": {
                     name: {"limit": lane.limit, "done": lane.done, "failed": lane.failed}
-                    for name, lane in stats.lanes.items()
+                    for name, lane in client.stats().lanes.items()
                 },
             }
 
@@ -273,54 +267,6 @@ def strategy(name: str, url: str) -> contextlib.AbstractAsyncContextManager[Any]
     return openai_strategy(url, asyncio.Semaphore(MAX_NUM_SEQS))
 
 
-def _gauge(metrics: str, name: str) -> float:
-    """The sum of a Prometheus gauge's samples (every label set) in a ``/metrics`` text."""
-    total = 0.0
-    for line in metrics.splitlines():
-        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-@contextlib.asynccontextmanager
-async def engine_sampler(url: str, every: float = 0.2) -> AsyncIterator[dict[str, float]]:
-    """Polls vLLM's ``/metrics`` while the block runs; fills in the engine's mean occupancy.
-
-    ``running_mean`` is the mean of ``vllm:num_requests_running`` (sequences in the engine's
-    batch) over the samples taken while anything was running or waiting, ``waiting_mean`` the
-    same for ``vllm:num_requests_waiting`` (the server's own queue).
-    """
-    import httpx
-
-    found: dict[str, float] = {}
-    samples: list[tuple[float, float]] = []
-
-    async def poll() -> None:
-        async with httpx.AsyncClient(timeout=5.0) as http:
-            while True:
-                try:
-                    text = (await http.get(url + "/metrics")).text
-                except httpx.HTTPError:
-                    pass
-                else:
-                    running = _gauge(text, "vllm:num_requests_running")
-                    waiting = _gauge(text, "vllm:num_requests_waiting")
-                    if running or waiting:
-                        samples.append((running, waiting))
-                await asyncio.sleep(every)
-
-    task = asyncio.create_task(poll())
-    try:
-        yield found
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        if samples:
-            found["running_mean"] = round(sum(r for r, _ in samples) / len(samples), 2)
-            found["waiting_mean"] = round(sum(w for _, w in samples) / len(samples), 2)
-
-
 async def execute(call: Call, requests: list[Request]) -> tuple[list[Outcome], float]:
     """Submit each request at its time; wait for all. Returns outcomes and the makespan."""
     loop = asyncio.get_running_loop()
@@ -370,13 +316,6 @@ def summarize(outcomes: list[Outcome], makespan: float) -> dict[str, Any]:
 
 
 # -- the run -------------------------------------------------------------------------------------
-def vllm_processes() -> list[str]:
-    done = subprocess.run(
-        ["pgrep", "-af", "vllm.entrypoints"], capture_output=True, text=True, check=False
-    )
-    return [line for line in done.stdout.splitlines() if line.strip()]
-
-
 async def warm_up(url: str, requests: list[Request]) -> None:
     import openai
 
@@ -407,29 +346,32 @@ async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
         short_tokens = await count(words(random.Random(0), SHORT_WORDS))
         per_word = [1.5]
-        plans: list[tuple[str, int, str, list[Request]]] = []
+        plans: list[tuple[str, float | None, int, str, list[Request]]] = []
         for scenario in scenarios:
             build = online_workload if scenario == "online" else batch_workload
-            for run in range(1, args.runs + 1):
-                for name in names:
-                    seed = args.seed + 7919 * (len(plans) + 1)
-                    plans.append((scenario, run, name, await build(seed, args, count, per_word)))
+            for rate in args.rates if scenario == "online" else [None]:
+                for run in range(1, args.runs + 1):
+                    for name in names:
+                        seed = args.seed + 7919 * (len(plans) + 1)
+                        requests = await build(seed, args, count, per_word, rate)
+                        plans.append((scenario, rate, run, name, requests))
         warm = await batch_workload(
             args.seed - 1, argparse.Namespace(**{**vars(args), "batch": WARM_UP}), count, per_word
         )
         server_info = counter.server
     say(
         f"  short prompt {short_tokens} tokens; long prompts "
-        f"{min(r.prompt_tokens or 0 for p in plans for r in p[3] if r.kind == 'long')}-"
-        f"{max(r.prompt_tokens or 0 for p in plans for r in p[3] if r.kind == 'long')} tokens"
+        f"{min(r.prompt_tokens or 0 for p in plans for r in p[-1] if r.kind == 'long')}-"
+        f"{max(r.prompt_tokens or 0 for p in plans for r in p[-1] if r.kind == 'long')} tokens"
     )
     say("warming the server up ...")
     await warm_up(url, warm)
 
     runs: list[dict[str, Any]] = []
-    for scenario, run, name, requests in plans:
+    for scenario, rate, run, name, requests in plans:
+        at = f" at {rate:g}/s" if rate is not None else ""
         say(
-            f"{scenario} run {run} {name}: {sum(r.kind == 'short' for r in requests)} short, "
+            f"{scenario}{at} run {run} {name}: {sum(r.kind == 'short' for r in requests)} short, "
             f"{sum(r.kind == 'long' for r in requests)} long ..."
         )
         async with strategy(name, url) as (call, info), engine_sampler(url) as engine:
@@ -437,6 +379,7 @@ async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
             details = info()
         row = {
             "scenario": scenario,
+            "rate": rate,
             "run": run,
             "strategy": name,
             **summarize(outcomes, makespan),
@@ -467,18 +410,22 @@ async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def table(runs: list[dict[str, Any]]) -> str:
     head = (
-        "| scenario | strategy | run | makespan s | long span s | short p50 s | short p99 s "
-        "| long p50 s | long p99 s | errors | engine running | server queue |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| scenario | rate /s | strategy | run | makespan s | long span s | short p50 s "
+        "| short p99 s | long p50 s | long p99 s | errors | engine running | server queue "
+        "| limit min / mean / max |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in runs:
+        rate = f"{r['rate']:g}" if r.get("rate") is not None else "-"
+        limits = r.get("client", {}).get("limit_samples") or {}
+        limit = f"{limits['min']} / {limits['mean']:.1f} / {limits['max']}" if limits else "-"
         lines.append(
-            f"| {r['scenario']} | {r['strategy']} | {r['run']} | {r['makespan_s']:.1f} | "
+            f"| {r['scenario']} | {rate} | {r['strategy']} | {r['run']} | {r['makespan_s']:.1f} | "
             f"{r.get('long_span_s', 0):.1f} | {r['short_p50_s']:.2f} | {r['short_p99_s']:.2f} | "
             f"{r['long_p50_s']:.2f} | {r['long_p99_s']:.2f} | {r['errors']} | "
             f"{r.get('engine_running_mean', float('nan')):.1f} | "
-            f"{r.get('engine_waiting_mean', float('nan')):.1f} |"
+            f"{r.get('engine_waiting_mean', float('nan')):.1f} | {limit} |"
         )
     return "\n".join(lines)
 
@@ -499,6 +446,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--rate", type=float, default=8.0, help="short arrivals per second")
     parser.add_argument(
+        "--rates",
+        type=lambda text: [float(x) for x in text.split(",") if x],
+        help="several arrival rates in one invocation, e.g. 4,8 (overrides --rate)",
+    )
+    parser.add_argument(
         "--online-seconds", type=float, default=16.0, help="short requests arrive during [0, this)"
     )
     parser.add_argument("--burst", type=int, default=40, help="long requests in the burst")
@@ -508,6 +460,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=20240611)
     parser.add_argument("--url", help="use this running server instead of launching one")
     args = parser.parse_args(argv)
+    args.rates = args.rates or [args.rate]
+    if any(rate <= 0 for rate in args.rates):
+        parser.error("rates must be > 0 per second")
     for name in args.strategies.split(","):
         if name not in STRATEGIES and dsclient_options(name) is None:
             parser.error(f"unknown strategy {name!r}")
@@ -518,14 +473,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from dsclient.launcher import launch, make_tiny_model, resolve_server_python
 
-        others = vllm_processes()
-        while others:
-            say(
-                "another vLLM server is running; waiting for it to finish (numbers on a shared "
-                "2-core machine would be meaningless):\n  " + "\n  ".join(others)
-            )
-            time.sleep(30)
-            others = vllm_processes()
+        wait_for_no_vllm()
         install = resolve_server_python()
         say(f"vLLM: {install.dist} {install.version} ({install.python})")
         model = make_tiny_model(python=install.python)
