@@ -423,6 +423,9 @@ async def test_batch_results_summary_and_html():
     assert "2 items: 1 ok, 1 failed" in repr(results)
     table = stats_html(stats)
     assert "<td>short</td>" in table and "p99" in table
+    # The limit control heads the table: mode, limit, why it last moved, the server's queue.
+    assert "<th>last change</th>" in table and "<td>latency</td>" in table
+    assert "<td>start</td>" in table and "<th>server waiting</th>" in table
 
 
 # -- the synchronous client, as in a notebook cell ---------------------------------------------
@@ -451,3 +454,37 @@ def test_iter_map_blocking_runs_in_one_task_and_stops_early():
         next(early)
         early.close()
         assert client.in_flight == 0
+
+
+class MetricsEchoServer(EchoServer):
+    """An EchoServer with vLLM-style gauges: a batch of ``batch`` sequences, the rest queued."""
+
+    def __init__(self, delay, batch: int):
+        super().__init__(delay)
+        self.batch = batch
+        self.most = 0
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            running = min(self.in_server, self.batch)
+            waiting = self.in_server - running
+            text = (
+                f'vllm:num_requests_running{{engine="0",model_name="tiny"}} {running}.0\n'
+                f'vllm:num_requests_waiting{{engine="0",model_name="tiny"}} {waiting}.0\n'
+            )
+            return httpx.Response(200, text=text)
+        self.most = max(self.most, self.in_server + 1)
+        return await super().__call__(request)
+
+
+async def test_map_follows_the_limit_as_it_rises():
+    # Starts at 5 (0.7 x 8); the server shows a batch of 16 with room, so the limit grows and
+    # map() adds workers: more than the starting 5 + 2 run at once.
+    server = MetricsEchoServer(delay=lambda p: 0.02, batch=16)
+    async with make_client(server, scrape_interval=0.05) as client:
+        assert client.limit == 5
+        results = await client.map([f"p{i}" for i in range(400)], progress=False)
+        grown = client.limit
+    assert [r.text for r in results] == [f"p{i}" for i in range(400)]
+    assert grown > 5
+    assert server.most > 5 + read_ahead(5)
