@@ -8,6 +8,7 @@ async with dsclient.AsyncClient("http://127.0.0.1:8000") as client:
 
 from ._batch import BatchResults
 from ._client import USE_DEFAULT, AsyncClient, Stream
+from ._control import ControlStats
 from ._discovery import ServerInfo
 from ._exceptions import (
     ConnectionError,
@@ -36,6 +37,7 @@ __all__ = [
     "CompletionResult",
     "ConnectionError",
     "ContextOverflow",
+    "ControlStats",
     "DSClientError",
     "Failure",
     "GovernorStats",

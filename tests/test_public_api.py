@@ -11,6 +11,7 @@ EXPECTED = {
     "CompletionResult",
     "ConnectionError",
     "ContextOverflow",
+    "ControlStats",
     "DSClientError",
     "Failure",
     "GovernorStats",
