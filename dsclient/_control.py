@@ -336,9 +336,16 @@ class LimitController:
         if preemptions is not None:
             self._preemptions = preemptions
         if preempted:
-            return self._cut(now, "preempt", OVERLOAD_CUT, "the server preempted sequences")
+            self._saturated = True
+            if self._cut(now, "preempt", OVERLOAD_CUT, "the server preempted sequences"):
+                return True
         if waiting > target:
             self._saturated = True
+            if in_flight > self.limit:
+                # The last cut has not taken effect yet (calls are never cancelled; in-flight
+                # drains as they finish): cutting again on the same queue would walk the
+                # limit to the floor whenever other traffic keeps the queue up.
+                return False
             factor = max(_MAX_CUT, (running + target) / max(1, running + waiting))
             wanted = max(self.floor, math.ceil(in_flight * factor))
             if wanted < self.limit:

@@ -1,0 +1,787 @@
+"""Tests for dsclient._control: the limit controller's rules and the capacity learner.
+
+Pure: every signal is scripted and ``now`` is driven by hand. The closed-loop tests run the
+controller against a small simulated server (a batch of ``C`` sequences, a first-come queue,
+requests that spend ``k`` periods in transit before they reach it).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+import pytest
+
+from dsclient import _control
+from dsclient._control import (
+    CEILING_FLOOR,
+    OVERLOAD_CUT,
+    CapacityLearner,
+    ControlStats,
+    LimitController,
+    target_waiting,
+)
+
+PERIOD = 0.25  # the controller's default period; scripted scrapes come this far apart
+
+
+def metrics(start: int, capacity: int | None = 8, **kwargs: object) -> LimitController:
+    return LimitController(start=start, mode="metrics", capacity=capacity, **kwargs)  # type: ignore[arg-type]
+
+
+# --- target_waiting -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("capacity", "share", "running", "expected"),
+    [
+        (8, 0.25, 3, 2),  # the docstring's examples
+        (32, 0.25, 30, 8),
+        (None, 0.25, 12, 3),
+        (256, 0.25, 0, 64),
+        (1, 0.25, 0, 1),  # never below one
+        (None, 0.25, 0, 1),  # unknown capacity, idle server: the batch as seen is 1
+        (8, 1.0, 8, 8),
+        (10, 0.3, 0, 3),  # 0.3 * 10 is 3.0000000000000004: no extra request from rounding
+        (100, 0.07, 0, 7),  # 7.000000000000001 likewise
+        (9, 0.25, 0, 3),  # 2.25 rounds up
+    ],
+)
+def test_target_waiting(capacity: int | None, share: float, running: int, expected: int) -> None:
+    assert target_waiting(capacity, share, running) == expected
+
+
+# --- configuration ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"start": 0}, "start must be an int >= 1, got 0"),
+        ({"start": True}, "start must be an int >= 1, got True"),
+        ({"start": 2.0}, "start must be an int >= 1"),
+        ({"mode": "auto"}, "mode must be 'metrics', 'latency' or 'fixed', got 'auto'"),
+        ({"queue_share": 0.0}, r"queue_share must be in \(0, 1\], got 0.0"),
+        ({"queue_share": 1.5}, r"queue_share must be in \(0, 1\]"),
+        ({"queue_share": math.nan}, r"queue_share must be in \(0, 1\]"),
+        ({"latency_target": 0.0}, "latency_target must be > 0 seconds or None, got 0.0"),
+        ({"period": 0.0}, "period must be > 0 and cooldown >= 0"),
+        ({"cooldown": -1.0}, "period must be > 0 and cooldown >= 0"),
+        ({"ceiling": 10.5}, "ceiling must be an int or None, got 10.5"),
+        ({"ceiling": True}, "ceiling must be an int or None"),
+    ],
+)
+def test_controller_rejects_bad_config(kwargs: dict[str, object], match: str) -> None:
+    arguments: dict[str, object] = {"start": 4, "mode": "metrics", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        LimitController(**arguments)  # type: ignore[arg-type]
+
+
+def test_ceilings_by_mode() -> None:
+    assert metrics(5, capacity=8).ceiling == CEILING_FLOOR  # max(64, 4 x 8)
+    assert metrics(5, capacity=32).ceiling == 128
+    assert metrics(5, capacity=None).ceiling == CEILING_FLOOR
+    assert metrics(500, capacity=32).ceiling == 500  # never below the start
+    assert metrics(5, capacity=32, ceiling=40).ceiling == 40
+    assert metrics(50, capacity=32, ceiling=40).ceiling == 50
+    assert LimitController(start=5, mode="latency", capacity=8).ceiling == 8
+    assert LimitController(start=5, mode="latency", capacity=None).ceiling == 5
+    assert LimitController(start=5, mode="fixed", capacity=256).ceiling == 5
+
+
+def test_metrics_ceiling_follows_the_running_count_seen() -> None:
+    control = metrics(5, capacity=None)
+    control.on_load(0.0, running=100, waiting=0, in_flight=5, demand=False)
+    assert control.ceiling == 400
+
+
+def test_set_capacity_ignores_nonsense() -> None:
+    control = metrics(5, capacity=None)
+    control.set_capacity(None)
+    control.set_capacity(0)
+    control.set_capacity(-3)
+    assert control.capacity is None
+    control.set_capacity(24)
+    assert control.capacity == 24
+
+
+def test_stats_snapshot() -> None:
+    control = metrics(5, capacity=8, latency_target=2.0)
+    stats = control.stats()
+    assert stats == ControlStats(
+        mode="metrics",
+        limit=5,
+        floor=1,
+        ceiling=64,
+        start=5,
+        reason="start",
+        changes=0,
+        server_running=None,
+        server_waiting=None,
+        target_waiting=None,
+        learned_max_num_seqs=None,
+        latency_target_s=2.0,
+        service_p99_s=None,
+    )
+    control.on_load(0.0, running=3, waiting=0, in_flight=5, demand=True)
+    control.on_outcome(0.0, "ok", 0.5)
+    stats = control.stats(learned=8)
+    assert (stats.limit, stats.changes, stats.server_running, stats.server_waiting) == (8, 1, 3, 0)
+    assert (stats.target_waiting, stats.learned_max_num_seqs, stats.service_p99_s) == (2, 8, 0.5)
+    assert "room" in stats.reason
+
+
+# --- metrics mode: growth ---------------------------------------------------------------------
+
+
+def test_slow_start_multiplies_by_one_and_a_half_up_to_the_ceiling() -> None:
+    control = metrics(4, capacity=None)
+    seen = []
+    for step in range(12):
+        # The server shows all that is in flight: each period may grow.
+        control.on_load(step * PERIOD, running=4, waiting=0, in_flight=4, demand=True)
+        seen.append(control.limit)
+    assert seen == [6, 9, 14, 21, 32, 48, 64, 64, 64, 64, 64, 64]
+    assert control.ceiling == 64
+    assert control.changes == 7
+
+
+def test_slow_start_waits_for_requests_in_transit_to_land() -> None:
+    control = metrics(8, capacity=32)
+    wait = _control._SLOW_START_WAIT * PERIOD
+    # The server shows less than half of what is in flight: the rest is still in transit.
+    assert control.on_load(0.0, running=2, waiting=0, in_flight=8, demand=True)
+    assert control.limit == 12
+    now = PERIOD
+    while now < wait:
+        assert not control.on_load(now, running=2, waiting=0, in_flight=12, demand=True)
+        now += PERIOD
+    assert control.on_load(wait, running=2, waiting=0, in_flight=12, demand=True)
+    assert control.limit == 18
+    # Half of it landed: grows at the next period.
+    assert control.on_load(wait + PERIOD, running=6, waiting=3, in_flight=18, demand=True)
+    assert control.limit == 27
+
+
+def test_slow_start_stops_once_the_batch_is_full() -> None:
+    control = metrics(10, capacity=8)
+    # running == capacity, no queue yet: additive, by half the room (target 2 - waiting 0).
+    assert control.on_load(0.0, running=8, waiting=0, in_flight=10, demand=True)
+    assert control.limit == 11
+
+
+def test_growth_after_the_first_queue_is_additive_by_half_the_room() -> None:
+    control = metrics(40, capacity=32, cooldown=1.0)  # target 8
+    # A queue above target: cut, and slow start is over for good.
+    control.on_load(0.0, running=32, waiting=20, in_flight=40, demand=True)
+    assert control.limit == 31  # ceil(40 * (32 + 8) / (32 + 20)) = ceil(30.8)
+    # No growth for a cooldown after the cut: it needs a round trip to show in the queue.
+    for now in (0.25, 0.5, 0.75):
+        assert not control.on_load(now, running=32, waiting=2, in_flight=31, demand=True)
+    assert control.limit == 31
+    steps = [
+        # (running, waiting, expected growth): room = target - waiting, plus the batch's free
+        # seats (capacity - running) only while the queue is empty
+        (32, 2, 3),  # room 6
+        (20, 0, 10),  # room 8 + 12
+        (32, 8, 1),  # room 0: still one
+        (20, 3, 3),  # room 5: a queue means the batch is full, whatever the running count
+    ]
+    now = 0.75
+    for running, waiting, growth in steps:
+        now += PERIOD
+        before = control.limit
+        assert control.on_load(now, running=running, waiting=waiting, in_flight=before, demand=True)
+        assert control.limit == before + growth, (running, waiting)
+
+
+def test_growth_with_unknown_capacity_uses_the_batch_as_seen() -> None:
+    control = metrics(20, capacity=None, cooldown=1.0)
+    control.on_load(0.0, running=12, waiting=9, in_flight=20, demand=True)  # target 3: cut
+    assert control.limit == 15  # ceil(20 * 15 / 21)
+    control.on_load(1.0, running=12, waiting=0, in_flight=15, demand=True)
+    assert control.limit == 17  # room = target 3 - waiting 0 = 3: + ceil(1.5)
+
+
+def test_no_growth_for_a_cooldown_after_any_cut() -> None:
+    for cut in ("overloaded", "preempted"):
+        control = metrics(20, capacity=8, cooldown=1.0)
+        control.on_load(0.0, running=4, waiting=0, in_flight=20, demand=False, preemptions=0)
+        if cut == "overloaded":
+            control.on_outcome(0.0, "overloaded", None)
+        else:
+            control.on_load(0.0, running=4, waiting=0, in_flight=20, demand=False, preemptions=1)
+        assert control.limit == 14
+        for now in (0.25, 0.5, 0.75, 0.999):
+            assert not control.on_load(now, running=4, waiting=0, in_flight=14, demand=True)
+        assert control.on_load(1.0, running=4, waiting=0, in_flight=14, demand=True), cut
+        # After either cut growth is additive (room: target 2 + free seats 4, halved): the
+        # server has shown its limit.
+        assert control.limit == 17
+
+
+def test_no_growth_without_demand() -> None:
+    control = metrics(5, capacity=8)
+    for step in range(10):
+        assert not control.on_load(step * PERIOD, running=3, waiting=0, in_flight=3, demand=False)
+    assert (control.limit, control.changes, control.reason) == (5, 0, "start")
+
+
+def test_growth_at_most_once_per_period() -> None:
+    control = metrics(4, capacity=None, period=1.0)
+    assert control.on_load(0.0, running=4, waiting=0, in_flight=4, demand=True)
+    for now in (0.1, 0.5, 0.999):
+        assert not control.on_load(now, running=4, waiting=0, in_flight=6, demand=True)
+    assert control.limit == 6
+    assert control.on_load(1.0, running=4, waiting=0, in_flight=6, demand=True)
+    assert control.limit == 9
+
+
+def test_growth_never_passes_the_explicit_ceiling() -> None:
+    control = metrics(5, capacity=8, ceiling=12)
+    for step in range(20):
+        control.on_load(step * PERIOD, running=5, waiting=0, in_flight=control.limit, demand=True)
+        assert control.limit <= 12
+    assert control.limit == 12
+
+
+# --- metrics mode: the queue rule ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "running", "waiting", "expected"),
+    [
+        (20, 8, 12, 10),  # factor (8 + 2) / 20 = 0.5
+        (20, 8, 4, 17),  # factor 10 / 12: ceil(16.67)
+        (40, 8, 100, 20),  # factor 10 / 108, but never more than halving in-flight in one step
+        (3, 8, 30, 2),  # ceil(1.5)
+        (1, 8, 30, 1),  # the floor
+        (0, 8, 30, 1),  # nothing in flight: still the floor, never zero
+    ],
+)
+def test_queue_above_target_cuts_in_proportion(
+    in_flight: int, running: int, waiting: int, expected: int
+) -> None:
+    control = metrics(40, capacity=8)  # target 2
+    control.on_load(0.0, running=running, waiting=waiting, in_flight=in_flight, demand=True)
+    assert control.limit == expected
+    assert control.target == 2
+    assert control.reason == f"server queue {waiting} > target 2 (running {running})"
+
+
+def test_queue_at_target_does_not_cut() -> None:
+    control = metrics(12, capacity=8)
+    assert not control.on_load(0.0, running=8, waiting=2, in_flight=12, demand=False)
+    assert control.limit == 12
+
+
+def test_queue_rule_never_raises_the_limit() -> None:
+    control = metrics(10, capacity=8)
+    # In flight above the limit (long requests borrowing): the proportional value (25) is
+    # above the limit, which stays.
+    assert not control.on_load(0.0, running=8, waiting=4, in_flight=30, demand=True)
+    assert control.limit == 10
+
+
+def test_queue_cut_settles_at_running_plus_target_while_one_client_drains() -> None:
+    """One client's requests drain from the server's queue after a cut: the limit ends at
+    running + target (the batch plus the target queue), never below it, never at the floor."""
+    control = metrics(40, capacity=8)  # target 2
+    control.on_load(0.0, running=8, waiting=32, in_flight=40, demand=True)
+    assert control.limit == 20
+    limits = []
+    for step, in_flight in enumerate(range(38, 11, -2), start=1):
+        # The client admits nobody (in flight above the limit); 2 of its requests finish a
+        # period and the server takes 2 from its queue: in flight = running + waiting.
+        control.on_load(
+            step * PERIOD, running=8, waiting=in_flight - 8, in_flight=in_flight, demand=True
+        )
+        limits.append(control.limit)
+    assert min(limits) == 10
+    assert control.limit == 10
+
+
+def test_queue_cut_does_not_keep_cutting_while_in_flight_drains() -> None:
+    control = metrics(40, capacity=8)  # target 2
+    control.on_load(0.0, running=8, waiting=32, in_flight=40, demand=True)
+    assert control.limit == 20
+    # The server's queue drains slowly (others' requests, a slow batch); this client's own
+    # in-flight falls towards the new limit, the governor admitting nobody meanwhile.
+    script = [(36, 31), (32, 30), (28, 29), (24, 28), (22, 27)]
+    limits = []
+    for step, (in_flight, waiting) in enumerate(script, start=1):
+        control.on_load(step * PERIOD, running=8, waiting=waiting, in_flight=in_flight, demand=True)
+        limits.append(control.limit)
+    # Today: [18, 16, 14, 12, 11], on its way to the floor.
+    assert limits == [20] * len(script)
+
+
+# --- metrics mode: overload and preemption ------------------------------------------------------
+
+
+def test_overload_cuts_by_0_7_at_most_once_per_cooldown() -> None:
+    control = metrics(20, capacity=8, cooldown=1.0)
+    assert control.on_outcome(10.0, "overloaded", 0.2)
+    assert control.limit == 14 == math.floor(20 * OVERLOAD_CUT)
+    assert control.reason == "the server refused for load"
+    for now in (10.0, 10.5, 10.999):
+        assert not control.on_outcome(now, "overloaded", 0.2)
+    assert control.limit == 14
+    assert control.on_outcome(11.0, "overloaded", 0.2)
+    assert control.limit == 9  # floor(9.8)
+
+
+def test_overload_never_cuts_below_one() -> None:
+    control = metrics(2, capacity=8, cooldown=0.0)
+    for step in range(5):
+        control.on_outcome(float(step), "overloaded", None)
+    assert control.limit == 1
+
+
+def test_overload_ends_slow_start() -> None:
+    control = metrics(10, capacity=None)
+    control.on_outcome(0.0, "overloaded", None)
+    assert control.limit == 7
+    control.on_load(1.0, running=4, waiting=0, in_flight=7, demand=True)
+    assert control.limit == 8  # additive (room = target 1), not x1.5
+
+
+def test_errors_and_cancellations_do_not_cut() -> None:
+    control = metrics(10, capacity=8)
+    for outcome in ("error", "cancelled", "ok"):
+        assert not control.on_outcome(0.0, outcome, 0.1)
+    assert control.limit == 10
+
+
+def test_a_rising_preemption_counter_cuts() -> None:
+    control = metrics(40, capacity=8, cooldown=1.0)
+    # The first reading is only a baseline, however large.
+    assert not control.on_load(0.0, running=8, waiting=0, in_flight=10, demand=False, preemptions=7)
+    assert not control.on_load(
+        PERIOD, running=8, waiting=0, in_flight=10, demand=False, preemptions=7
+    )
+    assert control.on_load(0.5, running=8, waiting=0, in_flight=10, demand=False, preemptions=9)
+    assert control.limit == 28
+    assert control.reason == "the server preempted sequences"
+    # Within the cooldown another increase does not cut again.
+    assert not control.on_load(
+        0.75, running=8, waiting=0, in_flight=10, demand=False, preemptions=12
+    )
+    assert control.limit == 28
+    # A counter that goes down (a restarted server) is a new baseline, not a preemption.
+    assert not control.on_load(2.0, running=8, waiting=0, in_flight=10, demand=False, preemptions=0)
+    assert control.on_load(2.25, running=8, waiting=0, in_flight=10, demand=False, preemptions=1)
+    assert control.limit == 19
+
+
+def test_preemption_in_cooldown_does_not_mask_the_queue_rule() -> None:
+    control = metrics(40, capacity=8, cooldown=1.0)
+    control.on_load(0.0, running=8, waiting=0, in_flight=30, demand=False, preemptions=0)
+    control.on_load(PERIOD, running=8, waiting=0, in_flight=30, demand=False, preemptions=1)
+    assert control.limit == 28
+    control.on_load(0.5, running=8, waiting=40, in_flight=28, demand=True, preemptions=2)
+    assert control.limit == 14  # the queue rule: ceil(28 * 0.5)
+
+
+# --- latency mode -------------------------------------------------------------------------------
+
+
+def test_latency_mode_grows_by_two_after_three_periods_up_to_max_num_seqs() -> None:
+    control = LimitController(start=5, mode="latency", capacity=8)
+    limits = []
+    for step in range(9):
+        control.on_idle_period(step * PERIOD, demand=True)
+        limits.append(control.limit)
+    assert limits == [5, 5, 7, 7, 7, 8, 8, 8, 8]
+    assert control.ceiling == 8
+    assert control.reason == "3 periods of demand without overload"
+
+
+def test_latency_mode_counts_periods_not_calls() -> None:
+    control = LimitController(start=5, mode="latency", capacity=16)
+    for now in (0.0, 0.1, 0.2, 0.25, 0.3, 0.4):
+        control.on_idle_period(now, demand=True)
+    assert control.limit == 5  # two periods so far
+    control.on_idle_period(0.5, demand=True)
+    assert control.limit == 7
+
+
+def test_latency_mode_needs_uninterrupted_demand() -> None:
+    control = LimitController(start=5, mode="latency", capacity=16)
+    control.on_idle_period(0.0, demand=True)
+    control.on_idle_period(0.25, demand=True)
+    control.on_idle_period(0.5, demand=False)  # resets the count
+    control.on_idle_period(0.75, demand=True)
+    control.on_idle_period(1.0, demand=True)
+    assert control.limit == 5
+    control.on_idle_period(1.25, demand=True)
+    assert control.limit == 7
+
+
+def test_latency_mode_without_a_known_capacity_never_grows() -> None:
+    control = LimitController(start=5, mode="latency", capacity=None)
+    for step in range(30):
+        control.on_idle_period(step * PERIOD, demand=True)
+    assert control.limit == 5
+
+
+def test_latency_mode_cuts_on_overload_and_restarts_the_count() -> None:
+    control = LimitController(start=8, mode="latency", capacity=8, cooldown=1.0)
+    control.on_idle_period(0.0, demand=True)
+    control.on_idle_period(0.25, demand=True)
+    assert control.on_outcome(0.3, "overloaded", 0.1)
+    assert control.limit == 5
+    assert not control.on_outcome(0.4, "overloaded", 0.1)
+    control.on_idle_period(0.5, demand=True)  # the count started over at the cut
+    assert control.limit == 5
+    control.on_idle_period(0.75, demand=True)
+    control.on_idle_period(1.0, demand=True)
+    assert control.limit == 7
+    for step in range(8):
+        control.on_idle_period(1.25 + step * PERIOD, demand=True)
+        assert control.limit <= 8
+    assert control.on_outcome(5.0, "overloaded", 0.1)
+    assert control.limit == 5
+
+
+def test_latency_mode_ignores_queue_signals() -> None:
+    control = LimitController(start=5, mode="latency", capacity=8)
+    assert not control.on_load(0.0, running=8, waiting=50, in_flight=5, demand=True)
+    assert not control.on_load(PERIOD, running=1, waiting=0, in_flight=5, demand=True)
+    assert control.limit == 5
+    assert (control.server_running, control.server_waiting) == (1, 0)
+
+
+def test_latency_mode_floor_is_one() -> None:
+    control = LimitController(start=2, mode="latency", capacity=8, cooldown=0.0)
+    for step in range(4):
+        control.on_outcome(float(step), "overloaded", None)
+    assert control.limit == 1
+
+
+# --- latency_target -----------------------------------------------------------------------------
+
+
+def test_latency_target_halves_when_p99_is_above_120_percent() -> None:
+    control = metrics(20, capacity=8, latency_target=1.0)
+    for _ in range(19):
+        assert not control.on_outcome(0.0, "ok", 2.0)  # fewer than 20 samples: no judgement
+    assert control.on_outcome(0.0, "ok", 2.0)
+    assert control.limit == 10
+    assert control.reason == "p99 service time 2.00 s > 120% of the target 1 s"
+    assert control.service_p99() is None  # the new limit is judged on its own samples
+
+
+def test_latency_target_tolerates_up_to_120_percent() -> None:
+    control = metrics(20, capacity=8, latency_target=1.0)
+    for _ in range(40):
+        assert not control.on_outcome(0.0, "ok", 1.2)
+    assert control.limit == 20
+
+
+def test_latency_target_blocks_growth_while_p99_is_over_the_target() -> None:
+    control = metrics(10, capacity=8, latency_target=1.0)
+    for _ in range(5):
+        control.on_outcome(0.0, "ok", 1.1)  # over the target, under 120% of it
+    assert not control.on_load(0.0, running=3, waiting=0, in_flight=10, demand=True)
+    assert control.limit == 10
+    for _ in range(200):  # the window forgets the slow ones
+        control.on_outcome(0.0, "ok", 0.5)
+    assert control.on_load(PERIOD, running=3, waiting=0, in_flight=10, demand=True)
+    assert control.limit == 15
+
+
+def test_latency_target_ignores_failed_attempts() -> None:
+    control = metrics(20, capacity=8, latency_target=1.0)
+    for _ in range(40):
+        control.on_outcome(0.0, "error", 30.0)
+        control.on_outcome(0.0, "cancelled", 30.0)
+    assert control.service_p99() is None
+    assert control.limit == 20
+
+
+def test_latency_target_in_latency_mode() -> None:
+    control = LimitController(start=8, mode="latency", capacity=8, latency_target=1.0)
+    for _ in range(20):
+        assert not control.on_outcome(0.0, "ok", 1.1)  # judged at the 20th: within 120%
+    for _ in range(5):
+        assert not control.on_outcome(0.1, "ok", 3.0)  # judged at most once a period
+    assert control.limit == 8
+    assert control.on_idle_period(0.3, demand=True)  # the period's judgement: p99 3.0 s
+    assert control.limit == 4
+    for _ in range(5):
+        control.on_outcome(0.4, "ok", 1.1)
+    for step in range(6):
+        control.on_idle_period(1.0 + step * PERIOD, demand=True)
+    assert control.limit == 4  # p99 over the target: no growth
+
+
+# --- fixed mode ---------------------------------------------------------------------------------
+
+
+def test_fixed_mode_never_moves() -> None:
+    control = LimitController(start=6, mode="fixed", capacity=8, latency_target=0.1, cooldown=0.0)
+    now = 0.0
+    for _ in range(10):
+        now += PERIOD
+        assert not control.on_load(
+            now, running=8, waiting=50, in_flight=6, demand=True, preemptions=now
+        )
+        assert not control.on_load(now, running=1, waiting=0, in_flight=6, demand=True)
+        assert not control.on_outcome(now, "overloaded", 5.0)
+        assert not control.on_outcome(now, "ok", 5.0)
+        assert not control.on_idle_period(now, demand=True)
+    assert (control.limit, control.ceiling, control.changes, control.reason) == (6, 6, 0, "start")
+
+
+# --- CapacityLearner ----------------------------------------------------------------------------
+
+
+def test_learner_needs_two_scrapes_with_a_queue_and_takes_the_most_running() -> None:
+    learner = CapacityLearner()
+    assert not learner.observe(running=8, waiting=0)
+    assert not learner.observe(running=6, waiting=2)
+    assert learner.value is None
+    assert learner.observe(running=5, waiting=1)
+    assert learner.value == 6  # the most seen running while others waited
+    assert learner.max_running_seen == 8
+
+
+def test_learner_only_rises() -> None:
+    learner = CapacityLearner()
+    learner.observe(running=8, waiting=3)
+    learner.observe(running=8, waiting=1)
+    assert learner.value == 8
+    assert not learner.observe(running=4, waiting=10)
+    assert learner.value == 8
+    assert learner.observe(running=12, waiting=1)
+    assert learner.value == 12
+    assert not learner.observe(running=12, waiting=1)
+
+
+def test_learner_ignores_negative_and_zero() -> None:
+    learner = CapacityLearner()
+    for running, waiting in [(-1, 5), (5, -1), (0, 5), (0, 9), (7, 0)]:
+        assert not learner.observe(running=running, waiting=waiting)
+    assert learner.value is None
+    assert learner.max_running_seen == 7
+
+
+def test_learner_is_bounded_by_the_kv_cache() -> None:
+    learner = CapacityLearner()
+    learner.bound_by_kv(kv_cache_size_tokens=1024, block_size=128)  # 8 blocks
+    learner.observe(running=12, waiting=3)
+    assert learner.observe(running=12, waiting=3)
+    assert learner.value == 8
+    learner = CapacityLearner()
+    learner.bound_by_kv(kv_cache_size_tokens=100_000, block_size=16)
+    learner.observe(running=12, waiting=3)
+    learner.observe(running=12, waiting=3)
+    assert learner.value == 12  # a loose bound does not bind
+
+
+@pytest.mark.parametrize(
+    ("size", "block"), [(None, 16), (1024, None), (0, 16), (1024, 0), (-5, 16), (1024, -1)]
+)
+def test_learner_kv_bound_ignores_missing_or_nonsense(size: int | None, block: int | None) -> None:
+    learner = CapacityLearner()
+    learner.bound_by_kv(kv_cache_size_tokens=size, block_size=block)
+    learner.observe(running=12, waiting=3)
+    learner.observe(running=12, waiting=3)
+    assert learner.value == 12
+
+
+def test_learner_kv_bound_is_at_least_one() -> None:
+    learner = CapacityLearner()
+    learner.bound_by_kv(kv_cache_size_tokens=10, block_size=16)
+    learner.observe(running=4, waiting=1)
+    learner.observe(running=4, waiting=1)
+    assert learner.value == 1
+
+
+def test_learner_needs_the_two_queued_scrapes_in_a_row() -> None:
+    learner = CapacityLearner()
+    learner.observe(running=2, waiting=1)  # a request that just arrived, not yet scheduled
+    for _ in range(1000):
+        learner.observe(running=2, waiting=0)
+    learner.observe(running=3, waiting=1)  # another one, much later
+    assert learner.value is None
+    assert learner.observe(running=3, waiting=2)
+    assert learner.value == 3  # the most running among the queued scrapes so far
+
+
+# --- closed loop ----------------------------------------------------------------------------------
+
+
+@dataclass
+class SimClient:
+    """A client with unlimited demand: it keeps ``limit`` requests in flight."""
+
+    name: int
+    control: LimitController
+    transit: int
+    learner: CapacityLearner | None = None
+    in_flight: int = 0
+    on_the_way: deque[int] = field(default_factory=deque)  # the period each one arrives
+
+    def admit(self, period: int) -> None:
+        room = max(0, self.control.limit - self.in_flight)
+        self.on_the_way.extend([period + self.transit] * room)
+        self.in_flight += room
+
+
+class SimServer:
+    """A batch of ``capacity`` sequences fed from one first-come queue; each sequence runs a
+    seeded random number of periods (2 to 6, 4 on average)."""
+
+    def __init__(self, capacity: int, seed: int = 1) -> None:
+        self.capacity = capacity
+        self.rng = random.Random(seed)
+        self.running: list[tuple[int, int]] = []  # (client, periods left)
+        self.waiting: deque[int] = deque()
+
+    def step(self) -> list[int]:
+        done = [owner for owner, left in self.running if left <= 1]
+        self.running = [(owner, left - 1) for owner, left in self.running if left > 1]
+        while self.waiting and len(self.running) < self.capacity:
+            self.running.append((self.waiting.popleft(), self.rng.randint(2, 6)))
+        return done
+
+
+@dataclass
+class Trace:
+    limits: list[list[int]]
+    running: list[int]
+    waiting: list[int]
+    target: list[int]
+
+
+def simulate(server: SimServer, clients: list[SimClient], periods: int) -> Trace:
+    trace = Trace([[] for _ in clients], [], [], [])
+    for period in range(periods):
+        # Alternate who goes first, so the queue's order favours nobody.
+        order = clients[period % len(clients) :] + clients[: period % len(clients)]
+        for client in order:
+            client.admit(period)
+        for client in order:
+            while client.on_the_way and client.on_the_way[0] <= period:
+                client.on_the_way.popleft()
+                server.waiting.append(client.name)
+        for owner in server.step():
+            clients[owner].in_flight -= 1
+        running, waiting = len(server.running), len(server.waiting)
+        for client in clients:
+            if client.learner is not None and client.learner.observe(
+                running=running, waiting=waiting
+            ):
+                client.control.set_capacity(client.learner.value)
+            client.control.on_load(
+                period * PERIOD,
+                running=running,
+                waiting=waiting,
+                in_flight=client.in_flight,
+                demand=True,
+            )
+            trace.limits[client.name].append(client.control.limit)
+            assert 1 <= client.control.limit <= client.control.ceiling
+        trace.running.append(running)
+        trace.waiting.append(waiting)
+        trace.target.append(clients[0].control.target or 1)
+    return trace
+
+
+WARM_UP = 150
+PERIODS = 400
+
+
+@pytest.mark.parametrize("learned", [False, True], ids=["capacity-known", "capacity-learned"])
+@pytest.mark.parametrize("start", ["low", "high"])
+@pytest.mark.parametrize("capacity", [8, 32, 256])
+def test_closed_loop_converges_into_a_band(capacity: int, start: str, learned: bool) -> None:
+    """One client, unlimited demand, requests 2 periods in transit: from a start of 5 or of 10x
+    the batch, the limit settles between the batch and 3x (batch + target queue), the server's
+    queue averages near the target and its batch is full most of the time."""
+    first = 5 if start == "low" else 10 * capacity
+    control = LimitController(start=first, mode="metrics", capacity=None if learned else capacity)
+    client = SimClient(0, control, transit=2, learner=CapacityLearner() if learned else None)
+    trace = simulate(SimServer(capacity), [client], PERIODS)
+
+    target = target_waiting(capacity, 0.25, capacity)
+    assert trace.target[-1] == target
+    if learned:
+        assert client.learner is not None and client.learner.value == capacity
+    for half in (slice(WARM_UP, 275), slice(275, PERIODS)):  # it stays there
+        limits, running, waiting = trace.limits[0][half], trace.running[half], trace.waiting[half]
+        assert capacity <= min(limits)
+        assert max(limits) <= 3 * (capacity + target)
+        assert max(running) == capacity
+        assert statistics.mean(running) >= 0.85 * capacity
+        assert 0.5 * target <= statistics.mean(waiting) <= 2 * target
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "BUG (questionable tuning): with requests in transit the limit cycles between "
+        "running + target and about twice that. The queue cut ignores requests in transit "
+        "(it lands at running + target), then the batch runs dry and growth by half the room "
+        "overshoots; the batch averages 0.88 full and dips to about a third, while a fixed "
+        "limit of batch + target + transit keeps it 0.97 full with a queue under the target"
+    ),
+)
+def test_closed_loop_keeps_the_batch_full_with_requests_in_transit() -> None:
+    capacity = 32
+    client = SimClient(0, LimitController(start=5, mode="metrics", capacity=capacity), transit=2)
+    trace = simulate(SimServer(capacity), [client], PERIODS)
+    assert statistics.mean(trace.running[WARM_UP:]) >= 0.95 * capacity
+
+
+def test_closed_loop_fixed_limit_reference() -> None:
+    """The reference for the xfail above: a fixed limit of batch + target + transit."""
+    capacity = 32
+    client = SimClient(0, LimitController(start=32 + 8 + 16, mode="fixed"), transit=2)
+    trace = simulate(SimServer(capacity), [client], PERIODS)
+    assert statistics.mean(trace.running[WARM_UP:]) >= 0.95 * capacity
+    assert statistics.mean(trace.waiting[WARM_UP:]) <= 8
+
+
+@pytest.mark.parametrize("starts", ["low-high", "high-low"])
+@pytest.mark.parametrize("capacity", [8, 32, 256])
+def test_two_clients_converge_to_fair_shares(capacity: int, starts: str) -> None:
+    first, second = (1, 8 * capacity) if starts == "low-high" else (2 * capacity, 2)
+    clients = [
+        SimClient(0, LimitController(start=first, mode="metrics", capacity=capacity), transit=2),
+        SimClient(1, LimitController(start=second, mode="metrics", capacity=capacity), transit=2),
+    ]
+    trace = simulate(SimServer(capacity), clients, PERIODS)
+    target = target_waiting(capacity, 0.25, capacity)
+    for half in (slice(200, 300), slice(300, PERIODS)):
+        a = statistics.mean(trace.limits[0][half])
+        b = statistics.mean(trace.limits[1][half])
+        assert max(a, b) <= 1.25 * min(a, b), (a, b)
+        totals = [x + y for x, y in zip(trace.limits[0][half], trace.limits[1][half])]
+        assert max(totals) <= 4 * (capacity + target)
+        assert statistics.mean(trace.running[half]) >= 0.85 * capacity
+        assert statistics.mean(trace.waiting[half]) <= 4 * target
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "BUG (design): each client grows by half of the room it sees, and every client sees "
+        "the whole server's room, so n clients together add n/2 x the room per period. With a "
+        "known capacity the server's queue averages about 5x the target with 4 clients and "
+        "8x with 8, against about 1x with one"
+    ),
+)
+def test_four_clients_hold_the_server_queue_near_the_target() -> None:
+    capacity = 32
+    clients = [
+        SimClient(n, LimitController(start=5, mode="metrics", capacity=capacity), transit=2)
+        for n in range(4)
+    ]
+    trace = simulate(SimServer(capacity), clients, PERIODS)
+    assert statistics.mean(trace.waiting[WARM_UP:]) <= 2 * target_waiting(capacity, 0.25, capacity)

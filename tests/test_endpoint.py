@@ -1,0 +1,623 @@
+"""Tests for dsclient._endpoint: seeding, learning the capacity, the limit applied to the real
+governor (no leaked slots), raise callbacks, and the /metrics poller.
+
+Everything but the poller runs on a hand-driven clock; the poller tests use anyio's real clock
+with a 0.05 s scrape interval, each bounded by ``anyio.fail_after``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import anyio
+import httpx
+import pytest
+
+from dsclient._discovery import ServerInfo
+from dsclient._endpoint import LEARNED_SOURCE, ControlOptions, Endpoint, fetch_load
+from dsclient._governor import Slot
+from dsclient._load import Load
+
+pytestmark = pytest.mark.anyio
+
+URL = "http://127.0.0.1:8000"
+
+METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 8.0
+vllm:num_requests_running{engine="0",model_name="other"} 3.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 5.0
+vllm:num_requests_waiting{engine="0",model_name="other"} 40.0
+"""
+
+
+class FakeClock:
+    """A monotonic clock that moves only when told."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def server(max_num_seqs: int = 8, source: str = "default") -> ServerInfo:
+    return ServerInfo(
+        url=URL,
+        kind="vllm",
+        model="tiny",
+        models=("tiny",),
+        max_num_seqs=max_num_seqs,
+        sources={"max_num_seqs": source, "kind": "/version"},
+    )
+
+
+def load(running: int | None, waiting: int | None, **more: object) -> Load:
+    return Load(source="vllm /metrics", running=running, waiting=waiting, **more)  # type: ignore[arg-type]
+
+
+def make(options: ControlOptions | None = None, clock: FakeClock | None = None) -> Endpoint:
+    return Endpoint(URL, options or ControlOptions(), {}, start=5, clock=clock or FakeClock())
+
+
+async def hold(endpoint: Endpoint, n: int) -> list[Slot]:
+    """Take ``n`` free slots (entering a free slot never waits)."""
+    slots = [endpoint.governor.slot() for _ in range(n)]
+    for slot in slots:
+        await slot.__aenter__()
+    return slots
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Poll ``condition`` on the real clock (the caller bounds it with ``fail_after``)."""
+    while not condition():
+        await anyio.sleep(0.005)
+
+
+async def release(slots: list[Slot], outcome: str = "ok") -> None:
+    for slot in slots:
+        slot.set_outcome(outcome)
+        await slot.__aexit__(None, None, None)
+
+
+# --- seed ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("max_num_seqs", "headroom", "start"),
+    [(8, 0.7, 5), (32, 0.7, 22), (256, 0.7, 179), (8, 2.0, 16)],
+)
+def test_seed_metrics_mode_and_start(max_num_seqs: int, headroom: float, start: int) -> None:
+    endpoint = make(ControlOptions(headroom=headroom))
+    info = server(max_num_seqs, "vllm /server_info")
+    endpoint.seed(info, load(0, 0))
+    control = endpoint.controller
+    assert (control.mode, control.start, control.limit, control.capacity) == (
+        "metrics",
+        start,
+        start,
+        max_num_seqs,
+    )
+    assert endpoint.governor.limit == start
+    assert endpoint.info is info
+    assert endpoint.start_limit(info) == start
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        None,
+        load(None, None, kv_usage=0.4),
+        load(3, None),
+        load(None, 2),
+    ],
+)
+def test_seed_latency_mode_without_both_queue_gauges(first: Load | None) -> None:
+    endpoint = make()
+    endpoint.seed(server(32, "explicit"), first)
+    assert endpoint.controller.mode == "latency"
+    assert endpoint.governor.limit == 22
+    assert endpoint.controller.ceiling == 32  # never above the known max_num_seqs
+
+
+def test_seed_latency_mode_with_a_guessed_capacity_stays_at_the_start(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="dsclient")
+    endpoint = make()
+    endpoint.seed(server(8, "default"), None)
+    assert (endpoint.controller.mode, endpoint.controller.capacity) == ("latency", None)
+    assert endpoint.controller.ceiling == 5
+    assert "publishes no queue metrics and no max_num_seqs" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("options", "start"),
+    [
+        (ControlOptions(adaptive=False), 22),
+        (ControlOptions(limit=12), 12),
+        (ControlOptions(limit=40, adaptive=True), 40),
+    ],
+)
+def test_seed_fixed_mode(options: ControlOptions, start: int) -> None:
+    endpoint = make(options)
+    endpoint.seed(server(32, "explicit"), load(0, 0))
+    control = endpoint.controller
+    assert (control.mode, control.limit, control.ceiling) == ("fixed", start, start)
+    assert endpoint.governor.limit == start
+
+
+@pytest.mark.parametrize(
+    ("source", "known"),
+    [
+        ("default", None),
+        ("ollama default", None),
+        (LEARNED_SOURCE, 24),
+        ("launcher record", 24),
+        ("explicit", 24),
+        ("vllm /server_info", 24),
+    ],
+)
+def test_seed_trusts_stated_capacities_only(source: str, known: int | None) -> None:
+    endpoint = make()
+    endpoint.seed(server(24, source), load(0, 0))
+    assert endpoint.controller.capacity == known
+
+
+def test_seed_passes_the_options_to_the_controller() -> None:
+    options = ControlOptions(max_limit=40, queue_share=0.5, latency_target=3.0, scrape_interval=0.1)
+    endpoint = make(options)
+    endpoint.seed(server(32, "explicit"), load(0, 0))
+    control = endpoint.controller
+    assert (control.ceiling, control.queue_share, control.latency_target, control.period) == (
+        40,
+        0.5,
+        3.0,
+        0.1,
+    )
+
+
+def test_control_stats_and_repr() -> None:
+    endpoint = make()
+    endpoint.seed(server(8, "explicit"), load(0, 0))
+    stats = endpoint.control_stats()
+    assert (stats.mode, stats.limit, stats.ceiling, stats.learned_max_num_seqs) == (
+        "metrics",
+        5,
+        64,
+        None,
+    )
+    assert repr(endpoint) == (
+        "Endpoint(url='http://127.0.0.1:8000', mode='metrics', limit=5, in_flight=0)"
+    )
+
+
+# --- learned capacity ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("guess", ["default", "ollama default"])
+def test_learned_capacity_replaces_a_guess(guess: str) -> None:
+    endpoint = make()
+    endpoint.seed(server(8, guess), load(0, 0))
+    endpoint.observe_load(load(24, 3), 1.0)
+    assert endpoint.info is not None and endpoint.info.max_num_seqs == 8  # one scrape: not yet
+    endpoint.observe_load(load(20, 1), 1.25)
+    info = endpoint.info
+    assert info is not None
+    assert info.max_num_seqs == 24
+    assert info.sources["max_num_seqs"] == LEARNED_SOURCE
+    assert "metrics" in info.sources["max_num_seqs"]
+    assert (info.model, info.sources["kind"]) == ("tiny", "/version")  # the rest is kept
+    assert endpoint.controller.capacity == 24
+    assert endpoint.control_stats().learned_max_num_seqs == 24
+    # A learned value goes on learning (it only rises).
+    endpoint.observe_load(load(30, 2), 1.5)
+    assert endpoint.info is not None and endpoint.info.max_num_seqs == 30
+    assert endpoint.controller.capacity == 30
+    assert endpoint.scrapes == 3
+    assert (endpoint.load, endpoint.load_at) == (load(30, 2), 1.5)
+
+
+def test_the_first_load_counts_towards_learning() -> None:
+    endpoint = make()
+    endpoint.seed(server(8, "default"), load(16, 4))
+    endpoint.observe_load(load(16, 2), 0.25)
+    assert endpoint.info is not None and endpoint.info.max_num_seqs == 16
+
+
+@pytest.mark.parametrize("stated", ["launcher record", "explicit", "vllm /server_info"])
+def test_learned_capacity_never_overwrites_a_stated_one(stated: str) -> None:
+    endpoint = make()
+    info = server(8, stated)
+    endpoint.seed(info, load(0, 0))
+    for step in range(4):
+        endpoint.observe_load(load(24, 3), step * 0.25)
+    assert endpoint.info is info  # what the server was said to be stays reported
+    assert endpoint.controller.capacity == 8
+    assert endpoint.learner.value == 24  # still reported in the stats
+    assert endpoint.control_stats().learned_max_num_seqs == 24
+
+
+def test_isolated_transient_queues_teach_nothing() -> None:
+    endpoint = make()
+    endpoint.seed(server(8, "default"), load(0, 0))
+    endpoint.observe_load(load(2, 1), 0.0)  # a request caught before its first scheduler step
+    for step in range(1, 100):
+        endpoint.observe_load(load(2, 0), step * 0.25)
+    endpoint.observe_load(load(2, 1), 100 * 0.25)
+    assert endpoint.learner.value is None
+    assert endpoint.info is not None and endpoint.info.max_num_seqs == 8
+    assert endpoint.controller.capacity is None
+
+
+def test_learning_reads_the_capacity_reason_of_the_queue() -> None:
+    endpoint = make()
+    endpoint.seed(server(8, "default"), load(0, 0))
+    # vLLM says why requests wait: none of these wait for room in the batch.
+    for step in range(3):
+        endpoint.observe_load(load(24, 3, waiting_capacity=0), step * 0.25)
+    assert endpoint.learner.value is None
+    assert endpoint.info is not None and endpoint.info.max_num_seqs == 8
+
+
+def test_learning_is_bounded_by_the_kv_cache() -> None:
+    endpoint = make()
+    endpoint.seed(server(8, "default"), load(0, 0, kv_cache_size_tokens=1280, block_size=128))
+    endpoint.observe_load(load(24, 3), 0.25)
+    endpoint.observe_load(load(24, 3), 0.5)
+    assert endpoint.info is not None and endpoint.info.max_num_seqs == 10
+
+
+def test_a_scrape_without_queue_gauges_is_an_idle_period() -> None:
+    endpoint = make()
+    endpoint.seed(server(8, "explicit"), load(0, 0))
+    endpoint.observe_load(load(None, None, kv_usage=0.5), 0.25)
+    assert endpoint.scrapes == 1
+    assert endpoint.governor.limit == 5
+    assert endpoint.controller.server_running is None
+
+
+# --- the limit on the real governor --------------------------------------------------------------
+
+
+async def test_growth_needs_demand_on_the_governor() -> None:
+    endpoint = make()
+    endpoint.seed(server(8, "explicit"), load(0, 0))
+    slots = await hold(endpoint, 4)  # 4 of 5 slots: no demand
+    endpoint.observe_load(load(4, 0), 0.0)
+    assert endpoint.governor.limit == 5
+    slots += await hold(endpoint, 1)  # every slot used: demand
+    endpoint.observe_load(load(5, 0), 0.25)
+    assert endpoint.governor.limit == 8
+    await release(slots)
+
+
+async def test_no_slot_leaks_when_the_limit_drops_under_load() -> None:
+    clock = FakeClock()
+    endpoint = make(ControlOptions(headroom=1.0), clock)
+    endpoint.seed(server(8, "explicit"), load(0, 0))
+    governor = endpoint.governor
+    assert governor.limit == 8
+    events = [anyio.Event() for _ in range(12)]
+    outcomes = {0: "overloaded", 1: "overloaded", 2: "overloaded"}
+    admitted: list[tuple[int, int, int]] = []  # (call, in flight, limit) at admission
+
+    async def call(i: int) -> None:
+        async with governor.slot() as slot:
+            admitted.append((i, governor.in_flight, governor.limit))
+            await events[i].wait()
+            slot.set_outcome(outcomes.get(i, "ok"))
+
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            for i in range(12):
+                tg.start_soon(call, i)
+            await anyio.wait_all_tasks_blocked()
+            assert (governor.in_flight, governor.waiting) == (8, 4)
+
+            clock.now = 1.0
+            endpoint.observe_load(load(8, 30), clock.now)  # queue 30 > target 2
+            assert governor.limit == 4  # ceil(8 x 0.5)
+            for i in (0, 1, 2):  # three 429s: one cut (cooldown), nobody admitted
+                events[i].set()
+                await anyio.wait_all_tasks_blocked()
+            assert governor.limit == 2  # floor(4 x 0.7)
+            assert endpoint.controller.reason == "the server refused for load"
+            assert (governor.in_flight, governor.waiting) == (5, 4)
+
+            for event in events:
+                event.set()
+
+    assert (governor.in_flight, governor.waiting) == (0, 0)
+    assert sorted(i for i, _, _ in admitted) == list(range(12))
+    late = [(in_flight, limit) for i, in_flight, limit in admitted if i >= 8]
+    assert all(in_flight <= limit == 2 for in_flight, limit in late), late
+    lanes = governor.stats().lanes
+    assert (lanes["short"].done, lanes["short"].failed) == (9, 3)
+
+    # The new limit, exactly: 2 at once, the third waits.
+    slots = await hold(endpoint, 2)
+    assert governor.in_flight == 2
+
+    third_in = anyio.Event()
+
+    async def third() -> None:
+        async with governor.slot():
+            third_in.set()
+
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(third)
+            await anyio.wait_all_tasks_blocked()
+            assert governor.waiting == 1 and not third_in.is_set()
+            await release(slots[:1])
+            await third_in.wait()
+    await release(slots[1:])
+    assert (governor.in_flight, governor.waiting) == (0, 0)
+
+
+async def test_cancelled_waiters_never_leak_while_the_limit_moves() -> None:
+    clock = FakeClock()
+    endpoint = make(ControlOptions(headroom=1.0), clock)
+    endpoint.seed(server(8, "explicit"), load(0, 0))
+    governor = endpoint.governor
+    holders = [anyio.Event() for _ in range(8)]
+    scopes = [anyio.CancelScope() for _ in range(8)]
+    go = anyio.Event()
+    ran: list[int] = []
+
+    async def holder(i: int) -> None:
+        async with governor.slot():
+            await holders[i].wait()
+
+    async def waiter(i: int) -> None:
+        with scopes[i]:
+            async with governor.slot():
+                ran.append(i)
+                await go.wait()
+
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            for i in range(8):
+                tg.start_soon(holder, i)
+            await anyio.wait_all_tasks_blocked()
+            for i in range(8):
+                tg.start_soon(waiter, i)
+                await anyio.wait_all_tasks_blocked()  # arrival order 0..7
+            assert (governor.in_flight, governor.waiting) == (8, 8)
+
+            # Waiter 0 is cancelled, then (before it runs) the limit rises by slow start with
+            # demand waiting: waiters 0-3 are granted. 0 sees its cancellation in the wait and
+            # passes the slot on. 1 is cancelled after the grant: it runs up to its next
+            # checkpoint, then leaves and releases. 6 gives up while still waiting.
+            scopes[0].cancel()
+            endpoint.observe_load(load(4, 0), 0.0)
+            assert governor.limit == 12
+            for i in (1, 6):
+                scopes[i].cancel()
+            await anyio.wait_all_tasks_blocked()
+            assert sorted(ran) == [1, 2, 3, 4, 5]
+            assert (governor.in_flight, governor.waiting) == (12, 1)
+
+            # The limit falls; the last waiter gives up.
+            endpoint.observe_load(load(8, 30), 0.25)
+            assert governor.limit == 6  # ceil(12 x 0.5)
+            scopes[7].cancel()
+            await anyio.wait_all_tasks_blocked()
+            assert (governor.in_flight, governor.waiting) == (12, 0)
+
+            for event in holders:
+                event.set()
+            go.set()
+
+    assert (governor.in_flight, governor.waiting) == (0, 0)
+    slots = await hold(endpoint, 6)
+    assert governor.in_flight == governor.limit == 6
+    blocked = governor.slot()
+    with anyio.move_on_after(0.01):  # the seventh must wait
+        await blocked.__aenter__()
+        pytest.fail("a seventh slot was admitted under a limit of 6")
+    assert governor.waiting == 0  # the timed-out waiter left the queue
+    await release(slots)
+
+
+# --- on_raise -----------------------------------------------------------------------------------
+
+
+async def test_on_raise_fires_when_the_limit_rises_only(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="dsclient")
+    clock = FakeClock()
+    endpoint = make(clock=clock)
+    endpoint.seed(server(8, "explicit"), load(0, 0))
+    seen: list[int] = []
+    other: list[int] = []
+    remove = endpoint.on_raise(lambda: seen.append(endpoint.governor.limit))
+    endpoint.on_raise(lambda: other.append(endpoint.governor.limit))
+    slots = await hold(endpoint, 5)
+
+    endpoint.observe_load(load(5, 0), 0.0)  # room and demand: x1.5
+    assert seen == other == [8]  # the governor already has the new limit
+    assert "limit 5 -> 8" in caplog.text
+
+    endpoint.observe_load(load(8, 20), 0.25)  # a queue: cut
+    assert endpoint.governor.limit == 3
+    clock.now = 0.5
+    await release(slots[:1], "overloaded")  # a 429: cut again
+    assert endpoint.governor.limit == 2
+    assert seen == other == [8]
+
+    remove()
+    remove()  # twice is harmless
+    endpoint.observe_load(load(3, 0), 1.5)  # in flight 4 >= 2: demand; a cooldown after the cut
+    assert endpoint.governor.limit == 6
+    assert seen == [8]
+    assert other == [8, 6]
+    await release(slots[1:])
+
+
+async def test_on_raise_fires_in_latency_mode() -> None:
+    endpoint = make()
+    endpoint.seed(server(8, "explicit"), None)
+    seen: list[int] = []
+    endpoint.on_raise(lambda: seen.append(endpoint.governor.limit))
+    slots = await hold(endpoint, 5)
+    for step in range(3):
+        endpoint.tick(step * 0.25)
+    assert seen == [7]
+    slots += await hold(endpoint, 2)  # every slot used again: demand
+    for step in range(3, 6):
+        endpoint.tick(step * 0.25)
+    assert seen == [7, 8]
+    await release(slots)
+
+
+# --- fetch_load and the poller ------------------------------------------------------------------
+
+
+async def test_fetch_load_reads_the_served_model_only() -> None:
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=METRICS))
+    async with httpx.AsyncClient(transport=transport) as http:
+        got = await fetch_load(http, URL, model="tiny", timeout=1.0)
+    assert got is not None
+    assert (got.source, got.running, got.waiting) == ("vllm /metrics", 8, 5)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        httpx.Response(500, text=METRICS),
+        httpx.Response(404, text="not found"),
+        httpx.Response(200, text="# nothing we know\nprocess_cpu_seconds_total 3.0\n"),
+        httpx.ConnectError("refused"),
+    ],
+)
+async def test_fetch_load_fails_quietly(answer: httpx.Response | Exception) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        assert await fetch_load(http, URL, model="tiny", timeout=1.0) is None
+
+
+async def test_poller_scrapes_only_while_there_is_traffic() -> None:
+    paths: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.path)
+        return httpx.Response(200, text=METRICS)
+
+    endpoint = Endpoint(URL, ControlOptions(scrape_interval=0.05), {}, start=5)  # real clock
+    endpoint.seed(server(8, "default"), load(0, 0))
+    assert endpoint.controller.mode == "metrics"
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        with anyio.fail_after(2):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(endpoint.run_poller, http)
+                await anyio.sleep(0.12)
+                assert paths == []  # no traffic: no scrape
+
+                slot = endpoint.governor.slot()
+                await slot.__aenter__()
+                started = time.monotonic()
+                endpoint.wake()
+                await until(lambda: len(paths) >= 2)
+                assert set(paths) == {"/metrics"}
+                assert endpoint.load == load(8, 5)  # the other model's series left out
+                assert (endpoint.controller.server_running, endpoint.controller.server_waiting) == (
+                    8,
+                    5,
+                )
+                # Fed to the controller: queue 5 > target 2 with 1 in flight cuts to 1...
+                assert endpoint.governor.limit == 1
+                # ...and two scrapes with a queue taught the capacity.
+                assert endpoint.info is not None and endpoint.info.max_num_seqs == 8
+                assert endpoint.info.sources["max_num_seqs"] == LEARNED_SOURCE
+                await anyio.sleep(0.1)
+                # At most one scrape per interval.
+                assert len(paths) <= (time.monotonic() - started) / 0.05 + 1
+
+                await slot.__aexit__(None, None, None)
+                settled = len(paths)  # a scrape is counted as it starts
+                await anyio.sleep(0.15)
+                assert len(paths) == settled  # idle again: no scrape
+
+                slot = endpoint.governor.slot()
+                await slot.__aenter__()
+                endpoint.wake()
+                await until(lambda: len(paths) > settled)  # wakes at once
+                await slot.__aexit__(None, None, None)
+                tg.cancel_scope.cancel()
+
+
+async def test_poller_without_load_gauges_ticks() -> None:
+    paths: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.path)
+        return httpx.Response(503)
+
+    endpoint = Endpoint(URL, ControlOptions(scrape_interval=0.05), {}, start=5)
+    endpoint.seed(server(8, "explicit"), load(0, 0))
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        with anyio.fail_after(2):
+            async with anyio.create_task_group() as tg:
+                slots = await hold(endpoint, 5)
+                tg.start_soon(endpoint.run_poller, http)
+                await until(lambda: len(paths) >= 2)
+                assert endpoint.load is None and endpoint.scrapes == 0
+                assert endpoint.governor.limit == 5  # metrics mode moves on the queue only
+                await release(slots)
+                tg.cancel_scope.cancel()
+
+
+async def test_poller_in_latency_mode_only_ticks() -> None:
+    paths: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.path)
+        return httpx.Response(200, text=METRICS)
+
+    endpoint = Endpoint(URL, ControlOptions(scrape_interval=0.03), {}, start=5)
+    endpoint.seed(server(8, "explicit"), None)
+    assert endpoint.controller.mode == "latency"
+    done = anyio.Event()
+
+    async def call() -> None:
+        async with endpoint.governor.slot():
+            await done.wait()
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        with anyio.fail_after(2):
+            async with anyio.create_task_group() as tg:
+                for _ in range(9):  # more calls than max_num_seqs: demand throughout
+                    tg.start_soon(call)
+                await anyio.wait_all_tasks_blocked()
+                tg.start_soon(endpoint.run_poller, http)
+                await until(lambda: endpoint.governor.limit == 8)  # six periods: 5 -> 7 -> 8
+                await anyio.sleep(0.1)
+                assert endpoint.governor.limit == 8  # and no further: max_num_seqs
+                assert (endpoint.governor.in_flight, endpoint.governor.waiting) == (8, 1)
+                assert paths == []
+                done.set()
+                await anyio.sleep(0)
+                tg.cancel_scope.cancel()
+
+
+async def test_poller_in_fixed_mode_returns() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise AssertionError("a fixed limit scrapes nothing")
+
+    endpoint = Endpoint(URL, ControlOptions(limit=4), {}, start=5)
+    endpoint.seed(server(8, "explicit"), load(0, 0))
+    slots = await hold(endpoint, 1)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        with anyio.fail_after(1):
+            await endpoint.run_poller(http)
+    await release(slots)
