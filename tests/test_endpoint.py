@@ -621,3 +621,55 @@ async def test_poller_in_fixed_mode_returns() -> None:
         with anyio.fail_after(1):
             await endpoint.run_poller(http)
     await release(slots)
+
+
+async def test_limit_changes_are_logged_at_most_every_two_seconds(caplog) -> None:
+    clock = FakeClock(0.0)
+    endpoint = make(clock=clock)
+    endpoint.seed(server(), load(0, 0))
+    caplog.set_level(logging.DEBUG, logger="dsclient")
+    slots = await hold(endpoint, 5)
+    for step in range(12):  # a queue, then room, then a queue...: the limit moves every time
+        clock.now = step * 1.25
+        waiting = 9 if step % 2 else 0
+        endpoint.observe_load(load(8, waiting), clock.now)
+    changes = [r for r in caplog.records if " limit " in r.getMessage()]
+    info = [r for r in changes if r.levelno == logging.INFO]
+    assert len(changes) > len(info) >= 2
+    assert len(info) <= 1 + int(12 * 1.25 / 2)
+    assert any("changes since the last line" in r.getMessage() for r in info)
+    for slot in slots:
+        await slot.__aexit__(None, None, None)
+
+
+@pytest.mark.parametrize(
+    ("text", "source"),
+    [
+        (
+            'sglang:num_running_reqs{model_name="tiny"} 12\n'
+            'sglang:num_queue_reqs{model_name="tiny"} 3\n',
+            "sglang /metrics",
+        ),
+        ("llamacpp:requests_processing 12\nllamacpp:requests_deferred 3\n", "llama.cpp /metrics"),
+        ("tgi_batch_current_size 12\ntgi_queue_size 3\n", "tgi /metrics"),
+    ],
+)
+async def test_other_servers_metrics_close_the_loop_and_teach_the_capacity(text, source) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text=text)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        first = await fetch_load(http, URL, model="tiny", timeout=1.0)
+    assert first is not None and first.source == source
+    clock = FakeClock(0.0)
+    endpoint = make(clock=clock)
+    endpoint.seed(server(), first)
+    assert endpoint.controller.mode == "metrics"
+    slots = await hold(endpoint, 5)
+    for step in range(3):
+        clock.now = step * 0.25
+        endpoint.observe_load(first, clock.now)
+    assert endpoint.info is not None and endpoint.info.max_num_seqs == 12
+    assert endpoint.info.sources["max_num_seqs"] == LEARNED_SOURCE
+    for slot in slots:
+        await slot.__aexit__(None, None, None)
