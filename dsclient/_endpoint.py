@@ -53,7 +53,7 @@ class ControlOptions:
     adaptive: bool = True
     limit: int | None = None
     max_limit: int | None = None
-    queue_share: float = 0.25
+    queue_share: float = 0.5
     latency_target: float | None = None
     scrape_interval: float = 0.25
 

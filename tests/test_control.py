@@ -28,7 +28,12 @@ from dsclient._control import (
 PERIOD = 0.25  # the controller's default period; scripted scrapes come this far apart
 
 
+#: The simulated loops below run with the client's default target share.
+SIM_SHARE = 0.5
+
+
 def metrics(start: int, capacity: int | None = 8, **kwargs: object) -> LimitController:
+    kwargs.setdefault("queue_share", 0.25)  # the numbers below were worked out for a quarter
     return LimitController(start=start, mode="metrics", capacity=capacity, **kwargs)  # type: ignore[arg-type]
 
 
@@ -709,7 +714,7 @@ def test_closed_loop_converges_into_a_band(capacity: int, start: str, learned: b
     client = SimClient(0, control, transit=2, learner=CapacityLearner() if learned else None)
     trace = simulate(SimServer(capacity), [client], PERIODS)
 
-    target = target_waiting(capacity, 0.25, capacity)
+    target = target_waiting(capacity, SIM_SHARE, capacity)
     assert trace.target[-1] == target
     if learned:
         assert client.learner is not None and client.learner.value == capacity
@@ -757,7 +762,7 @@ def test_two_clients_converge_to_fair_shares(capacity: int, starts: str) -> None
         SimClient(1, LimitController(start=second, mode="metrics", capacity=capacity), transit=2),
     ]
     trace = simulate(SimServer(capacity), clients, PERIODS)
-    target = target_waiting(capacity, 0.25, capacity)
+    target = target_waiting(capacity, SIM_SHARE, capacity)
     for half in (slice(200, 300), slice(300, PERIODS)):
         a = statistics.mean(trace.limits[0][half])
         b = statistics.mean(trace.limits[1][half])
@@ -784,4 +789,6 @@ def test_four_clients_hold_the_server_queue_near_the_target() -> None:
         for n in range(4)
     ]
     trace = simulate(SimServer(capacity), clients, PERIODS)
-    assert statistics.mean(trace.waiting[WARM_UP:]) <= 2 * target_waiting(capacity, 0.25, capacity)
+    assert statistics.mean(trace.waiting[WARM_UP:]) <= 2 * target_waiting(
+        capacity, SIM_SHARE, capacity
+    )

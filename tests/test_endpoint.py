@@ -62,7 +62,9 @@ def load(running: int | None, waiting: int | None, **more: object) -> Load:
 
 
 def make(options: ControlOptions | None = None, clock: FakeClock | None = None) -> Endpoint:
-    return Endpoint(URL, options or ControlOptions(), {}, start=5, clock=clock or FakeClock())
+    # The numbers below were worked out for a target of a quarter of the batch.
+    options = options or ControlOptions(queue_share=0.25)
+    return Endpoint(URL, options, {}, start=5, clock=clock or FakeClock())
 
 
 async def hold(endpoint: Endpoint, n: int) -> list[Slot]:
