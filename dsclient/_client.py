@@ -32,6 +32,7 @@ from ._endpoint import ControlOptions, Endpoint, fetch_load
 from ._exceptions import DSClientError, MalformedResponse, TimeoutError, translate_transport_error
 from ._governor import GovernorStats, choose_lane, compute_limit, default_long_threshold
 from ._models import ChatResult, CompletionResult, Failure, Result, Usage
+from ._observe import CallRecord, Observer
 from ._pipeline import RequestPath, outcome_of
 from ._retry import Retry, RetryBudget
 from ._streaming import delta_of, iter_sse_data
@@ -385,6 +386,7 @@ class AsyncClient:
             sleep=sleep or anyio.sleep,
             rng=rng or random.Random(),
         )
+        self._observers: list[Observer] = []
         self._discover_lock = anyio.Lock()
         self._tokenize_limiter = anyio.CapacityLimiter(8)
         self._closed = False
@@ -797,16 +799,73 @@ class AsyncClient:
         then attempts under the governor (see :mod:`dsclient._pipeline`), within the timeout."""
         limit_s = self._timeout_of(timeout)
         start = self._clock()
+        plan: _Plan | None = None
         try:
-            async with _deadline(limit_s):
-                plan = await self._plan(kind, prompt, max_tokens, sampling)
-                data, attempts, queued = await self._path.send_json(
-                    plan.path, plan.body, lane=plan.lane, urgency=urgency, group=group
+            try:
+                async with _deadline(limit_s):
+                    plan = await self._plan(kind, prompt, max_tokens, sampling)
+                    data, attempts, queued = await self._path.send_json(
+                        plan.path, plan.body, lane=plan.lane, urgency=urgency, group=group
+                    )
+            except builtins.TimeoutError as exc:
+                raise TimeoutError(
+                    f"call did not finish within its timeout of {limit_s} s"
+                ) from exc
+            latency = self._clock() - start
+            result = _build_result(kind, data, latency, queued, attempts, plan, index)
+        except Exception as exc:
+            if self._observers:
+                self._observe_failure(kind, plan, group, exc, start)
+            raise
+        if self._observers:
+            self._notify(
+                CallRecord(
+                    kind=kind,
+                    server=self.url,
+                    lane=result.lane,
+                    group=group,
+                    error=None,
+                    status=None,
+                    latency_s=result.latency_s,
+                    queued_s=result.queued_s,
+                    attempts=result.attempts,
+                    prompt_tokens=result.usage.prompt_tokens,
+                    completion_tokens=result.usage.completion_tokens,
                 )
-        except builtins.TimeoutError as exc:
-            raise TimeoutError(f"call did not finish within its timeout of {limit_s} s") from exc
-        latency = self._clock() - start
-        return _build_result(kind, data, latency, queued, attempts, plan, index)
+            )
+        return result
+
+    def _observe_failure(
+        self,
+        kind: Literal["completion", "chat", "stream"],
+        plan: _Plan | None,
+        group: str | None,
+        exc: Exception,
+        start: float,
+    ) -> None:
+        attempts = getattr(exc, "attempts", 1)
+        self._notify(
+            CallRecord(
+                kind=kind,
+                server=self.url,
+                lane=plan.lane if plan is not None else None,
+                group=group,
+                error=type(exc).__name__,
+                status=getattr(exc, "status", None) or None,
+                latency_s=self._clock() - start,
+                queued_s=None,
+                attempts=attempts if isinstance(attempts, int) else 1,
+                prompt_tokens=None,
+                completion_tokens=None,
+            )
+        )
+
+    def _notify(self, record: CallRecord) -> None:
+        for observer in self._observers:
+            try:
+                observer(record)
+            except Exception:  # an observer's bug must not fail the call
+                logger.exception("dsclient: an observer raised; ignoring it")
 
     async def _open_stream(
         self,
@@ -946,6 +1005,23 @@ class Stream:
         if self._response is not None:
             await self._response.aclose()
             self._response = None
+        client = self._client
+        if self._slot is not None and client._observers:
+            client._notify(
+                CallRecord(
+                    kind="stream",
+                    server=client.url,
+                    lane=self.lane,
+                    group=self._group,
+                    error=type(exc).__name__ if exc is not None else None,
+                    status=getattr(exc, "status", None) or None,
+                    latency_s=self.latency_s,
+                    queued_s=self._slot.queued_s,
+                    attempts=self.attempts,
+                    prompt_tokens=None,
+                    completion_tokens=len(self._chunks),
+                )
+            )
         if self._slot is not None:
             slot, self._slot = self._slot, None
             if isinstance(exc, DSClientError):

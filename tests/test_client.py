@@ -595,3 +595,28 @@ async def test_an_estimate_straddling_the_lane_threshold_is_counted_exactly():
         r = await client.generate("a b c", max_tokens=16)
         assert r.lane == "short"
     assert len(counted) == 1 and counted[0].startswith("word")  # the straddler only
+
+
+async def test_observers_hear_every_call_and_cannot_break_it():
+    from dsclient._observe import CallRecord
+
+    fake = FakeServer(
+        script=[
+            httpx.Response(200, json=completion_body(prompt_tokens=3, completion_tokens=2)),
+            httpx.Response(400, json={"error": {"message": "no"}}),
+        ]
+    )
+    records: list[CallRecord] = []
+
+    def broken(record):
+        raise RuntimeError("observer bug")
+
+    async with make_client(fake) as client:
+        client._observers += [records.append, broken]
+        await client.generate("x", max_tokens=2)
+        with pytest.raises(RequestRefused):
+            await client.generate("y", max_tokens=2)
+    ok, failed = records
+    assert ok.ok and ok.kind == "completion" and ok.lane == "short" and ok.attempts == 1
+    assert (ok.prompt_tokens, ok.completion_tokens) == (3, 2)
+    assert not failed.ok and failed.error == "RequestRefused" and failed.status == 400
