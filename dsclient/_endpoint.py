@@ -26,7 +26,7 @@ from typing import Any
 import anyio
 import httpx
 
-from ._control import CapacityLearner, ControlStats, LimitController, Mode
+from ._control import SLOW_START, CapacityLearner, ControlStats, LimitController, Mode
 from ._discovery import ServerInfo
 from ._governor import Governor, Slot, compute_limit
 from ._load import Load, parse_load
@@ -54,6 +54,7 @@ class ControlOptions:
     limit: int | None = None
     max_limit: int | None = None
     queue_share: float = 0.5
+    slow_start: float = SLOW_START
     latency_target: float | None = None
     scrape_interval: float = 0.25
 
@@ -144,6 +145,7 @@ class Endpoint:
             capacity=known,
             ceiling=options.max_limit,
             queue_share=options.queue_share,
+            slow_start=options.slow_start,
             latency_target=options.latency_target,
             period=options.scrape_interval,
         )

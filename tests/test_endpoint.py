@@ -63,7 +63,7 @@ def load(running: int | None, waiting: int | None, **more: object) -> Load:
 
 def make(options: ControlOptions | None = None, clock: FakeClock | None = None) -> Endpoint:
     # The numbers below were worked out for a target of a quarter of the batch.
-    options = options or ControlOptions(queue_share=0.25)
+    options = options or ControlOptions(queue_share=0.25, slow_start=1.5)
     return Endpoint(URL, options, {}, start=5, clock=clock or FakeClock())
 
 
@@ -301,7 +301,7 @@ async def test_growth_needs_demand_on_the_governor() -> None:
 
 async def test_no_slot_leaks_when_the_limit_drops_under_load() -> None:
     clock = FakeClock()
-    endpoint = make(ControlOptions(headroom=1.0), clock)
+    endpoint = make(ControlOptions(headroom=1.0, queue_share=0.25, slow_start=1.5), clock)
     endpoint.seed(server(8, "explicit"), load(0, 0))
     governor = endpoint.governor
     assert governor.limit == 8
@@ -365,7 +365,7 @@ async def test_no_slot_leaks_when_the_limit_drops_under_load() -> None:
 
 async def test_cancelled_waiters_never_leak_while_the_limit_moves() -> None:
     clock = FakeClock()
-    endpoint = make(ControlOptions(headroom=1.0), clock)
+    endpoint = make(ControlOptions(headroom=1.0, queue_share=0.25, slow_start=1.5), clock)
     endpoint.seed(server(8, "explicit"), load(0, 0))
     governor = endpoint.governor
     holders = [anyio.Event() for _ in range(8)]
