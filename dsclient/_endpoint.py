@@ -157,6 +157,7 @@ class Endpoint:
                 self.controller.ceiling,
             )
         if load is not None:
+            self.load, self.load_at = load, self._clock()
             self._learn(load)
         self.governor.set_limit(start)
 

@@ -1,0 +1,304 @@
+"""dsclient.metrics: the Prometheus collector, its HTTP server, OpenTelemetry spans, import cost."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import textwrap
+
+import httpx
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+import dsclient
+import dsclient.metrics
+from dsclient import AsyncClient, DSClientError, RequestRefused
+from dsclient._load import Load
+from dsclient._observe import CallRecord
+
+from .fakes import FakeServer, RecordedSleep, completion_body
+
+pytestmark = pytest.mark.anyio
+
+URL = "http://127.0.0.1:8000"
+SERVER = {"server": URL}
+
+
+def make_client(fake: FakeServer, url: str = URL, **kwargs) -> AsyncClient:
+    kwargs.setdefault("sleep", RecordedSleep())
+    kwargs.setdefault("rng", random.Random(0))
+    return AsyncClient(url, transport=fake.transport, **kwargs)
+
+
+def scrape(registry: CollectorRegistry) -> dict[tuple[str, frozenset], float]:
+    """Every sample of ``generate_latest``, parsed back: (name, labels) -> value."""
+    text = generate_latest(registry).decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples, name, **labels) -> float | None:
+    return samples.get((name, frozenset({**SERVER, **labels}.items())))
+
+
+def names(samples) -> set[str]:
+    return {name for name, _ in samples}
+
+
+def record(**fields) -> CallRecord:
+    base = dict(
+        kind="completion",
+        server=URL,
+        lane="short",
+        group=None,
+        error=None,
+        status=None,
+        latency_s=1.0,
+        queued_s=0.0,
+        attempts=1,
+        prompt_tokens=None,
+        completion_tokens=None,
+    )
+    return CallRecord(**{**base, **fields})
+
+
+def three_calls_server() -> FakeServer:
+    """An ok call, a 400, then a 503 that a retry turns into an ok."""
+    return FakeServer(
+        script=[
+            httpx.Response(200, json=completion_body(prompt_tokens=3, completion_tokens=2)),
+            httpx.Response(400, json={"error": {"message": "bad request"}}),
+            httpx.Response(503, text="busy"),
+            httpx.Response(200, json=completion_body(prompt_tokens=4, completion_tokens=5)),
+        ]
+    )
+
+
+async def three_calls(client: AsyncClient) -> DSClientError:
+    await client.generate("x", max_tokens=2)
+    with pytest.raises(RequestRefused) as refused:
+        await client.generate("y", max_tokens=2)
+    retried = await client.generate("z", max_tokens=2)
+    assert retried.attempts == 2
+    return refused.value
+
+
+async def test_collector_counts_calls_and_reads_the_governor_at_scrape_time():
+    async with make_client(three_calls_server()) as client:
+        registry = CollectorRegistry()
+        registry.register(dsclient.metrics.Collector(client))
+        refused = await three_calls(client)
+        samples = scrape(registry)
+        limit, info = client.limit, client.server
+    outcome = type(refused).__name__
+    assert value(samples, "dsclient_requests_total", lane="short", outcome="ok", status="") == 2
+    assert (
+        value(samples, "dsclient_requests_total", lane="short", outcome=outcome, status="400") == 1
+    )
+    assert value(samples, "dsclient_retries_total") == 1
+    assert value(samples, "dsclient_tokens_total", kind="prompt") == 7
+    assert value(samples, "dsclient_tokens_total", kind="completion") == 7
+    # Every call has a latency; the failed call has no queue time.
+    assert value(samples, "dsclient_request_latency_seconds_count", lane="short") == 3
+    assert value(samples, "dsclient_request_latency_seconds_bucket", lane="short", le="+Inf") == 3
+    assert value(samples, "dsclient_request_latency_seconds_sum", lane="short") >= 0
+    assert value(samples, "dsclient_queue_seconds_count", lane="short") == 2
+    # Gauges, read from client.stats() when scraped.
+    assert value(samples, "dsclient_limit") == limit
+    assert value(samples, "dsclient_in_flight") == 0
+    assert value(samples, "dsclient_waiting") == 0
+    assert value(samples, "dsclient_limit_changes_total") is not None
+    assert info is not None
+    source = info.sources["max_num_seqs"]
+    assert value(samples, "dsclient_max_num_seqs", source=source) == info.max_num_seqs
+    # The fake server has no /metrics: what the server says about itself is absent, not 0.
+    assert not names(samples) & {"dsclient_server_running", "dsclient_server_waiting"}
+    assert all(dict(labels)["server"] == URL for _, labels in samples)
+
+
+async def test_server_gauges_show_the_load_as_last_scraped():
+    async with make_client(FakeServer()) as client:
+        registry = CollectorRegistry()
+        registry.register(dsclient.metrics.Collector(client))
+        load = Load(source="vllm /metrics", running=3, waiting=1, kv_usage=0.25)
+        client._endpoint.observe_load(load, client._clock())
+        samples = scrape(registry)
+    assert value(samples, "dsclient_server_running") == 3
+    assert value(samples, "dsclient_server_waiting") == 1
+    assert value(samples, "dsclient_server_kv_cache_usage") == 0.25
+    assert value(samples, "dsclient_server_load_age_seconds") >= 0
+
+
+async def test_histogram_buckets_follow_prometheus_le_and_are_cumulative():
+    client = make_client(FakeServer())
+    registry = CollectorRegistry()
+    collector = dsclient.metrics.Collector(client, latency_buckets=[1, 2], queue_buckets=[0.5])
+    registry.register(collector)
+    observe = client._observers[-1]
+    for latency in (0.5, 1.0, 1.5, 5.0):  # 1.0 lands in le="1.0": le means <=
+        observe(record(latency_s=latency, queued_s=latency / 10))
+    observe(record(lane=None, error="ConnectionError", queued_s=None, attempts=3))
+    observe(record(kind="stream", lane="long", completion_tokens=4))
+    samples = scrape(registry)
+    bucket = "dsclient_request_latency_seconds_bucket"
+    assert value(samples, bucket, lane="short", le="1.0") == 2
+    assert value(samples, bucket, lane="short", le="2.0") == 3
+    assert value(samples, bucket, lane="short", le="+Inf") == 4
+    assert value(samples, "dsclient_request_latency_seconds_sum", lane="short") == 8.0
+    assert value(samples, "dsclient_queue_seconds_bucket", lane="short", le="0.5") == 4
+    # A call that failed before planning has no lane; its retries still count.
+    assert value(samples, "dsclient_requests_total", lane="", outcome="ConnectionError", status="")
+    assert value(samples, "dsclient_retries_total") == 2
+    assert value(samples, "dsclient_tokens_total", kind="completion") == 4
+    assert value(samples, "dsclient_request_latency_seconds_count", lane="long") == 1
+    collector.close()
+    await client.aclose()
+
+
+async def test_close_stops_counting_and_two_collectors_clash_at_register():
+    client = make_client(FakeServer())
+    before = list(client._observers)
+    with dsclient.metrics.Collector(client) as collector:
+        assert len(client._observers) == len(before) + 1
+        registry = CollectorRegistry()
+        registry.register(collector)
+        with pytest.raises(ValueError, match="Duplicated timeseries"):
+            registry.register(dsclient.metrics.Collector(client))
+        client._observers.pop()  # the refused collector's observer
+    assert client._observers == before
+    collector.close()  # idempotent
+    await client.aclose()
+
+
+async def test_one_collector_for_several_servers_and_no_credentials_in_labels():
+    a = make_client(FakeServer(), "http://user:pw@127.0.0.1:8000?token=abc")
+    b = make_client(FakeServer(), "http://127.0.0.1:8001")
+    registry = CollectorRegistry()
+    registry.register(dsclient.metrics.Collector(a, b))
+    text = generate_latest(registry).decode()
+    assert 'dsclient_limit{server="http://127.0.0.1:8000"}' in text
+    assert 'dsclient_limit{server="http://127.0.0.1:8001"}' in text
+    assert "pw" not in text and "abc" not in text
+    with pytest.raises(ValueError, match="its own server URL"):
+        dsclient.metrics.Collector(a, make_client(FakeServer()))
+    with pytest.raises(ValueError, match="increase"):
+        dsclient.metrics.Collector(a, latency_buckets=[2, 1])
+    for c in (a, b):
+        await c.aclose()
+
+
+def test_collector_of_a_sync_client():
+    fake = FakeServer()
+    with dsclient.Client(URL, transport=fake.transport) as client:
+        with dsclient.metrics.Collector(client) as collector:
+            registry = CollectorRegistry()
+            registry.register(collector)
+            client.generate("x", max_tokens=2)
+            samples = scrape(registry)
+    assert value(samples, "dsclient_requests_total", lane="short", outcome="ok", status="") == 1
+
+
+async def test_start_http_server_serves_the_families_until_closed():
+    async with make_client(three_calls_server()) as client:
+        server = dsclient.metrics.start_http_server(client, 0)
+        with server:
+            assert server.url == f"http://127.0.0.1:{server.port}/metrics"
+            await three_calls(client)
+            async with httpx.AsyncClient() as http:
+                response = await http.get(server.url)
+            assert response.status_code == 200
+            text = response.text
+            assert 'dsclient_requests_total{lane="short",outcome="ok",server=' in text
+            assert "dsclient_in_flight" in text and "dsclient_limit" in text
+            assert "python_gc" not in text  # a fresh registry: dsclient's families only
+        assert server.collector._tallies[0] not in client._observers
+        async with httpx.AsyncClient() as http:
+            with pytest.raises(httpx.ConnectError):
+                await http.get(server.url)
+
+
+async def test_trace_emits_one_span_per_call_with_reconstructed_times():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    async with make_client(three_calls_server()) as client:
+        remove = dsclient.metrics.trace(client, tracer=tracer)
+        with tracer.start_as_current_span("job") as parent:
+            refused = await three_calls(client)
+        remove()
+        await client.generate("after", max_tokens=2)  # not traced
+        remove()  # idempotent
+    job, *spans = sorted(exporter.get_finished_spans(), key=lambda s: s.name != "job")
+    assert [s.name for s in spans] == ["dsclient.completion"] * 3
+    ok, failed, retried = sorted(spans, key=lambda s: s.start_time)
+    for span in spans:
+        assert span.kind is SpanKind.CLIENT
+        assert span.parent is not None
+        assert span.parent.span_id == parent.get_span_context().span_id
+        assert job.start_time <= span.start_time < span.end_time <= job.end_time
+        assert span.attributes["server.address"] == "127.0.0.1"
+        assert span.attributes["server.port"] == 8000
+    assert ok.status.status_code is StatusCode.UNSET
+    assert ok.attributes["dsclient.lane"] == "short"
+    assert ok.attributes["dsclient.attempts"] == 1
+    assert ok.attributes["dsclient.queue_s"] >= 0
+    assert ok.attributes["gen_ai.usage.output_tokens"] == 2
+    assert "dsclient.error" not in ok.attributes
+    assert retried.attributes["dsclient.attempts"] == 2
+    assert failed.status.status_code is StatusCode.ERROR
+    assert failed.attributes["dsclient.error"] == type(refused).__name__
+    assert failed.attributes["http.response.status_code"] == 400
+    assert "dsclient.queue_s" not in failed.attributes
+
+
+async def test_missing_packages_fail_only_when_used(monkeypatch):
+    client = make_client(FakeServer())
+    monkeypatch.setitem(sys.modules, "prometheus_client.core", None)
+    monkeypatch.setitem(sys.modules, "opentelemetry.trace", None)
+    with pytest.raises(ImportError, match=r"pip install 'dsclient\[metrics\]'"):
+        dsclient.metrics.Collector(client)
+    with pytest.raises(ImportError, match=r"pip install 'dsclient\[metrics\]'"):
+        dsclient.metrics.trace(client)
+    assert client._observers == []
+    await client.aclose()
+
+
+def run_python(code: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_import_costs_nothing_and_works_without_the_extras():
+    out = run_python(
+        """
+        import sys
+        import dsclient
+        assert "dsclient.metrics" not in sys.modules
+        import dsclient.metrics
+        loaded = [m for m in sys.modules if m.startswith(("prometheus_client", "opentelemetry"))]
+        print(loaded)
+        """
+    )
+    assert out.strip() == "[]"
+    # With neither package importable, the module still imports.
+    run_python(
+        """
+        import sys
+        sys.modules["prometheus_client"] = None
+        sys.modules["opentelemetry"] = None
+        import dsclient.metrics
+        """
+    )
