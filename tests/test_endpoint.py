@@ -573,7 +573,7 @@ async def test_poller_without_load_gauges_ticks() -> None:
                 slots = await hold(endpoint, 5)
                 tg.start_soon(endpoint.run_poller, http)
                 await until(lambda: len(paths) >= 2)
-                assert endpoint.load is None and endpoint.scrapes == 0
+                assert endpoint.scrapes == 0 and endpoint.load == load(0, 0)  # discovery's, kept
                 assert endpoint.governor.limit == 5  # metrics mode moves on the queue only
                 await release(slots)
                 tg.cancel_scope.cancel()
