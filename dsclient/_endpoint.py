@@ -159,7 +159,7 @@ class Endpoint:
         if load is not None:
             self.load, self.load_at = load, self._clock()
             self._learn(load)
-        self.governor.set_limit(start)
+        self.governor.set_limit(start, batch=self.controller.capacity)
 
     # -- signals ---------------------------------------------------------------------------------
     def wake(self) -> None:
@@ -222,6 +222,7 @@ class Endpoint:
             # server's queue is empty.
             return
         self.controller.set_capacity(learner.value)
+        self.governor.set_limit(self.governor.limit, batch=learner.value)
         sources = dict(info.sources, max_num_seqs=LEARNED_SOURCE)
         self.info = dataclasses.replace(info, max_num_seqs=learner.value, sources=sources)
         logger.info(
@@ -239,7 +240,7 @@ class Endpoint:
         old, new = governor.limit, controller.limit
         if new == old:
             return
-        governor.set_limit(new)
+        governor.set_limit(new, batch=self.controller.capacity)
         now = self._clock()
         if now - self._logged_at >= _LOG_EVERY_S:
             more = f" ({self._silenced} changes since the last line)" if self._silenced else ""

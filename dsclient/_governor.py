@@ -18,12 +18,14 @@ server to the client, where it can be ordered. Raising the cap admits waiters at
 it never cancels running work, it only admits nobody until in-flight drops below the new cap.
 
 **Lanes.** A request is ``"short"`` or ``"long"`` (:func:`choose_lane`). Long requests may hold
-at most ``max(1, floor(long_share * limit))`` slots; short requests may use every slot, including
-those the long lane leaves idle. This is a ceiling on one lane, not a fixed split: on the
-reference CPU vLLM server a burst of long requests held short ones up to 10 s behind a plain
-semaphore, and 0.4 s with long requests held to half of the cap, at the same makespan, while a
-fixed 4 + 1 split made a mixed batch 2.5x slower. A long request that waits because its lane is
-full never blocks short requests queued behind it.
+at most ``max(1, floor(long_share * min(limit, batch)))`` slots (``batch``: the server's
+``max_num_seqs`` when known; an adaptive limit can pass it, and half of 12 slots would be 6 of
+the server's 8 sequences: at 11 short requests a second the shorts then queued 3-4 s); short
+requests may use every slot, including those the long lane leaves idle. This is a ceiling on
+one lane, not a fixed split: on the reference CPU vLLM server a burst of long requests held
+short ones up to 10 s behind a plain semaphore, and 0.4 s with long requests held to half of
+the cap, at the same makespan, while a fixed 4 + 1 split made a mixed batch 2.5x slower. A long
+request that waits because its lane is full never blocks short requests queued behind it.
 
 **Borrowing is lent, not given.** While no short request has asked for a slot for
 ``long_idle_borrow`` seconds, long requests may borrow idle short slots (up to ``limit - 1``).
@@ -424,6 +426,7 @@ class Governor:
     """
 
     __slots__ = (
+        "_batch",
         "_clock",
         "_groups",
         "_in_flight",
@@ -470,6 +473,7 @@ class Governor:
             _check_share(f"group_caps[{name!r}]", share)
             groups[name] = _GroupState(share, _floor_share(share, limit))
         self._limit = limit
+        self._batch: int | None = None
         self._long_share = long_share
         self._max_queue = max_queue
         self._clock = clock
@@ -532,16 +536,22 @@ class Governor:
         group_state = self._groups.get(group) if group is not None else None
         return Slot(self, lane, urgency, group, lane_state, group_state)
 
-    def set_limit(self, limit: int) -> None:
+    def set_limit(self, limit: int, *, batch: int | None = None) -> None:
         """Change the cap now; lane and group caps follow their shares.
 
         Raising it admits waiters at once; lowering it cancels nothing, it only admits nobody
-        until in-flight drops below the new cap.
+        until in-flight drops below the new cap. ``batch`` is the server's batch
+        (``max_num_seqs``) when known: the long lane's share is taken of the smaller of the two,
+        so that a limit above the batch (requests in transit, a short server queue) does not
+        hand long requests more than their share of the sequences the server runs.
         """
         _check_int("limit", limit, 1)
+        if batch is not None:
+            _check_int("batch", batch, 1)
         self._limit = limit
+        self._batch = batch
         self._lanes["short"].cap = limit
-        self._lanes["long"].cap = _floor_share(self._long_share, limit)
+        self._lanes["long"].cap = _floor_share(self._long_share, min(limit, batch or limit))
         for group in self._groups.values():
             group.cap = _floor_share(group.share, limit)
         self._dispatch()

@@ -699,3 +699,21 @@ async def test_shorts_reclaim_borrowed_slots_at_once() -> None:
         assert "L7" not in crowd.admitted
         await crowd.release_all()
     assert (governor.in_flight, governor.waiting) == (0, 0)
+
+
+async def test_the_long_share_is_of_the_servers_batch_when_the_limit_is_above_it() -> None:
+    # An adaptive limit of 12 over a batch of 8 (transit, a short server queue): long requests
+    # get half of the 8 sequences the server runs, not half of the 12 slots.
+    governor = Governor(12, long_idle_borrow=None)
+    assert governor.stats().lanes["long"].limit == 6
+    governor.set_limit(12, batch=8)
+    assert governor.stats().lanes["long"].limit == 4
+    governor.set_limit(6, batch=8)  # under the batch: the share of the limit, as before
+    assert governor.stats().lanes["long"].limit == 3
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        governor.set_limit(12, batch=8)
+        for i in range(6):
+            await crowd.add(f"L{i}", lane="long")
+        assert governor.stats().lanes["long"].in_flight == 4
+        await crowd.release_all()
