@@ -368,17 +368,20 @@ class LimitController:
             return False
         if now - self._last_cut_any < self.cooldown:
             return False  # a cut needs a round trip to show in the queue before growing again
+        # Requests in transit (HTTP, a busy API server tokenizing) are not in the gauges yet:
+        # growing on an empty-looking server overshot to 43 in flight against a batch of 12 on a
+        # cold start, and to 128 against 32 on a busy machine whose API server fell behind.
+        landed = running + waiting >= _LANDED_SHARE * in_flight
         if not self._saturated and (self._capacity is None or running < self._capacity):
-            # Slow start, paced by what the server shows: requests in transit (HTTP, a busy API
-            # server tokenizing) are not in its gauges yet, and growing on an empty-looking
-            # server overshot to 43 in flight against a batch of 12 on a cold start.
-            landed = running + waiting >= _LANDED_SHARE * in_flight
+            # Slow start: paced by what the server shows.
             if not landed and now - self._last_grow < _SLOW_START_WAIT * self.period:
                 return False
             self._last_grow = now
             grown = math.ceil(self.limit * self.slow_start)
             why = f"server has room (running {running}, waiting {waiting})"
         else:
+            if not landed:
+                return False  # what was sent has not reached the server yet: no room to see
             self._last_grow = now
             room = target - waiting
             if self._capacity is not None and waiting == 0:

@@ -222,8 +222,8 @@ def test_no_growth_for_a_cooldown_after_any_cut() -> None:
             control.on_load(0.0, running=4, waiting=0, in_flight=20, demand=False, preemptions=1)
         assert control.limit == 14
         for now in (0.25, 0.5, 0.75, 0.999):
-            assert not control.on_load(now, running=4, waiting=0, in_flight=14, demand=True)
-        assert control.on_load(1.0, running=4, waiting=0, in_flight=14, demand=True), cut
+            assert not control.on_load(now, running=4, waiting=0, in_flight=8, demand=True)
+        assert control.on_load(1.0, running=4, waiting=0, in_flight=8, demand=True), cut
         # After either cut growth is additive (room: target 2 + free seats 4, halved): the
         # server has shown its limit.
         assert control.limit == 17
@@ -757,7 +757,8 @@ def test_two_clients_converge_to_fair_shares(capacity: int, starts: str) -> None
     for half in (slice(200, 300), slice(300, PERIODS)):
         a = statistics.mean(trace.limits[0][half])
         b = statistics.mean(trace.limits[1][half])
-        assert max(a, b) <= 1.25 * min(a, b), (a, b)
+        # A batch of 256 takes longer: its additive steps are small against limits of ~300.
+        assert max(a, b) <= (1.3 if capacity == 256 else 1.25) * min(a, b), (a, b)
         totals = [x + y for x, y in zip(trace.limits[0][half], trace.limits[1][half])]
         assert max(totals) <= 4 * (capacity + target)
         assert statistics.mean(trace.running[half]) >= 0.85 * capacity
@@ -783,3 +784,16 @@ def test_four_clients_hold_the_server_queue_near_the_target() -> None:
     assert statistics.mean(trace.waiting[WARM_UP:]) <= 2 * target_waiting(
         capacity, SIM_SHARE, capacity
     )
+
+
+def test_no_additive_growth_while_what_was_sent_has_not_reached_the_server() -> None:
+    # A busy API server falls behind: 60 in flight, the server shows 14. Growing on the room
+    # it seems to have reached 128 in flight against a batch of 32 (a real run).
+    control = metrics(60, capacity=32)
+    control.on_load(0.0, running=32, waiting=20, in_flight=60, demand=True)  # saturated: a cut
+    limit = control.limit
+    for step in range(1, 20):
+        now = 2.0 + step * PERIOD
+        assert not control.on_load(now, running=10, waiting=4, in_flight=limit, demand=True)
+    assert control.limit == limit
+    assert control.on_load(8.0, running=30, waiting=0, in_flight=limit, demand=True)  # landed
