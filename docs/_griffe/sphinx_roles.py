@@ -1,0 +1,108 @@
+"""Griffe extension for the docs build: turn the docstrings' reST into Markdown.
+
+dsclient's docstrings are Google style with a little reST: cross-references (``:func:`launch```,
+``:class:`~dsclient._retry.Retry```), simple tables (``====  ====`` borders) and doctest lines.
+mkdocstrings renders Markdown, where those show as ``:func:`` before code, a run of ``=`` signs
+and a paragraph. Before mkdocstrings parses a docstring, this rewrites:
+
+- each role into an optional autorefs link, resolved in the object's scope: a link when the
+  target is rendered, plain code otherwise (private helpers), so it never fails ``--strict``;
+- each simple table into a Markdown table (the first row is the header when a border follows it);
+- each run of ``>>>`` lines and their output into a ``pycon`` code block.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import griffe
+
+_ROLE = re.compile(r":(?:py:)?(?:class|func|meth|attr|mod|exc|data|obj):`([~!]?)([\w.]+)(?:\(\))?`")
+_BORDER = re.compile(r"^=+(?: +=+)+ *$")
+
+
+def _target(obj: griffe.Object, name: str) -> str:
+    head, _, rest = name.partition(".")
+    try:
+        path = obj.resolve(head)
+    except Exception:  # unresolvable (a builtin, a typo): leave the name as written
+        return name
+    return f"{path}.{rest}" if rest else path
+
+
+def _roles(obj: griffe.Object, text: str) -> str:
+    def link(match: re.Match[str]) -> str:
+        prefix, name = match.groups()
+        title = name.rsplit(".", 1)[-1] if prefix == "~" else name
+        return f'<autoref identifier="{_target(obj, name)}" optional>`{title}`</autoref>'
+
+    return _ROLE.sub(link, text)
+
+
+def _table(lines: list[str]) -> list[str]:
+    """A reST simple table (border lines included) as Markdown table lines."""
+    starts = [m.start() for m in re.finditer(r"=+", lines[0])]
+    borders = [i for i, line in enumerate(lines) if _BORDER.match(line)]
+    rows: list[list[str]] = []
+    header = 0
+    for i, line in enumerate(lines):
+        if i in borders:
+            if 0 < i < len(lines) - 1 and rows:
+                header = len(rows)
+            continue
+        cells = [line[a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True)]
+        if rows and not cells[0]:  # a continuation line: its text joins the row above
+            rows[-1] = [f"{old} {new}".strip() for old, new in zip(rows[-1], cells, strict=True)]
+        else:
+            rows.append(cells)
+    head, body = (rows[:header], rows[header:]) if header == 1 else ([[""] * len(starts)], rows)
+
+    def row(cells: list[str]) -> str:
+        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+    return ["", row(head[0]), "|" + "---|" * len(starts), *(row(r) for r in body), ""]
+
+
+def _blocks(text: str) -> str:
+    lines = text.split("\n")
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if _BORDER.match(line):
+            borders = [j for j in range(i, len(lines)) if _BORDER.match(lines[j])]
+            # A table ends at its second border, or at its third when the second closes the header.
+            if len(borders) >= 2:
+                end = borders[1]
+                if len(borders) >= 3 and end == i + 2:
+                    end = borders[2]
+                out.extend(_table(lines[i : end + 1]))
+                i = end + 1
+                continue
+        if line.startswith(">>> "):
+            j = i
+            while j < len(lines) and lines[j].strip():
+                j += 1
+            out.extend(["```pycon", *lines[i:j], "```"])
+            i = j
+            continue
+        out.append(line)
+        i += 1
+    return "\n".join(out)
+
+
+class SphinxRoles(griffe.Extension):
+    """Rewrite the reST bits of every docstring in the package once it is loaded."""
+
+    def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+        seen: set[int] = set()
+        stack: list[griffe.Object] = [pkg]
+        while stack:
+            obj = stack.pop()
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if obj.docstring is not None:
+                obj.docstring.value = _blocks(_roles(obj, obj.docstring.value))
+            stack.extend(m for m in obj.members.values() if not m.is_alias)
