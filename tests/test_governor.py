@@ -717,3 +717,25 @@ async def test_the_long_share_is_of_the_servers_batch_when_the_limit_is_above_it
             await crowd.add(f"L{i}", lane="long")
         assert governor.stats().lanes["long"].in_flight == 4
         await crowd.release_all()
+
+
+async def test_long_calls_fill_what_the_shorts_leave_of_a_known_batch() -> None:
+    # Batch 8 known, limit 10: the long share is 4, but with one short in flight and a reserve
+    # of 2 kept for the next shorts, long calls may run 8 - 1 - 2 = 5.
+    now = [100.0]
+    governor = Governor(10, clock=lambda: now[0])
+    governor.set_limit(10, batch=8)
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        await crowd.add("S0")
+        for i in range(8):
+            await crowd.add(f"L{i}", lane="long")
+        assert governor.stats().lanes["long"].in_flight == 5
+        await crowd.add("S1")  # a short is admitted at once: 2 + min(5, 4) < 10
+        assert crowd.admitted[-1] == "S1"
+        await crowd.release("L0")  # now 2 shorts: 8 - 2 - 2 = 4 long at most, no new long
+        assert governor.stats().lanes["long"].in_flight == 4
+        await crowd.release("S0", "S1")  # shorts gone (but recent): back to 8 - 0 - 2 = 6
+        assert governor.stats().lanes["long"].in_flight == 6
+        await crowd.release_all()
+    assert (governor.in_flight, governor.waiting) == (0, 0)
