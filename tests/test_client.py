@@ -530,7 +530,8 @@ async def test_failed_call_reports_its_attempts():
 
 async def test_a_launched_server_handle_backs_up_discovery():
     class Handle:  # what dsclient.launcher.Server exposes
-        url = "http://127.0.0.1:8000/v1"
+        # Not 127.0.0.1:8000: a real server launched there leaves a launch record for it.
+        url = "http://fake-launched:8000/v1"
         model = "tiny"
         max_num_seqs = 16
         max_model_len = 4096
@@ -542,7 +543,7 @@ async def test_a_launched_server_handle_backs_up_discovery():
     assert info.sources["max_num_seqs"] == "launched Server handle"
     assert info.max_model_len == 2048  # the live server's answer wins over the handle
     assert client.limit == 11
-    assert client.url == "http://127.0.0.1:8000"
+    assert client.url == "http://fake-launched:8000"
 
 
 def _fine_tokenize(body):
