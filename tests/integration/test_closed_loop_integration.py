@@ -7,7 +7,6 @@ one started by hand (``plain_vllm_server``: max_num_seqs 12 unknown to the clien
 
 from __future__ import annotations
 
-import random
 import re
 
 import anyio
@@ -17,19 +16,9 @@ import pytest
 import dsclient
 from dsclient import AsyncClient
 from tests.conftest import PLAIN_MAX_NUM_SEQS
+from tests.integration.test_client_integration import words
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
-
-WORDS = (
-    "the a server batch token lane queue model request answer time fast slow river stone light "
-    "paper window garden music number letter yellow purple mountain ocean"
-).split()
-
-
-def words(n: int, seed: int) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(n))
-
 
 def _gauge(text: str, name: str) -> float:
     return sum(
