@@ -523,6 +523,22 @@ class Governor:
         """Requests waiting for a slot now."""
         return self._waiting
 
+    @property
+    def held_back(self) -> bool:
+        """Whether the limit itself holds calls back: every slot is taken, short calls wait
+        (they wait only on the limit and group caps), or long calls wait on a borrowing cap that
+        a higher limit would raise. Long calls waiting on their lane's share are not held back
+        by the limit: a higher limit would not run them."""
+        if self._in_flight >= self._limit or self._short.waiting:
+            return True
+        long = self._long
+        if not long.waiting:
+            return False
+        cap = self._lane_cap(long)
+        if cap <= long.cap:
+            return False
+        return cap >= self._limit - 1 or self._batch is None or self._limit < self._batch
+
     def slot(self, *, lane: Lane = "short", urgency: int = 0, group: str | None = None) -> Slot:
         """A slot to enter with ``async with``; it waits there until admitted.
 

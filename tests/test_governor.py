@@ -739,3 +739,32 @@ async def test_long_calls_fill_what_the_shorts_leave_of_a_known_batch() -> None:
         assert governor.stats().lanes["long"].in_flight == 6
         await crowd.release_all()
     assert (governor.in_flight, governor.waiting) == (0, 0)
+
+
+async def test_held_back_is_about_the_limit_not_a_lanes_share() -> None:
+    governor = Governor(8, long_idle_borrow=None)  # long share 4
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        for i in range(6):
+            await crowd.add(f"L{i}", lane="long")
+        assert governor.waiting == 2 and not governor.held_back  # waiting on the share only
+        for i in range(4):
+            await crowd.add(f"S{i}")
+        assert governor.in_flight == 8 and governor.held_back
+        await crowd.add("S4")
+        await crowd.release("L0", "S0")
+        assert governor.held_back  # S4 took the short slot at once; the limit is full again
+        await crowd.release_all()
+    assert not governor.held_back
+
+
+async def test_long_calls_borrowing_up_to_the_limit_are_held_back_by_it() -> None:
+    now = [100.0]
+    governor = Governor(4, clock=lambda: now[0])  # long share 2; no short ever came
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        for i in range(5):
+            await crowd.add(f"L{i}", lane="long")
+        assert governor.stats().lanes["long"].in_flight == 3  # limit - 1
+        assert governor.held_back  # a higher limit would run more of them
+        await crowd.release_all()
