@@ -60,7 +60,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--max-num-seqs", type=int, help="batch size (default: from the profile)")
     p.add_argument("--max-model-len", type=int, help="context length (default: from profile)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (default: a free one)")
+    p.add_argument("--port", type=int, help="port (default 8000 if free, else a free one)")
     p.add_argument("--served-model-name", help="name clients use (default: the folder's name)")
     p.add_argument("--dtype", help="weights dtype: auto, float32, bfloat16, float16, ...")
     p.add_argument("--kv-cache-dtype", help="KV cache dtype: auto, fp8, fp8_e4m3, fp8_e5m2, ...")
@@ -160,10 +160,11 @@ def _serve(args: argparse.Namespace) -> int:
     _sigterm_as_interrupt()
     try:
         server.start()
-        print(
-            f"serving {server.model!r} at {server.url}/v1 (max_num_seqs={server.max_num_seqs},"
-            f" max_model_len={server.max_model_len}); log: {server.log_path}. Ctrl-C stops it.",
-            flush=True,
+        # The URL on a line of its own (stdout), for people and scripts alike.
+        print(f"dsclient: serving {server.model} at {server.url}", flush=True)
+        _err(
+            f"# max_num_seqs={server.max_num_seqs}, max_model_len={server.max_model_len};"
+            f" OpenAI API at {server.url}/v1; log: {server.log_path}. Ctrl-C stops it."
         )
         code = server.wait()
         _err(f"vLLM exited with status {code}; see {server.log_path}")
@@ -334,12 +335,19 @@ def _add_map(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_map_parser(sub)
 
 
+def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from ._cli_bench import add_bench_parser
+
+    add_bench_parser(sub)
+
+
 _COMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...] = (
     _add_serve,
     _add_make_tiny_model,
     _add_install_server,
     _add_probe,
     _add_map,
+    _add_bench,
 )
 
 
