@@ -64,7 +64,8 @@ async def run_batch(url_or_server: Any, n: int) -> int:
         print(f"server: {info.kind} {info.version or ''} at {info.url}, model {info.model}")
         print(
             f"max_num_seqs {info.max_num_seqs} ({info.sources.get('max_num_seqs')}), "
-            f"context {info.max_model_len}; dsclient caps in-flight at {client.limit}"
+            f"context {info.max_model_len}; in flight starts at {client.limit} "
+            f"(0.7 x max_num_seqs), then follows the server's /metrics"
         )
         start = time.perf_counter()
         results = await client.map(make_items(n), progress=None)
@@ -85,6 +86,12 @@ async def run_batch(url_or_server: Any, n: int) -> int:
                     f"{lane:<5} lane   n={len(lat):<4} p50 {statistics.median(lat):.2f} s   "
                     f"p99 {pct(lat, 0.99):.2f} s"
                 )
+        control = client.stats().control
+        if control is not None:
+            print(
+                f"limit        {control.start} -> {control.limit} ({control.mode}, "
+                f"{control.changes} changes; last: {control.reason})"
+            )
         for f in failed[:5]:
             print(f"error        item {f.index}: {f.error_type}: {f.error}")
         return 1 if failed else 0
