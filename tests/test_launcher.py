@@ -416,3 +416,112 @@ def test_sigterm_handler_restores(monkeypatch):
     finally:
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)
+
+
+# --- the default port: 8000, as `vllm serve`, when it is free -----------------------------
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    model = tmp_path / "tiny"
+    model.mkdir()
+    return model
+
+
+def _planned_url(how: str, model: Path, tmp_path: Path) -> tuple[str, tuple[str, ...]]:
+    """The URL and notes of a launch that names no port, through plan_launch or launch."""
+    hw = Hardware(cpu_ids=(0, 1), mem_gib=24)
+    if how == "plan_launch":
+        plan = launcher.plan_launch(model, hardware=hw, python=sys.executable)
+    else:
+        server = launcher.launch(
+            model, hardware=hw, python=sys.executable, log_path=tmp_path / "x.log"
+        )
+        assert server.pid is None  # launch() only plans
+        plan = server.plan
+    return plan.url, plan.notes
+
+
+@pytest.mark.parametrize("how", ["plan_launch", "launch"])
+def test_no_port_takes_8000_when_it_is_free(how, fake_vllm_dist, model_dir, tmp_path, monkeypatch):
+    # Injected, so the test means the same whether or not this machine has 8000 in use.
+    asked = []
+
+    def free(host: str, port: int) -> bool:
+        asked.append((host, port))
+        return True
+
+    monkeypatch.setattr(launcher, "_port_is_free", free)
+    url, notes = _planned_url(how, model_dir, tmp_path)
+    assert launcher.DEFAULT_PORT == 8000
+    assert url == "http://127.0.0.1:8000"
+    assert asked == [("127.0.0.1", 8000)]
+    assert not [n for n in notes if "port" in n]
+
+
+@pytest.mark.parametrize("how", ["plan_launch", "launch"])
+def test_no_port_takes_another_when_8000_is_taken(how, fake_vllm_dist, model_dir, tmp_path):
+    # A real listener on 127.0.0.1:8000, ours; if something else already has it, it is taken
+    # all the same, which is the case under test.
+    holder = socket.socket()
+    try:
+        try:
+            holder.bind(("127.0.0.1", 8000))
+            holder.listen()
+        except OSError:
+            pass
+        assert not launcher._port_is_free("127.0.0.1", 8000)
+        url, notes = _planned_url(how, model_dir, tmp_path)
+    finally:
+        holder.close()
+    port = int(url.rsplit(":", 1)[1])
+    assert url.startswith("http://127.0.0.1:") and port != 8000
+    assert f"port 8000 is in use on 127.0.0.1: using {port} (--port / port= to choose)" in notes
+
+
+def test_taken_8000_with_the_check_injected(fake_vllm_dist, model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(launcher, "_port_is_free", lambda host, port: port != 8000)
+    url, _ = _planned_url("launch", model_dir, tmp_path)
+    assert not url.endswith(":8000")
+
+
+def test_a_given_port_is_not_checked_at_planning(fake_vllm_dist, model_dir, monkeypatch):
+    def refuse(host: str, port: int) -> bool:
+        raise AssertionError("no check when the port is given")
+
+    monkeypatch.setattr(launcher, "_port_is_free", refuse)
+    hw = Hardware(cpu_ids=(0, 1), mem_gib=24)
+    plan = launcher.plan_launch(model_dir, hardware=hw, python=sys.executable, port=8000)
+    assert plan.url == "http://127.0.0.1:8000" and not [n for n in plan.notes if "port" in n]
+
+
+@pytest.mark.parametrize("free", [True, False])
+def test_cli_dry_run_shows_the_port(free, fake_vllm_dist, model_dir, monkeypatch, capsys):
+    monkeypatch.setattr(launcher, "_port_is_free", lambda host, port: free)
+    assert main(["serve", str(model_dir), "--dry-run", "--python", sys.executable]) == 0
+    out = capsys.readouterr().out
+    last = out.strip().splitlines()[-1]
+    if free:
+        assert "--port 8000 " in last and "port 8000 is in use" not in out
+    else:
+        assert "--port 8000 " not in last and "# port 8000 is in use on 127.0.0.1: using" in out
+
+
+def test_cli_serve_says_the_url_on_one_line(fake_script, tmp_path, monkeypatch, capsys):
+    server = make_server(fake_script, tmp_path)
+
+    def wait() -> int:
+        raise KeyboardInterrupt  # Ctrl-C once the server is up
+
+    server.wait = wait
+    monkeypatch.setattr(launcher, "launch", lambda *args, **kwargs: server)
+    old_term, old_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        assert main(["serve", "/m/tiny"]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
+    captured = capsys.readouterr()
+    assert captured.out == f"dsclient: serving tiny at {server.url}\n"
+    assert f"max_num_seqs=8, max_model_len=2048; OpenAI API at {server.url}/v1" in captured.err
+    assert not server.running
