@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsclient._cli_bench import _WORDS as _BENCH_WORDS
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 
@@ -105,18 +107,9 @@ def say(message: str) -> None:
 
 # -- prompts -------------------------------------------------------------------------------------
 # Words the tiny model's BPE tokenizer was trained on (dsclient/_data/build_tiny_model.py), so a
-# prompt costs about a token or two per word, as English text does for a real tokenizer.
-_WORD_TEXT = (
-    "the a an one two three many few some every this that these those model server token "
-    "request batch queue limit client engine cache memory prompt answer cat dog bird fish tree "
-    "river stone cloud light night day morning evening winter summer run walk read write send "
-    "wait start stop count measure build serve listen think fast slow small large quiet busy "
-    "careful simple random tiny open closed early late and or but so because while when if "
-    "then after before under over near far with without is are was were will can may must "
-    "should could would has have had do does did user hello thanks please yes no maybe number "
-    "time place world word"
-)
-WORDS = _WORD_TEXT.split()
+# prompt costs about a token or two per word, as English text does for a real tokenizer: the same
+# list `dsclient bench` builds its synthetic prompts from.
+WORDS = list(_BENCH_WORDS)
 
 
 def words(rng: random.Random, n: int) -> str:
