@@ -91,6 +91,10 @@ _LATENCY_CUT: Final = 0.5
 #: Latency mode grows by this after this many periods of unmet demand without trouble.
 _LATENCY_STEP: Final = 2
 _LATENCY_PERIODS: Final = 3
+#: After a 429 / 503 the limit grows back only to just under where the server refused, for this
+#: long; then it may probe above again. A client told the server runs 32 (it ran 12, with an
+#: admission queue of 4) otherwise grew straight back over the admission cap after each cut.
+_REFUSAL_MEMORY_S: Final = 10.0
 #: Service times kept for the latency rule.
 _LATENCY_WINDOW: Final = 200
 
@@ -220,6 +224,8 @@ class LimitController:
         "_last_grow",
         "_last_latency_check",
         "_preemptions",
+        "_refused_at",
+        "_refused_at_limit",
         "_saturated",
         "_service",
         "changes",
@@ -285,6 +291,8 @@ class LimitController:
         self._last_grow = -math.inf
         self._last_cut: dict[str, float] = {}
         self._last_cut_any = -math.inf
+        self._refused_at_limit: int | None = None
+        self._refused_at = -math.inf
         self._last_latency_check = -math.inf
         self._demand_periods = 0
         self._preemptions: float | None = None
@@ -390,7 +398,7 @@ class LimitController:
                 room += max(0, self._capacity - running)
             grown = self.limit + max(1, math.ceil(_GAIN * room))
             why = f"server queue {waiting} <= target {target} (running {running})"
-        return self._set(min(grown, self.ceiling), why)
+        return self._set(min(grown, self._growth_cap(now)), why)
 
     def on_outcome(self, now: float, outcome: Outcome, service_s: float | None) -> bool:
         """One attempt finished. True when the limit changed.
@@ -404,8 +412,21 @@ class LimitController:
             return False
         if outcome == "overloaded":
             self._saturated = True
-            return self._cut(now, "overload", OVERLOAD_CUT, "the server refused for load")
+            before = self.limit
+            if self._cut(now, "overload", OVERLOAD_CUT, "the server refused for load"):
+                # Remember where the server said no: growth stays under it for a while.
+                self._refused_at_limit, self._refused_at = before, now
+                return True
+            return False
         return self._check_latency(now)
+
+    def _growth_cap(self, now: float) -> int:
+        """The most growth may reach now: the ceiling, and under the limit at which the server
+        last refused for load, for :data:`_REFUSAL_MEMORY_S` after that refusal."""
+        cap = self.ceiling
+        if self._refused_at_limit is not None and now - self._refused_at < _REFUSAL_MEMORY_S:
+            cap = min(cap, max(self.floor, self._refused_at_limit - 1))
+        return cap
 
     def on_idle_period(self, now: float, *, demand: bool) -> bool:
         """A period passed without a queue signal (latency mode, or a failed scrape).
@@ -427,7 +448,7 @@ class LimitController:
             return False
         self._demand_periods = 0
         return self._set(
-            min(self.limit + _LATENCY_STEP, self.ceiling),
+            min(self.limit + _LATENCY_STEP, self._growth_cap(now)),
             f"{_LATENCY_PERIODS} periods of demand without overload",
         )
 

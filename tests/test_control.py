@@ -448,9 +448,9 @@ def test_latency_mode_cuts_on_overload_and_restarts_the_count() -> None:
     assert control.limit == 7
     for step in range(8):
         control.on_idle_period(1.25 + step * PERIOD, demand=True)
-        assert control.limit <= 8
+        assert control.limit <= 7  # under the limit the server refused at, for 10 s
     assert control.on_outcome(5.0, "overloaded", 0.1)
-    assert control.limit == 5
+    assert control.limit == 4  # floor(7 x 0.7)
 
 
 def test_latency_mode_ignores_queue_signals() -> None:
@@ -797,3 +797,20 @@ def test_no_additive_growth_while_what_was_sent_has_not_reached_the_server() -> 
         assert not control.on_load(now, running=10, waiting=4, in_flight=limit, demand=True)
     assert control.limit == limit
     assert control.on_load(8.0, running=30, waiting=0, in_flight=limit, demand=True)  # landed
+
+
+def test_growth_stays_under_where_the_server_refused_for_a_while() -> None:
+    # Told the batch is 32 (it is 12, with an admission queue of 4): the queue never passes the
+    # target, so only 503s say no. After one, growth stops just under that limit for 10 s.
+    control = metrics(22, capacity=32, cooldown=1.0)
+    assert control.on_outcome(0.0, "overloaded", None)
+    assert control.limit == 15  # floor(22 x 0.7)
+    now = 1.0
+    while now < 9.9:
+        control.on_load(now, running=12, waiting=0, in_flight=control.limit, demand=True)
+        now += PERIOD
+    assert control.limit == 21  # grew back, but not to 22
+    for _ in range(8):  # after 10 s it may probe again
+        now += PERIOD
+        control.on_load(now, running=12, waiting=0, in_flight=control.limit, demand=True)
+    assert control.limit > 21

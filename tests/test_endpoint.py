@@ -455,7 +455,9 @@ async def test_on_raise_fires_when_the_limit_rises_only(caplog: pytest.LogCaptur
 
     remove()
     remove()  # twice is harmless
-    endpoint.observe_load(load(3, 0), 1.5)  # in flight 4 >= 2: demand; a cooldown after the cut
+    # In flight 4 >= 2: demand; past the cooldown, and past the 10 s that growth stays under the
+    # limit the server refused at (3).
+    endpoint.observe_load(load(3, 0), 11.5)
     assert endpoint.governor.limit == 6
     assert seen == [8]
     assert other == [8, 6]
