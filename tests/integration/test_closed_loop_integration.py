@@ -48,12 +48,16 @@ class Watch:
                 await anyio.sleep(0.05)
 
 
-async def _map_watched(client: AsyncClient, url: str, prompts: list[str]) -> tuple[Watch, list]:
+async def _map_watched(
+    client: AsyncClient, url: str, prompts: list[str], max_tokens: int = 32
+) -> tuple[Watch, list]:
     watch = Watch(client, url)
     done = anyio.Event()
     async with anyio.create_task_group() as tg:
         tg.start_soon(watch.run, done)
-        results = await client.map(prompts, max_tokens=32, ignore_eos=True, progress=False)
+        results = await client.map(
+            prompts, max_tokens=max_tokens, ignore_eos=True, progress=False
+        )
         done.set()
     return watch, list(results)
 
@@ -133,8 +137,10 @@ async def test_max_num_seqs_is_learned_from_a_plain_servers_metrics(plain_vllm_s
         assert info.sources["max_num_seqs"] == "default"  # nothing told it: no record, no dev
         assert client.limit == 5
         assert client.stats().control.mode == "metrics"
-        prompts = [words(20, 1000 + i) for i in range(120)]
-        watch, results = await _map_watched(client, plain_vllm_server, prompts)
+        # Long enough that the server is seen queueing in two scrapes in a row, even on this
+        # hand-started server whose API process starves (its gauges lag by a second or more).
+        prompts = [words(20, 1000 + i) for i in range(240)]
+        watch, results = await _map_watched(client, plain_vllm_server, prompts, max_tokens=64)
         info = client.server
         control = client.stats().control
     assert all(isinstance(r, dsclient.Result) for r in results)
