@@ -176,8 +176,10 @@ async def test_admission_503s_are_congestion_and_lose_nothing(plain_vllm_server)
     failures = [r for r in results if isinstance(r, dsclient.Failure)]
     assert failures == []
     assert any(r.attempts > 1 for r in results)  # the 503 path was taken
-    assert control.changes >= 1
-    assert min(row[0] for row in watch.rows) < 22
+    # The limit was cut at some point (it may have grown first: told 32, the server seems to
+    # have room while it runs 12).
+    limits = [row[0] for row in watch.rows] + [control.limit]
+    assert any(later < max(limits[:i]) for i, later in enumerate(limits) if i), limits
 
 
 async def _append_status(statuses: list[int], response) -> None:
