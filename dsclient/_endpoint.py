@@ -211,8 +211,10 @@ class Endpoint:
         )
         if load.running is None or load.waiting is None:
             return
-        waiting = load.waiting_capacity if load.waiting_capacity is not None else load.waiting
-        if not learner.observe(running=load.running, waiting=waiting):
+        # All of the queue, as the rule says (vllm:num_requests_waiting > 0): the
+        # "capacity" reason alone stayed 0 on a hand-started server sharing the machine with
+        # another vLLM, and nothing was learned; two queued scrapes in a row guard transients.
+        if not learner.observe(running=load.running, waiting=load.waiting):
             return
         info = self.info
         if info is None or learner.value is None:

@@ -257,14 +257,16 @@ def test_isolated_transient_queues_teach_nothing() -> None:
     assert endpoint.controller.capacity is None
 
 
-def test_learning_reads_the_capacity_reason_of_the_queue() -> None:
+def test_learning_counts_the_whole_queue() -> None:
     endpoint = make()
     endpoint.seed(server(8, "default"), load(0, 0))
-    # vLLM says why requests wait: none of these wait for room in the batch.
-    for step in range(3):
+    # The rule: running while num_requests_waiting > 0, whatever the reason vLLM gives
+    # (its "capacity" reason stayed 0 on a hand-started server under load, and nothing was
+    # learned).
+    for step in range(2):
         endpoint.observe_load(load(24, 3, waiting_capacity=0), step * 0.25)
-    assert endpoint.learner.value is None
-    assert endpoint.info is not None and endpoint.info.max_num_seqs == 8
+    assert endpoint.learner.value == 24
+    assert endpoint.info is not None and endpoint.info.max_num_seqs == 24
 
 
 def test_learning_is_bounded_by_the_kv_cache() -> None:

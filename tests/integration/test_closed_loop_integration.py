@@ -7,6 +7,7 @@ one started by hand (``plain_vllm_server``: max_num_seqs 12 unknown to the clien
 
 from __future__ import annotations
 
+import logging
 import re
 
 import anyio
@@ -132,10 +133,13 @@ async def test_a_fresh_client_sends_a_long_prompt_down_the_long_lane(vllm_server
 
 
 async def test_max_num_seqs_is_learned_from_a_plain_servers_metrics(plain_vllm_server):
-    async with AsyncClient(plain_vllm_server) as client:
+    # headroom 2 starts at 16 in flight (2 x the default guess of 8) against a batch of 12, so
+    # the server queues at once: this hand-started server's gauges lag by a second or more when
+    # the machine is busy, and a slow ramp could end the batch before two queued scrapes.
+    async with AsyncClient(plain_vllm_server, headroom=2.0) as client:
         info = client.server
         assert info.sources["max_num_seqs"] == "default"  # nothing told it: no record, no dev
-        assert client.limit == 5
+        assert client.limit == 16
         assert client.stats().control.mode == "metrics"
         # Long enough that the server is seen queueing in two scrapes in a row, even on this
         # hand-started server whose API process starves (its gauges lag by a second or more).
@@ -150,7 +154,8 @@ async def test_max_num_seqs_is_learned_from_a_plain_servers_metrics(plain_vllm_s
     assert max(row[2] for row in watch.rows) == PLAIN_MAX_NUM_SEQS
 
 
-async def test_admission_503s_are_congestion_and_lose_nothing(plain_vllm_server):
+async def test_admission_503s_are_congestion_and_lose_nothing(plain_vllm_server, caplog):
+    caplog.set_level(logging.DEBUG, logger="dsclient")
     # The server really refuses: 40 raw requests at once against a queue of 16.
     async with httpx.AsyncClient(base_url=plain_vllm_server, timeout=120) as http:
 
@@ -171,15 +176,16 @@ async def test_admission_503s_are_congestion_and_lose_nothing(plain_vllm_server)
     async with AsyncClient(plain_vllm_server, max_num_seqs=32) as client:
         assert client.limit == 22
         prompts = [words(20, 2000 + i) for i in range(200)]
-        watch, results = await _map_watched(client, plain_vllm_server, prompts)
+        _, results = await _map_watched(client, plain_vllm_server, prompts)
         control = client.stats().control
     failures = [r for r in results if isinstance(r, dsclient.Failure)]
     assert failures == []
     assert any(r.attempts > 1 for r in results)  # the 503 path was taken
-    # The limit was cut at some point (it may have grown first: told 32, the server seems to
-    # have room while it runs 12).
-    limits = [row[0] for row in watch.rows] + [control.limit]
-    assert any(later < max(limits[:i]) for i, later in enumerate(limits) if i), limits
+    # The refusals cut the limit (it may have grown first: told 32, the server seems to have
+    # room while it runs 12). Every change is logged at DEBUG with its reason.
+    cuts = [r.getMessage() for r in caplog.records if "refused for load" in r.getMessage()]
+    assert cuts, [r.getMessage() for r in caplog.records if " limit " in r.getMessage()]
+    assert control.changes >= 1
 
 
 async def _append_status(statuses: list[int], response) -> None:
