@@ -76,13 +76,13 @@ def _vllm_server_session() -> Iterator[Server]:
 
 #: The plain server: what a user might start by hand, with vLLM's admission control on.
 PLAIN_MAX_NUM_SEQS = 12  # not the default guess of 8: learning it must show
-PLAIN_MAX_NUM_QUEUED_REQS = 16
+PLAIN_MAX_NUM_QUEUED_REQS = 32  # room for a queue the gauges can show
 
 
 @pytest.fixture(scope="session")
 def plain_vllm_server() -> Iterator[str]:
     """A real vLLM started by hand (not by dsclient's launcher): no launch record, no dev mode,
-    ``--max-num-seqs 12 --max-num-queued-reqs 16``. Yields its URL. Integration tests only."""
+    ``--max-num-seqs 12 --max-num-queued-reqs 32``. Yields its URL. Integration tests only."""
     from tests.integration.plain_vllm import plain_vllm
 
     try:

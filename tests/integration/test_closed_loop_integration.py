@@ -2,7 +2,7 @@
 
 The launched server (``vllm_server``: max_num_seqs 8, known from the launch record) and a plain
 one started by hand (``plain_vllm_server``: max_num_seqs 12 unknown to the client,
-``--max-num-queued-reqs 16``).
+``--max-num-queued-reqs 32``).
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ async def test_max_num_seqs_is_learned_from_a_plain_servers_metrics(plain_vllm_s
 
 async def test_admission_503s_are_congestion_and_lose_nothing(plain_vllm_server, caplog):
     caplog.set_level(logging.DEBUG, logger="dsclient")
-    # The server really refuses: 40 raw requests at once against a queue of 16.
+    # The server really refuses: 80 raw requests at once against an admission cap of 44.
     async with httpx.AsyncClient(base_url=plain_vllm_server, timeout=120) as http:
 
         async def raw(i: int) -> httpx.Response:
@@ -167,21 +167,21 @@ async def test_admission_503s_are_congestion_and_lose_nothing(plain_vllm_server,
 
         statuses: list[int] = []
         async with anyio.create_task_group() as tg:
-            for i in range(40):
+            for i in range(80):
                 tg.start_soon(lambda i=i: _append_status(statuses, raw(i)))
     assert statuses.count(503) >= 1, statuses
 
-    # A client told the server is bigger than it is starts at 22 in flight, over the admission
+    # A client told the server is bigger than it is starts at 67 in flight, over the admission
     # cap: the 503s cut its limit, and every request still comes back.
-    async with AsyncClient(plain_vllm_server, max_num_seqs=32) as client:
-        assert client.limit == 22
+    async with AsyncClient(plain_vllm_server, max_num_seqs=96) as client:
+        assert client.limit == 67
         prompts = [words(20, 2000 + i) for i in range(200)]
         _, results = await _map_watched(client, plain_vllm_server, prompts)
         control = client.stats().control
     failures = [r for r in results if isinstance(r, dsclient.Failure)]
     assert failures == []
     assert any(r.attempts > 1 for r in results)  # the 503 path was taken
-    # The refusals cut the limit (it may have grown first: told 32, the server seems to have
+    # The refusals cut the limit (it may have grown first: told 96, the server seems to have
     # room while it runs 12). Every change is logged at DEBUG with its reason.
     cuts = [r.getMessage() for r in caplog.records if "refused for load" in r.getMessage()]
     assert cuts, [r.getMessage() for r in caplog.records if " limit " in r.getMessage()]
