@@ -1,7 +1,8 @@
 """A vLLM server started the way a user starts one by hand: not through dsclient's launcher.
 
-No launch record, no EngineCore placement, no dev mode: discovery must learn what it can from the
-server itself. Used by the ``plain_vllm_server`` fixture (tests/conftest.py).
+No launch record, no dev mode, its own port: discovery must learn what it can from the server
+itself. Its EngineCore is moved next to its worker once healthy, as a user would with taskset on a
+2-core machine (see docs/governor.md for a server left as vLLM places it). Used by the ``plain_vllm_server`` fixture (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,19 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _place_engine_core(pgid: int) -> None:
+    """Move the EngineCore onto CPU 0, next to its worker, as a careful user does with ``taskset``
+    on a 2-core machine (docs/governor.md): left where vLLM puts it, its busy loop starves the
+    API server, whose gauges then lag by seconds. Launch record, dev mode and port stay the
+    user's own: discovery still learns nothing from the launcher."""
+    from dsclient._placement import engine_core_pids, pin_process
+
+    if not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2:
+        return
+    for pid in engine_core_pids(pgid):
+        pin_process(pid, [0])
 
 
 @contextmanager
@@ -81,6 +95,7 @@ def plain_vllm(
             if time.monotonic() > deadline:
                 raise RuntimeError(f"plain vLLM not healthy after {start_timeout:.0f} s")
             time.sleep(1.0)
+        _place_engine_core(proc.pid)
         yield url
     finally:
         try:
