@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import httpx
@@ -56,7 +56,6 @@ logger = logging.getLogger("dsclient")
 
 Messages = Sequence[Mapping[str, Any]]
 Prompt = str | Messages
-T = TypeVar("T")
 
 
 class _UseDefault:

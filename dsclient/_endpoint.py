@@ -186,8 +186,7 @@ class Endpoint:
         self.scrapes += 1
         self._learn(load)
         if load.running is None or load.waiting is None:
-            if self.controller.on_idle_period(now, demand=self._demand()):
-                self._apply()
+            self.tick(now)
             return
         if self.controller.on_load(
             now,
