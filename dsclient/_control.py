@@ -24,10 +24,11 @@ metrics     the server reports running and waiting. Grow while the client has ca
             the server's queue is at or under target (fast while it has never queued, then by half
             the room seen); on a queue above target set ``limit = in_flight * (running + target)
             / (running + waiting)`` (at most halving per step); cut by :data:`OVERLOAD_CUT` on 429
-            / 503 and on preemptions. No growth for ``cooldown`` after any cut (the cut needs a
-            round trip to show). Room in the batch counts only while the queue is empty: a
-            queue means the batch is full, whatever ``max_num_seqs`` says. Bounds: 1 ..
-            ``max(64, 4 x capacity)``.
+            / 503 and on preemptions; a 429 / 503 while the server showed a queue also caps the
+            target at half the longest queue seen (where the server's admission queue ends).
+            No growth for ``cooldown`` after any cut (the cut needs a round trip to show). Room
+            in the batch counts only while the queue is empty: a queue means the batch is full,
+            whatever ``max_num_seqs`` says. Bounds: 1 .. ``max(64, 4 x capacity)``.
 latency     no queue signal: grow by 2 after three periods of demand without trouble, cut on 429
             / 503; bounds 1 .. the server's known ``max_num_seqs`` (never above it).
 fixed       never moves (``adaptive=False`` or an explicit ``limit=``).
@@ -95,6 +96,11 @@ _LATENCY_PERIODS: Final = 3
 #: long; then it may probe above again. A client told the server runs 32 (it ran 12, with an
 #: admission queue of 4) otherwise grew straight back over the admission cap after each cut.
 _REFUSAL_MEMORY_S: Final = 10.0
+#: After a 429 / 503 with a queue signal, the server queue aimed at stays at most this share of
+#: the longest queue seen in the last :data:`_QUEUE_PEAK_S` seconds: a server that refuses once
+#: its queue holds Q requests (vLLM's ``--max-num-queued-reqs``) told where its queue ends.
+_REFUSED_QUEUE_SHARE: Final = 0.5
+_QUEUE_PEAK_S: Final = 3.0
 #: Service times kept for the latency rule.
 _LATENCY_WINDOW: Final = 200
 
@@ -216,6 +222,7 @@ class LimitController:
     """
 
     __slots__ = (
+        "_batch_seen",
         "_capacity",
         "_ceiling_fixed",
         "_demand_periods",
@@ -224,6 +231,9 @@ class LimitController:
         "_last_grow",
         "_last_latency_check",
         "_preemptions",
+        "_queue_cap",
+        "_queue_seen",
+        "_queued_last",
         "_refused_at",
         "_refused_at_limit",
         "_saturated",
@@ -296,6 +306,10 @@ class LimitController:
         self._last_latency_check = -math.inf
         self._demand_periods = 0
         self._preemptions: float | None = None
+        self._queue_cap: int | None = None
+        self._batch_seen: int | None = None  # the most running while the server queued
+        self._queued_last = False
+        self._queue_seen: deque[tuple[float, int]] = deque(maxlen=64)
         self._service: deque[float] = deque(maxlen=_LATENCY_WINDOW)
 
     # -- bounds ---------------------------------------------------------------------------------
@@ -343,7 +357,16 @@ class LimitController:
             preemptions: the server's cumulative preemption counter, if it has one.
         """
         self.server_running, self.server_waiting = running, waiting
-        target = self.target = target_waiting(self._capacity, self.queue_share, running)
+        self._queue_seen.append((now, waiting))
+        if waiting > 0 and self._queued_last:
+            # Queued in two scrapes running (one may be a request caught between steps): the
+            # batch was full at this many, whatever max_num_seqs says.
+            self._batch_seen = max(self._batch_seen or 0, running)
+        self._queued_last = waiting > 0
+        target = target_waiting(self._capacity, self.queue_share, running)
+        if self._queue_cap is not None:
+            target = min(target, self._queue_cap)
+        self.target = target
         if self.mode != "metrics":
             return False
         preempted = (
@@ -380,8 +403,12 @@ class LimitController:
         # growing on an empty-looking server overshot to 43 in flight against a batch of 12 on a
         # cold start, and to 128 against 32 on a busy machine whose API server fell behind.
         landed = running + waiting >= _LANDED_SHARE * in_flight
-        if not self._saturated and (self._capacity is None or running < self._capacity):
-            # Slow start: paced by what the server shows.
+        if (
+            not self._saturated
+            and self._batch_seen is None
+            and (self._capacity is None or running < self._capacity)
+        ):
+            # Slow start, until the server has queued: paced by what the server shows.
             if not landed and now - self._last_grow < _SLOW_START_WAIT * self.period:
                 return False
             self._last_grow = now
@@ -394,8 +421,11 @@ class LimitController:
             room = target - waiting
             if self._capacity is not None and waiting == 0:
                 # A queue means the batch is full, whatever max_num_seqs says (the KV cache may
-                # be what limits it): only an empty queue shows room in the batch.
-                room += max(0, self._capacity - running)
+                # be what limits it): only an empty queue shows room in the batch, and never
+                # more than the largest batch seen while requests queued. (A client told 96 of a
+                # batch of 12 otherwise read a dip to 8 running as room for 88 and grew 13 -> 45.)
+                batch = min(self._capacity, self._batch_seen or self._capacity)
+                room += max(0, batch - running)
             grown = self.limit + max(1, math.ceil(_GAIN * room))
             why = f"server queue {waiting} <= target {target} (running {running})"
         return self._set(min(grown, self._growth_cap(now)), why)
@@ -412,6 +442,7 @@ class LimitController:
             return False
         if outcome == "overloaded":
             self._saturated = True
+            self._learn_queue_cap(now)
             before = self.limit
             if self._cut(now, "overload", OVERLOAD_CUT, "the server refused for load"):
                 # Remember where the server said no: growth stays under it for a while.
@@ -419,6 +450,28 @@ class LimitController:
                 return True
             return False
         return self._check_latency(now)
+
+    def _learn_queue_cap(self, now: float) -> None:
+        """A refusal for load while the server showed a queue: that queue was about as long as
+        the server takes, so aim at most at :data:`_REFUSED_QUEUE_SHARE` of it from now on.
+
+        A refusal with no queue in view (TGI's ``max_concurrent_requests``, a proxy) caps
+        nothing: the cut and the refused limit's memory deal with it."""
+        peak = max((w for t, w in self._queue_seen if now - t <= _QUEUE_PEAK_S), default=0)
+        if self.mode != "metrics" or peak <= 0:
+            return  # no queue in view: the refusal is about something else (in-flight caps)
+        # Every queue the server showed was at most its admission queue, and the gauges lag:
+        # the longest queue seen near any refusal is the best lower bound, so the cap only rises.
+        cap = max(1, math.floor(_REFUSED_QUEUE_SHARE * peak))
+        if self._queue_cap is None or cap > self._queue_cap:
+            self._queue_cap = cap
+            self.target = min(self.target, cap) if self.target is not None else cap
+
+    @property
+    def queue_cap(self) -> int | None:
+        """The most server queue aimed at since a refusal showed where the server's queue ends
+        (``None``: no such refusal)."""
+        return self._queue_cap
 
     def _growth_cap(self, now: float) -> int:
         """The most growth may reach now: the ceiling, and under the limit at which the server

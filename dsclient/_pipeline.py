@@ -10,13 +10,14 @@ so a sleeping call holds no capacity and service times never include sleeps. Ret
 :class:`~dsclient._retry.Retry` through ``tenacity``; a retry spends one token of the retry budget,
 and only a retry that happens spends one.
 
-One exception: under an adaptive limit, a refusal for load (429 / 503) is retried without a
-token. The refusal has just cut the limit, and the retry takes a slot again under that cut
-limit, so these retries cannot add load beyond what the controller allows: they are the queue
-moving back to the client, as intended. A server that refuses everything still sees at most
-``Retry.attempts`` tries per call, paced by a limit that keeps shrinking towards 1. (vLLM's
-``--max-num-queued-reqs`` answers 503 the moment its queue is full; charging those to the budget
-lost requests in a burst.)
+One exception: under an adaptive limit, a refusal for load (429 / 503) is congestion, not a
+failure. It is retried without a token, up to ``Retry.overload_attempts`` tries rather than
+``Retry.attempts``. The refusal has just cut the limit, and the retry takes a slot again under
+that cut limit, so these retries cannot add load beyond what the controller allows: they are the
+queue moving back to the client, as intended. A server that refuses everything still sees a
+bounded number of tries per call, paced by backoff and by a limit that keeps shrinking towards 1.
+(vLLM's ``--max-num-queued-reqs`` answers 503 the moment its queue is full; charging those to
+the budget, or giving them four tries, lost requests in a burst.)
 """
 
 from __future__ import annotations
@@ -191,10 +192,21 @@ class RequestPath:
             failure: DSClientError = first
         return await self._retry_loop(op, failure, label)
 
+    def _is_congestion(self, exc: BaseException | None) -> bool:
+        """A load refusal under an adaptive limit (see the module docstring)."""
+        return (
+            exc is not None
+            and outcome_of(exc) == "overloaded"
+            and self._endpoint.controller.mode != "fixed"
+        )
+
+    def _tries_allowed(self, exc: BaseException | None) -> int:
+        """Total tries a call may take, given how its last attempt failed."""
+        return self._retry.load_attempts if self._is_congestion(exc) else self._retry.attempts
+
     def _spend(self, exc: BaseException) -> bool:
-        """Take one token for a retry that is about to happen (none for a load refusal under an
-        adaptive limit: see the module docstring)."""
-        if outcome_of(exc) == "overloaded" and self._endpoint.controller.mode != "fixed":
+        """Take one token for a retry that is about to happen (none for congestion)."""
+        if self._is_congestion(exc):
             return True
         if self._budget.try_spend():
             return True
@@ -212,7 +224,7 @@ class RequestPath:
             "dsclient: %s failed with %s; retry 2/%d in %.2fs",
             label,
             describe(first),
-            retry.attempts,
+            self._tries_allowed(first),
             delay,
         )
         await self._sleep(delay)  # outside any slot
@@ -231,7 +243,7 @@ class RequestPath:
                 label,
                 describe(exc) if exc else "?",
                 state.attempt_number + 2,
-                retry.attempts,
+                self._tries_allowed(exc),
                 seconds,
             )
             return seconds
@@ -239,9 +251,10 @@ class RequestPath:
         def stop(state: tenacity.RetryCallState) -> bool:
             # tenacity asks `stop` only once `retry` said the failure is retryable, so this
             # spends a token exactly when a retry is about to happen.
-            if state.attempt_number >= retry.attempts - 1:
-                return True
+            # `attempt_number` counts the loop's tries; the call made one before the loop.
             exc = state.outcome.exception() if state.outcome is not None else None
+            if state.attempt_number + 1 >= self._tries_allowed(exc):
+                return True
             return not self._spend(exc or RuntimeError("?"))
 
         attempts = 1

@@ -43,6 +43,7 @@ class Retry:
     ``Retry(attempts=1)``                        never retry
     ``Retry(base=0.1, cap=2.0)``                 faster backoff for a local server
     ``Retry(budget_ratio=0.2, budget_floor=3)``  retries may be 20% of recent requests
+    ``Retry(overload_attempts=4)``               give up on a refusing server as on any error
     ==========================================  =============================================
 
     Parameters:
@@ -53,6 +54,12 @@ class Retry:
             seconds (see :class:`RetryBudget`).
         budget_floor: retries always allowed per window, so a lone request is still retried.
         budget_window: the sliding window of the budget, in seconds.
+        overload_attempts: total tries per call while the server refuses it for load (429 /
+            503) under an adaptive limit (``attempts`` if that is more). Such a refusal is
+            congestion, not a failure: it has cut the limit, and the retry waits for a slot
+            under the cut limit, so these retries add no load and spend no budget. vLLM's
+            ``--max-num-queued-reqs`` refuses every request over its queue at once; four tries
+            lost requests in a burst. ``attempts=1`` still turns every retry off.
     """
 
     attempts: int = 4
@@ -61,10 +68,15 @@ class Retry:
     budget_ratio: float = 0.1
     budget_floor: int = 10
     budget_window: float = 10.0
+    overload_attempts: int = 12
 
     def __post_init__(self) -> None:
         if not isinstance(self.attempts, int) or self.attempts < 1:
             raise ValueError(f"Retry.attempts must be an int >= 1, got {self.attempts!r}")
+        if not isinstance(self.overload_attempts, int) or self.overload_attempts < 1:
+            raise ValueError(
+                f"Retry.overload_attempts must be an int >= 1, got {self.overload_attempts!r}"
+            )
         if not self.base > 0:
             raise ValueError(f"Retry.base must be > 0 seconds, got {self.base!r}")
         if not self.cap >= self.base:
@@ -75,6 +87,11 @@ class Retry:
             raise ValueError(f"Retry.budget_floor must be >= 0, got {self.budget_floor!r}")
         if not self.budget_window > 0:
             raise ValueError(f"Retry.budget_window must be > 0, got {self.budget_window!r}")
+
+    @property
+    def load_attempts(self) -> int:
+        """Total tries for a call the server keeps refusing for load under an adaptive limit."""
+        return max(self.attempts, self.overload_attempts)
 
 
 def compute_backoff(

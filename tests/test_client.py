@@ -142,14 +142,47 @@ async def test_retry_after_ms_header_is_honoured():
 
 
 async def test_retries_stop_after_the_attempts_and_raise_the_last_error():
-    fake = FakeServer(script=[httpx.Response(503, text="busy")])
+    fake = FakeServer(script=[httpx.Response(502, text="bad gateway")])
     sleep = RecordedSleep()
     async with make_client(fake, sleep=sleep, retry=Retry(attempts=3)) as client:
-        with pytest.raises(Overloaded) as info:
+        with pytest.raises(RequestRefused) as info:
             await client.generate("x", max_tokens=1)
-    assert info.value.status == 503
+    assert info.value.status == 502
     assert len(fake.requests) == 3
     assert len(sleep.delays) == 2
+
+
+@pytest.mark.parametrize("status", [429, 503])
+async def test_a_load_refusal_under_an_adaptive_limit_gets_the_overload_attempts(status):
+    # Congestion, not failure: retried up to overload_attempts, each retry under the cut limit.
+    fake = FakeServer(script=[httpx.Response(status, text="busy")])
+    sleep = RecordedSleep()
+    retry = Retry(attempts=3, overload_attempts=7, budget_ratio=0.0, budget_floor=0)
+    async with make_client(fake, sleep=sleep, retry=retry) as client:
+        with pytest.raises(Overloaded) as info:
+            await client.generate("x", max_tokens=1)
+    assert info.value.status == status
+    assert info.value.attempts == 7
+    assert len(fake.requests) == 7 and len(sleep.delays) == 6  # and no budget was needed
+
+
+async def test_a_load_refusal_under_a_fixed_limit_is_an_ordinary_failure():
+    fake = FakeServer(script=[httpx.Response(503, text="busy")])
+    async with make_client(fake, retry=Retry(attempts=3), limit=4) as client:
+        with pytest.raises(Overloaded) as info:
+            await client.generate("x", max_tokens=1)
+    assert info.value.attempts == 3 and len(fake.requests) == 3
+
+
+async def test_a_load_refusal_then_an_error_stops_at_the_attempts():
+    # The bound follows the last failure: after a 502 the ordinary attempts apply again.
+    fake = FakeServer(
+        script=[httpx.Response(503, text="busy")] * 4 + [httpx.Response(502, text="bad gateway")]
+    )
+    async with make_client(fake, retry=Retry(attempts=3, overload_attempts=9)) as client:
+        with pytest.raises(RequestRefused) as info:
+            await client.generate("x", max_tokens=1)
+    assert info.value.status == 502 and len(fake.requests) == 5
 
 
 @pytest.mark.parametrize("status", [400, 401, 403, 404, 422])
@@ -519,9 +552,9 @@ async def test_count_tokens_uses_the_server_when_it_can():
 
 
 async def test_failed_call_reports_its_attempts():
-    fake = FakeServer(script=[httpx.Response(503, text="busy")])
+    fake = FakeServer(script=[httpx.Response(502, text="bad gateway")])
     async with make_client(fake, retry=Retry(attempts=3)) as client:
-        with pytest.raises(Overloaded) as info:
+        with pytest.raises(RequestRefused) as info:
             await client.generate("x", max_tokens=1)
         assert info.value.attempts == 3
         results = await client.map(["a"], max_tokens=1, progress=False)

@@ -643,11 +643,21 @@ class SimServer:
     """A batch of ``capacity`` sequences fed from one first-come queue; each sequence runs a
     seeded random number of periods (2 to 6, 4 on average)."""
 
-    def __init__(self, capacity: int, seed: int = 1) -> None:
+    def __init__(self, capacity: int, seed: int = 1, admission: int | None = None) -> None:
         self.capacity = capacity
+        self.admission = admission  # vLLM's --max-num-queued-reqs: refuse past this queue
         self.rng = random.Random(seed)
         self.running: list[tuple[int, int]] = []  # (client, periods left)
         self.waiting: deque[int] = deque()
+        self.refused: list[int] = []  # the period of each refusal
+
+    def arrive(self, client: SimClient, period: int) -> None:
+        if self.admission is not None and len(self.waiting) >= self.admission:
+            self.refused.append(period)
+            client.in_flight -= 1  # answered 503 at once; demand is unlimited, so it comes back
+            client.control.on_outcome(period * PERIOD, "overloaded", None)
+        else:
+            self.waiting.append(client.name)
 
     def step(self) -> list[int]:
         done = [owner for owner, left in self.running if left <= 1]
@@ -675,7 +685,7 @@ def simulate(server: SimServer, clients: list[SimClient], periods: int) -> Trace
         for client in order:
             while client.on_the_way and client.on_the_way[0] <= period:
                 client.on_the_way.popleft()
-                server.waiting.append(client.name)
+                server.arrive(client, period)
         for owner in server.step():
             clients[owner].in_flight -= 1
         running, waiting = len(server.running), len(server.waiting)
@@ -814,3 +824,83 @@ def test_growth_stays_under_where_the_server_refused_for_a_while() -> None:
         now += PERIOD
         control.on_load(now, running=12, waiting=0, in_flight=control.limit, demand=True)
     assert control.limit > 21
+
+
+def test_a_refusal_caps_the_target_at_half_the_queue_seen() -> None:
+    # Told the batch is 96 (it is 12, with an admission queue of 32): the target of 48 is past
+    # where the server refuses. The 503 came with a queue of 31 in view: aim at 15 from then on.
+    control = metrics(67, capacity=96, queue_share=0.5)
+    control.on_load(0.0, running=12, waiting=31, in_flight=67, demand=True)
+    assert control.target == 48 and control.queue_cap is None
+    control.on_load(0.25, running=12, waiting=28, in_flight=67, demand=True)
+    assert control.on_outcome(0.5, "overloaded", None)
+    assert control.queue_cap == 15 and control.target == 15
+    # A queue of 20 is now over the target: the queue rule cuts (it did not at 48).
+    limit = control.limit
+    assert control.on_load(3.0, running=12, waiting=20, in_flight=limit, demand=True)
+    assert control.limit < limit and control.stats().target_waiting == 15
+
+
+def test_a_refusal_with_no_queue_in_view_caps_nothing() -> None:
+    # TGI refuses past max_concurrent_requests with an empty queue; a queue seen long ago is
+    # not where this refusal came from.
+    control = metrics(20, capacity=32, queue_share=0.5)
+    control.on_load(0.0, running=12, waiting=30, in_flight=20, demand=True)
+    control.on_load(5.0, running=12, waiting=0, in_flight=20, demand=True)
+    control.on_outcome(5.1, "overloaded", None)
+    assert control.queue_cap is None and control.target == 16
+
+
+def test_the_refused_queue_cap_only_rises() -> None:
+    # Every queue seen is at most the admission queue, and gauges lag: the longest queue seen
+    # near any refusal is the best lower bound on it.
+    control = metrics(40, capacity=96, queue_share=0.5)
+    control.on_load(0.0, running=12, waiting=10, in_flight=40, demand=True)
+    control.on_outcome(0.1, "overloaded", None)
+    assert control.queue_cap == 5
+    control.on_load(2.0, running=12, waiting=30, in_flight=20, demand=True)
+    control.on_outcome(2.1, "overloaded", None)
+    assert control.queue_cap == 15
+    control.on_load(5.0, running=12, waiting=4, in_flight=20, demand=True)
+    control.on_outcome(5.1, "overloaded", None)
+    assert control.queue_cap == 15 and control.target == 15
+
+
+def test_latency_mode_learns_no_queue_cap() -> None:
+    control = LimitController(start=8, mode="latency", capacity=12)
+    control.on_load(0.0, running=12, waiting=30, in_flight=8, demand=True)
+    control.on_outcome(0.1, "overloaded", None)
+    assert control.queue_cap is None
+
+
+@pytest.mark.parametrize("admission", [16, 32])
+@pytest.mark.parametrize("told", [96, None], ids=["told-too-big", "unknown"])
+def test_closed_loop_stops_hitting_an_admission_queue(told: int | None, admission: int) -> None:
+    """A server with a batch of 12 that refuses past a queue of 32 (or 16), a client that
+    believes the batch is 96 (target 48) or does not know it. Refusals come early; after the
+    warm-up none come against a queue of 32, and against 16 a rare one (the limit probes again
+    10 s after a refusal; in 20 seeds at most 12 in 250 periods, about 750 requests). The batch
+    stays full."""
+    capacity = 12
+    control = LimitController(start=67 if told else 5, mode="metrics", capacity=told)
+    client = SimClient(0, control, transit=2, learner=None if told else CapacityLearner())
+    server = SimServer(capacity, admission=admission)
+    trace = simulate(server, [client], PERIODS)
+    assert server.refused, "the start was meant to hit the admission queue"
+    late = [p for p in server.refused if p >= WARM_UP]
+    assert len(late) <= (0 if admission == 32 else 16), late
+    assert statistics.mean(trace.running[WARM_UP:]) >= 0.9 * capacity
+    assert control.queue_cap is not None and control.queue_cap <= admission // 2
+
+
+def test_room_in_the_batch_is_at_most_the_batch_seen_while_queued() -> None:
+    # Told 96, the server queued with 12 running: a dip to 8 running is room for 4, not 88.
+    control = metrics(20, capacity=96, queue_share=0.5, period=1.0)
+    control.on_load(0.0, running=12, waiting=3, in_flight=20, demand=True)  # slow start
+    assert control.limit == 30
+    control.on_load(0.5, running=12, waiting=2, in_flight=30, demand=True)  # queued twice
+    assert control.limit == 30  # slow start is over: the server has queued
+    assert control.on_load(2.0, running=8, waiting=0, in_flight=14, demand=True)
+    target = control.target
+    assert target == 48
+    assert control.limit == 30 + math.ceil(0.5 * (target + 12 - 8))
