@@ -13,7 +13,6 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 
 
-
 def _install_server(session: nox.Session) -> None:
     # Idempotent: does nothing when the server venv already has the right vLLM.
     session.run("dsclient", "install-server")

@@ -40,7 +40,7 @@ def say(message: str) -> None:
 
 def find_engine_core(pgid: int | None) -> int:
     """The EngineCore's pid: in the launched server's group, or the only one on the machine."""
-    from dsclient._placement import ENGINE_CORE_COMM, engine_core_pids
+    from dsclient.launcher._placement import ENGINE_CORE_COMM, engine_core_pids
 
     if pgid is not None:
         pids = engine_core_pids(pgid)
@@ -87,8 +87,8 @@ async def load(url: str, requests: int, concurrency: int) -> dict[str, float]:
 
 
 def bench(url: str, pgid: int | None, args: argparse.Namespace) -> dict[str, Any]:
-    from dsclient._placement import pin_process
-    from dsclient._profiles import format_cpu_list
+    from dsclient.launcher._placement import pin_process
+    from dsclient.launcher._profiles import format_cpu_list
 
     everything = sorted(os.sched_getaffinity(0))
     if len(everything) < 2:

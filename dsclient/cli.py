@@ -30,7 +30,7 @@ def _err(message: str) -> None:
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from ._profiles import DEFAULT_PROFILE, PROFILES
+    from .launcher._profiles import DEFAULT_PROFILE, PROFILES
 
     p = sub.add_parser(
         "serve",
@@ -80,14 +80,15 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="JSON",
         help=(
             'plan for other hardware instead of this machine, e.g. \'{"gpu_count": 1,'
-            ' "gpu_mem_gib": 24}\' (fields of dsclient._profiles.Hardware; mostly with --dry-run)'
+            ' "gpu_mem_gib": 24}\' (fields of dsclient.launcher._profiles.Hardware;'
+            " mostly with --dry-run)"
         ),
     )
     p.set_defaults(func=_serve, extra_args=[])
 
 
 def _hardware_from_json(text: str) -> object:
-    from ._profiles import Hardware
+    from .launcher._profiles import Hardware
 
     try:
         data = json.loads(text)
@@ -107,7 +108,7 @@ def _hardware_from_json(text: str) -> object:
 
 def _serve(args: argparse.Namespace) -> int:
     from . import launcher
-    from ._profiles import Hardware, describe_profiles
+    from .launcher._profiles import Hardware, describe_profiles
 
     if args.list_profiles:
         print(describe_profiles())

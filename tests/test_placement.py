@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsclient._placement import engine_core_pids, group_members, pin_process
+from dsclient.launcher._placement import engine_core_pids, group_members, pin_process
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or not Path("/proc/self/task").is_dir(),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsclient._hardware import parse_meminfo, parse_nvidia_smi
-from dsclient._profiles import (
+from dsclient.launcher._hardware import parse_meminfo, parse_nvidia_smi
+from dsclient.launcher._profiles import (
     PROFILES,
     Hardware,
     ModelFacts,

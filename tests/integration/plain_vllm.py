@@ -39,7 +39,7 @@ def _place_engine_core(pgid: int) -> None:
     on a 2-core machine (docs/governor.md): left where vLLM puts it, its busy loop starves the
     API server, whose gauges then lag by seconds. Launch record, dev mode and port stay the
     user's own: discovery still learns nothing from the launcher."""
-    from dsclient._placement import engine_core_pids, pin_process
+    from dsclient.launcher._placement import engine_core_pids, pin_process
 
     if not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2:
         return

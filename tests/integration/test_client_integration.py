@@ -84,11 +84,15 @@ async def test_too_long_prompt_is_refused_before_sending(vllm_server):
 async def test_the_real_servers_overflow_wordings_are_parsed(vllm_server):
     """What vLLM itself answers (bypassing dsclient's pre-check) is recognised."""
     async with httpx.AsyncClient(base_url=vllm_server.url, timeout=60) as http:
-        resp = await http.post("/v1/completions", json={"model": "tiny", "prompt": words(2500, 2), "max_tokens": 5})
+        resp = await http.post(
+            "/v1/completions", json={"model": "tiny", "prompt": words(2500, 2), "max_tokens": 5}
+        )
         err = error_from_response(resp)
         assert isinstance(err, ContextOverflow), resp.text
         assert err.context_length == 2048 and err.prompt_tokens is not None
-        resp = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x" * 18000, "max_tokens": 5})
+        resp = await http.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "x" * 18000, "max_tokens": 5}
+        )
         err = error_from_response(resp)
         assert isinstance(err, ContextOverflow), resp.text
         assert err.context_length == 2048

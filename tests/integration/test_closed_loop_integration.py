@@ -21,6 +21,7 @@ from tests.integration.test_client_integration import words
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
+
 def _gauge(text: str, name: str) -> float:
     return sum(
         float(m.group(1)) for m in re.finditer(rf"^{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
@@ -56,9 +57,7 @@ async def _map_watched(
     done = anyio.Event()
     async with anyio.create_task_group() as tg:
         tg.start_soon(watch.run, done)
-        results = await client.map(
-            prompts, max_tokens=max_tokens, ignore_eos=True, progress=False
-        )
+        results = await client.map(prompts, max_tokens=max_tokens, ignore_eos=True, progress=False)
         done.set()
     return watch, list(results)
 

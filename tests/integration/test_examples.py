@@ -67,7 +67,9 @@ async def test_fastapi_app_shares_one_client_and_closes_it(vllm_server, monkeypa
         assert isinstance(client, dsclient.AsyncClient)
         assert client.url == vllm_server.url and client.server.model == "tiny"
         transport = httpx.ASGITransport(app=manager.app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://app", timeout=120) as http:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://app", timeout=120
+        ) as http:
 
             async def ask(i: int) -> None:
                 body = {"prompt": f"Request {i}: once upon a time", "max_tokens": 8}

