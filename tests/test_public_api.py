@@ -51,3 +51,30 @@ def test_exception_tree():
     assert issubclass(dsclient.ConnectionError, dsclient.TransportError)
     for name in ("ServerError", "TransportError", "MalformedResponse"):
         assert issubclass(getattr(dsclient, name), dsclient.DSClientError)
+
+
+def test_the_client_core_never_imports_the_launcher():
+    # Dependencies point from the launcher (the server side) to the core, never back; only the
+    # command line, which drives both, imports it.
+    import ast
+    from pathlib import Path
+
+    import dsclient
+
+    root = Path(dsclient.__file__).parent
+    offenders = []
+    for path in sorted(root.glob("*.py")):
+        if path.name == "cli.py" or path.name.startswith("_cli_"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [f"{'.' * node.level}{node.module or ''}"]
+                names += [f"{'.' * node.level}{node.module or ''}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if any(".launcher" in n or n.startswith("dsclient.launcher") for n in names):
+                offenders.append(path.name)
+    assert offenders == []
+    assert (root / "launcher" / "__init__.py").exists()
