@@ -5,6 +5,7 @@
     python -m benchmarks governor             # online + batch on a real tiny vLLM (~12 min)
     python -m benchmarks placement            # where vLLM's EngineCore runs (real vLLM, ~4 min)
     python -m benchmarks closed-loop          # closed-loop governor on hand-started vLLMs (real)
+    python -m benchmarks soak                 # minutes at 80% of capacity; nothing creeps (~7 min)
     python -m benchmarks map                  # map() overhead and memory (mock transport)
     python -m benchmarks instructions         # the same legs in callgrind instructions (~6 min)
     python -m benchmarks governor --help      # each benchmark's own options
@@ -36,6 +37,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "placement": (
         "benchmarks.bench_placement",
         "vLLM's EngineCore on the engine's CPUs (the launcher) vs anywhere (vLLM), one server",
+    ),
+    "soak": (
+        "benchmarks.bench_soak",
+        "minutes at 80% of measured capacity: client RSS, sockets, tasks, in-flight stay flat",
     ),
     "map": (
         "benchmarks.bench_map",
