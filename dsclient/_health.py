@@ -1,0 +1,132 @@
+"""Whether a server answers at all: calls wait, on the client, while it does not.
+
+    reach = Reachability(probe, sleep=anyio.sleep, rng=random.Random())
+    await reach.wait_up()          # at once while the server answers
+    reach.mark_down("connection refused")   # an attempt could not reach it
+
+A server that dies (kill -9, an OOM, a restart) refuses connections until it is back. Retrying
+every call against it would spend the retry budget in a second and turn a batch into failures;
+so the first attempt that cannot connect marks the server *down*, and from then on calls wait
+before taking a slot. One of the waiting calls probes (``probe()``, e.g. ``GET /health``) with
+jittered exponential backoff, ``first`` seconds doubling up to ``cap``; the first answer, or any
+attempt that succeeds, marks it up again and every waiting call proceeds. No background task:
+the probing is done by a waiting call, and if that call is cancelled (its timeout) the next
+waiting one takes over. How long a call waits is bounded by its own timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable
+
+import anyio
+
+__all__ = ["Reachability"]
+
+logger = logging.getLogger("dsclient")
+
+
+class Reachability:
+    """The up / down state of one server, and the gate calls wait at while it is down.
+
+    Parameters:
+        probe: answers ``True`` when the server answers again (any HTTP answer that is not a
+            5xx, or whatever the caller decides); must not raise for a server that is down.
+        sleep, rng, clock: injectable for tests.
+        first, cap: the probe's backoff, in seconds (full jitter on each wait).
+        label: how log lines name the server (its URL).
+    """
+
+    def __init__(
+        self,
+        probe: Callable[[], Awaitable[bool]],
+        *,
+        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        first: float = 0.25,
+        cap: float = 2.0,
+        label: str = "server",
+    ) -> None:
+        if not 0 < first <= cap:
+            raise ValueError(f"need 0 < first <= cap, got first={first!r}, cap={cap!r}")
+        self._probe = probe
+        self._sleep = sleep
+        self._rng = rng or random.Random()
+        self._clock = clock
+        self.first = first
+        self.cap = cap
+        self.label = label
+        self.down = False
+        self.down_since: float | None = None
+        self.outages = 0  #: times the server was marked down
+        self.probes = 0  #: probes sent, over all outages
+        self.last_outage_s: float | None = None  #: how long the last outage lasted
+        self._probing = False
+        self._changed: anyio.Event | None = None  # made by the first waiter (needs a loop)
+
+    def __repr__(self) -> str:
+        state = "down" if self.down else "up"
+        return f"Reachability({self.label}: {state}, outages={self.outages})"
+
+    def mark_down(self, why: str) -> None:
+        """An attempt could not reach the server: hold calls until it answers again."""
+        if self.down:
+            return
+        self.down = True
+        self.down_since = self._clock()
+        self.outages += 1
+        logger.warning(
+            "dsclient: %s does not answer (%s); calls wait for it (each within its timeout)",
+            self.label,
+            why,
+        )
+
+    def mark_up(self) -> None:
+        """The server answered: let every waiting call through."""
+        if not self.down:
+            return
+        self.down = False
+        since, self.down_since = self.down_since, None
+        if since is not None:
+            self.last_outage_s = self._clock() - since
+        logger.warning(
+            "dsclient: %s answers again after %.1f s", self.label, self.last_outage_s or 0.0
+        )
+        self._fire()
+
+    def _fire(self) -> None:
+        event, self._changed = self._changed, None
+        if event is not None:
+            event.set()
+
+    async def wait_up(self) -> None:
+        """Return at once while the server is up; else wait (probing, if nobody else is) until
+        it is. Cancellation (the call's timeout) is the only way out while it stays down."""
+        while self.down:
+            if self._probing:
+                if self._changed is None:
+                    self._changed = anyio.Event()
+                await self._changed.wait()
+            else:
+                await self._probe_until_up()
+
+    async def _probe_until_up(self) -> None:
+        self._probing = True
+        try:
+            attempt = 0
+            while self.down:
+                self.probes += 1
+                if await self._probe():
+                    self.mark_up()
+                    return
+                attempt += 1
+                ceiling = min(self.cap, self.first * math.pow(2, attempt - 1))
+                await self._sleep(self._rng.uniform(ceiling / 2, ceiling))
+        finally:
+            self._probing = False
+            if self.down:
+                self._fire()  # cancelled while probing: the next waiting call takes over
