@@ -102,6 +102,7 @@ class Tally:
     latencies: list[float] = field(default_factory=list)
     failed: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    messages: list[str] = field(default_factory=list)  # the first few, whole
     open: int = 0
     done_total: int = 0
     failed_total: int = 0
@@ -154,6 +155,9 @@ async def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
                 tally.failed += 1
                 name = type(exc).__name__
                 tally.errors[name] = tally.errors.get(name, 0) + 1
+                if len(tally.messages) < 10:
+                    tally.messages.append(f"{kind}: {name}: {exc}"[:2000])
+                    say(f"  call failed: {tally.messages[-1]}")
             else:
                 tally.latencies.append(time.perf_counter() - begun)
             finally:
@@ -227,6 +231,7 @@ async def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
         "done": tally.done_total,
         "failed": tally.failed_total,
         "errors": tally.errors,
+        "error_messages": tally.messages,
         "windows": [asdict(w) for w in windows],
         "client": facts,
         "verdict": verdict,
