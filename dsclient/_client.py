@@ -934,6 +934,10 @@ class Stream:
 
     After (or during) iteration: ``text`` (all deltas so far), ``ttft_s`` (seconds from the call
     to the first token), ``finish_reason``, ``attempts``, ``lane``, ``max_tokens``.
+
+    The call's timeout covers the whole stream, from ``async with`` to the last event: a server
+    that stops sending, or trickles a byte at a time (which no per-read timeout catches), ends
+    the iteration with :class:`~dsclient.TimeoutError` once it runs out.
     """
 
     def __init__(
@@ -962,11 +966,14 @@ class Stream:
         self.lane: Lane = "short"
         self.max_tokens: int | None = None
         self._start = 0.0
+        self._ends_at: float | None = None  # on the event loop's clock (anyio.current_time)
         self._chunks: list[str] = []
 
     async def __aenter__(self) -> Stream:
         client = self._client
         self._start = client._clock()
+        if self._timeout is not None:
+            self._ends_at = anyio.current_time() + self._timeout
         try:
             async with _deadline(self._timeout):
                 plan, response, slot, attempts = await client._open_stream(
@@ -985,10 +992,24 @@ class Stream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[str]:
-        if self._events is None:
+        events = self._events
+        if events is None:
             raise RuntimeError("use the stream inside 'async with client.stream(...) as s:'")
+        ends_at = self._ends_at
         try:
-            async for event in self._events:
+            while True:
+                # Each read waits at most for what is left of the call's timeout. The scope
+                # holds the read only, never the yield: the consumer's own awaits stay outside.
+                left = None if ends_at is None else max(0.0, ends_at - anyio.current_time())
+                try:
+                    async with _deadline(left):
+                        event = await anext(events)
+                except StopAsyncIteration:
+                    return
+                except builtins.TimeoutError as exc:
+                    raise TimeoutError(
+                        f"stream did not finish within its timeout of {self._timeout} s"
+                    ) from exc
                 delta, finish = delta_of(event)
                 if finish is not None:
                     self.finish_reason = finish
