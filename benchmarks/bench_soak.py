@@ -252,8 +252,14 @@ def judge(steady: list[Window], drained: Window, rss_slack: float, tally: Tally)
         "drained_tasks": drained.tasks,
         "failed": tally.failed_total,
     }
-    # Sockets and tasks move with the concurrency of the moment: compare them net of it.
-    sockets_grew = (last.sockets - last.in_flight) - (first.sockets - first.in_flight) > 2
+    # Tasks are the calls open plus a fixed few: compare them net of the calls. Sockets are the
+    # calls in flight plus the pool's idle connections, which come and go with the concurrency
+    # of the last seconds: compare the peaks of the first and last thirds of the soak instead.
+    third = max(1, len(steady[:-1]) // 3)
+    first_peak = max(w.sockets for w in steady[:third])
+    last_peak = max(w.sockets for w in steady[:-1][-third:])
+    checks["sockets_peak_first_last_third"] = (first_peak, last_peak)
+    sockets_grew = last_peak - first_peak > 2
     tasks_grew = (last.tasks - last.calls_open) - (first.tasks - first.calls_open) > 2
     ok = (
         checks["rss_growth_mib"] <= rss_slack
@@ -278,7 +284,7 @@ def table(payload: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
         f"| {payload['capacity_req_s']} req/s | {payload['rate_req_s']} req/s"
         f" | {payload['done'] + payload['failed']} | {payload['failed']}"
-        f" | {v.get('rss_growth_mib')} MiB | {v.get('sockets_first_last')}"
+        f" | {v.get('rss_growth_mib')} MiB | {v.get('sockets_peak_first_last_third')}"
         f" | {v.get('tasks_first_last')} | {v.get('drained_in_flight')}"
         f" | {'flat' if v['ok'] else 'NOT flat'} |",
     ]
