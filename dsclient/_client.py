@@ -124,6 +124,10 @@ class _AnyioDeadline:
 
 _HAS_ASYNCIO_TIMEOUT = sys.version_info >= (3, 11)
 
+#: Seconds one attempt may take to connect (a retryable failure past it); the call's deadline
+#: still bounds the whole call.
+_CONNECT_TIMEOUT_S = 10.0
+
 
 def _root_url(base_url: str) -> str:
     """``http://h:8000/v1/`` → ``http://h:8000``; validates the scheme."""
@@ -371,10 +375,14 @@ class AsyncClient:
             request_headers["Authorization"] = f"Bearer {self._api_key.reveal()}"
         # The governor is the only concurrency limit: the pool must never be the tighter one,
         # so it is unbounded; keep-alive connections cover a large limit without reconnects.
+        # Reads get no timeout of their own: each call's deadline (its own timeout, or the
+        # client's) bounds the whole call. A read timeout of the client's value cut every attempt
+        # of a call whose own timeout was longer (or None) short, and the call failed after its
+        # retries although the server was answering. Connecting stays bounded per attempt.
         self._http = httpx.AsyncClient(
             transport=transport,
             headers=request_headers,
-            timeout=httpx.Timeout(self._timeout, connect=min(self._timeout or 10.0, 10.0)),
+            timeout=httpx.Timeout(None, connect=_CONNECT_TIMEOUT_S),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
         )
         self._path = RequestPath(

@@ -483,3 +483,20 @@ async def test_a_stalled_answer_times_out_within_the_call_timeout(proxy, stall):
         await _drained(client)
         assert (await client.generate("Hello", max_tokens=4)).attempts == 1
     assert proxy.fired == {"stall": 1}
+
+
+async def test_a_call_may_take_longer_than_the_client_wide_timeout_when_it_says_so(proxy):
+    """A per-call timeout (or ``None``) overrides the client's, as documented: the client's
+    timeout must not cut each attempt of a slower call short on the way."""
+    proxy.inject(Latency(1.0), times=None)
+    async with _client(proxy, timeout=0.3) as client:
+        with anyio.fail_after(30):
+            assert (await client.generate("Hello", max_tokens=4, timeout=10)).attempts == 1
+            assert (
+                await client.chat([{"role": "user", "content": "Hi"}], timeout=None)
+            ).attempts == 1
+            async with client.stream("Hello", max_tokens=4, timeout=10) as s:
+                assert [d async for d in s] == [f" w{i}" for i in range(EVENTS)]
+            assert s.attempts == 1
+        await _drained(client)
+    assert proxy.fired == {"latency": 3}
