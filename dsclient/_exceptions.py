@@ -11,9 +11,14 @@ Exception tree::
         │   ├── Overloaded        429 / 503, or the client's own queue bound is full
         │   └── ContextOverflow   prompt + max_tokens cannot fit the model's context
         └── MalformedResponse     a 2xx whose body is not what the API promises
+            └── ResponseTooLarge  a body (or one stream event) over the client's byte cap
 
 ``ContextOverflow`` is also raised *before* sending when dsclient can tell the prompt cannot fit.
 Programmer mistakes (bad arguments) stay ``ValueError`` / ``TypeError``.
+
+Nothing a server sends can raise anything else: JSON nested past the decoder's recursion limit,
+numbers with more digits than ``int()`` converts, a ``charset`` no decoder takes and a body that
+fails its ``Content-Encoding`` all end in one of these (``tests/test_fuzz.py`` checks it).
 """
 
 from __future__ import annotations
@@ -25,21 +30,30 @@ from typing import Any
 import httpx
 
 __all__ = [
+    "ERROR_BODY_BYTES",
     "ConnectionError",
     "ContextOverflow",
     "DSClientError",
     "MalformedResponse",
     "Overloaded",
     "RequestRefused",
+    "ResponseTooLarge",
     "ServerError",
     "TimeoutError",
     "TransportError",
     "context_overflow_from_response",
+    "decode_text",
     "error_from_response",
+    "parse_json",
+    "translate_request_error",
     "translate_transport_error",
 ]
 
 _BODY_KEEP = 4000  # characters of a refused body kept on the exception
+
+#: Bytes of an error body read: every known server's refusal is under 1 KiB, a proxy's HTML error
+#: page tens of KiB; the rest is never read (a server must not make the client buffer it).
+ERROR_BODY_BYTES = 64 * 1024
 
 
 class DSClientError(Exception):
@@ -73,6 +87,29 @@ class MalformedResponse(ServerError):
     def __init__(self, message: str, *, body: str = "") -> None:
         super().__init__(message)
         self.body = body[:_BODY_KEEP]
+
+
+class ResponseTooLarge(MalformedResponse):
+    """A body, or one event of a stream, was longer than the client's cap (``limit`` bytes).
+
+    Nothing past the cap is read, and the call is not retried: a server that answers a completion
+    with megabytes is broken or hostile, and asking again would only read as much again.
+    """
+
+    def __init__(self, what: str, *, limit: int, body: str = "") -> None:
+        super().__init__(
+            f"{what} over {_size(limit)}; a completion is kilobytes, so the rest was not read "
+            "(the cap is the client's max_body_bytes)",
+            body=body,
+        )
+        self.limit = limit
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} bytes"
 
 
 class RequestRefused(ServerError):
@@ -143,10 +180,33 @@ class ContextOverflow(RequestRefused):
         return str(self.args[0])
 
 
+def parse_json(data: str | bytes | bytearray) -> Any:
+    """``json.loads`` whose every failure is a ``ValueError``.
+
+    The decoder raises ``RecursionError`` on arrays or objects nested deeper than the interpreter's
+    recursion limit (``[[[[...`` of a few thousand brackets), which callers catching
+    ``ValueError`` for "not JSON" let through; found by ``tests/test_fuzz.py``.
+    """
+    try:
+        return json.loads(data)
+    except RecursionError as exc:
+        raise ValueError("JSON nested too deeply") from exc
+
+
+def decode_text(data: bytes) -> str:
+    """A body as text: UTF-8, the only encoding of JSON (RFC 8259) and of Prometheus text.
+
+    A ``charset`` the server names is ignored on purpose: httpx's ``response.text`` follows it,
+    and ``charset=rot13``, ``hex`` or ``idna`` make it raise ``TypeError``, ``AssertionError`` or
+    ``UnicodeError`` (found by ``tests/test_fuzz.py``).
+    """
+    return data.decode("utf-8", "replace")
+
+
 def _server_message(body: str) -> str:
     """The human message inside an error body (OpenAI, TGI or llama.cpp shape), else the text."""
     try:
-        data = json.loads(body)
+        data = parse_json(body)
     except ValueError:
         return body.strip()[:500] or "(empty body)"
     if isinstance(data, dict):
@@ -154,13 +214,13 @@ def _server_message(body: str) -> str:
         if isinstance(err, dict):
             msg = err.get("message") or err.get("error") or err.get("detail")
             if isinstance(msg, str):
-                return msg
+                return msg[:_BODY_KEEP]
         if isinstance(err, str):
-            return err
+            return err[:_BODY_KEEP]
         if isinstance(data.get("detail"), str):
-            return str(data["detail"])
+            return str(data["detail"])[:_BODY_KEEP]
         if isinstance(data.get("message"), str):
-            return str(data["message"])
+            return str(data["message"])[:_BODY_KEEP]
     return body.strip()[:500]
 
 
@@ -211,18 +271,26 @@ _OVERFLOW_PATTERNS: tuple[re.Pattern[str], ...] = tuple(
 )
 
 
+_OVERFLOW_SEARCHED = 2000
+
+
 def _int(text: str | None) -> int | None:
-    return int(text.replace(",", "")) if text else None
+    if not text:
+        return None
+    digits = text.replace(",", "")
+    # More digits than int() converts (4300) raised ValueError; no real count has 19.
+    return int(digits) if digits and len(digits) <= 18 else None
 
 
 def context_overflow_from_response(status: int, body: str) -> ContextOverflow | None:
     """Recognise a context-overflow refusal in any known server wording, else ``None``."""
     if status not in (400, 413, 422):
         return None
+    body = body[:ERROR_BODY_BYTES]
     message = _server_message(body)
     data: Any
     try:
-        data = json.loads(body)
+        data = parse_json(body)
     except ValueError:
         data = None
     # llama.cpp: {"error": {"type": "exceed_context_size_error", "n_prompt_tokens", "n_ctx"}}
@@ -239,8 +307,11 @@ def context_overflow_from_response(status: int, body: str) -> ContextOverflow | 
                 status=status,
                 body=body,
             )
+    # Every known wording is under 600 characters; a longer message is not searched whole, so a
+    # hostile one cannot make the lazy ``.*?`` patterns scan it once per occurrence.
+    searched = message[:_OVERFLOW_SEARCHED]
     for pattern in _OVERFLOW_PATTERNS:
-        m = pattern.search(message)
+        m = pattern.search(searched)
         if m is None:
             continue
         groups = m.groupdict()
@@ -266,17 +337,27 @@ def parse_retry_after_header(headers: httpx.Headers) -> float | None:
     return parse_retry_after(headers.get("retry-after-ms"), headers.get("retry-after"))
 
 
-def error_from_response(response: httpx.Response) -> RequestRefused:
-    """Map a non-2xx response to the exception a caller can act on."""
+def error_from_response(response: httpx.Response, body: bytes | None = None) -> RequestRefused:
+    """Map a non-2xx response to the exception a caller can act on.
+
+    ``body`` is what was read of it (at most :data:`ERROR_BODY_BYTES` are looked at); ``None``
+    takes the response's own content when it has been read, else nothing.
+    """
     status = response.status_code
-    try:
-        body = response.text
-    except (UnicodeDecodeError, httpx.ResponseNotRead):  # pragma: no cover - defensive
-        body = ""
+    if body is None:
+        try:
+            body = response.content
+        except httpx.ResponseNotRead:
+            body = b""
+    text = decode_text(body[:ERROR_BODY_BYTES])
+    return _refusal(status, text, response.headers)
+
+
+def _refusal(status: int, body: str, headers: httpx.Headers) -> RequestRefused:
     overflow = context_overflow_from_response(status, body)
     if overflow is not None:
         return overflow
-    retry_after = parse_retry_after_header(response.headers)
+    retry_after = parse_retry_after_header(headers)
     if status in (429, 503):
         return Overloaded(status, body, retry_after=retry_after)
     return RequestRefused(status, body, retry_after=retry_after)
@@ -288,4 +369,18 @@ def translate_transport_error(exc: httpx.TransportError) -> TransportError:
         return TimeoutError(f"request timed out ({type(exc).__name__})")
     if isinstance(exc, httpx.RemoteProtocolError):
         return ConnectionError(f"connection dropped before the answer was complete: {exc}")
+    return ConnectionError(f"could not talk to the server ({type(exc).__name__}): {exc}")
+
+
+def translate_request_error(exc: httpx.RequestError) -> DSClientError:
+    """:func:`translate_transport_error`, plus what can fail while a body is read or decoded.
+
+    A body that fails its ``Content-Encoding`` (``gzip`` over plain bytes) raises
+    ``httpx.DecodingError``, which is not a ``TransportError`` and went through untyped (found
+    by ``tests/test_fuzz.py``): it is a malformed answer, not a reason to retry.
+    """
+    if isinstance(exc, httpx.TransportError):
+        return translate_transport_error(exc)
+    if isinstance(exc, httpx.DecodingError):
+        return MalformedResponse(f"server's answer could not be decoded: {exc}")
     return ConnectionError(f"could not talk to the server ({type(exc).__name__}): {exc}")

@@ -22,7 +22,6 @@ the budget, or giving them four tries, lost requests in a burst.)
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from collections.abc import Awaitable, Callable
@@ -33,12 +32,12 @@ import tenacity
 
 from ._exceptions import (
     DSClientError,
-    MalformedResponse,
     Overloaded,
     error_from_response,
-    translate_transport_error,
+    translate_request_error,
 )
 from ._retry import Retry, RetryBudget, compute_backoff, describe, is_retryable, retry_after_of
+from ._streaming import MAX_BODY_BYTES, read_json, read_prefix
 
 if TYPE_CHECKING:
     from ._endpoint import Endpoint
@@ -64,6 +63,9 @@ class RequestPath:
         endpoint: the server (URL, governor, limit controller).
         retry: the retry policy; budget: the retry budget shared by every call of the client.
         sleep, rng: injectable for tests (backoff sleeps, jitter).
+        max_body_bytes: the most bytes of an answer read (default :data:`MAX_BODY_BYTES`,
+            16 MiB); a longer one ends the call in ``ResponseTooLarge``, unread and not retried.
+            Streams apply it to each line and event (:func:`~dsclient._streaming.sse_events`).
     """
 
     def __init__(
@@ -75,7 +77,13 @@ class RequestPath:
         *,
         sleep: Callable[[float], Awaitable[None]],
         rng: random.Random,
+        max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
+        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int):
+            raise TypeError(f"max_body_bytes must be an int, got {type(max_body_bytes).__name__}")
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        self.max_body_bytes = max_body_bytes
         self._http = http
         self._endpoint = endpoint
         self._retry = retry
@@ -85,41 +93,33 @@ class RequestPath:
 
     # -- one attempt -----------------------------------------------------------------------------
     async def _post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """One POST: check the status, parse JSON. Raises dsclient errors only."""
+        """One POST: check the status, read the body under the cap, parse JSON. Raises dsclient
+        errors only."""
+        request = self._http.build_request("POST", self._endpoint.url + path, json=body)
         try:
-            response = await self._http.post(self._endpoint.url + path, json=body)
-        except httpx.TransportError as exc:
-            raise translate_transport_error(exc) from exc
-        if response.status_code >= 400:
-            raise error_from_response(response)
+            response = await self._http.send(request, stream=True)
+        except httpx.RequestError as exc:
+            raise translate_request_error(exc) from exc
         try:
-            data = json.loads(response.content)
-        except ValueError as exc:
-            raise MalformedResponse(
-                f"server answered HTTP {response.status_code} with a body that is not JSON",
-                body=response.text,
-            ) from exc
-        if not isinstance(data, dict):
-            raise MalformedResponse(
-                "server answered with JSON that is not an object", body=response.text
-            )
-        return data
+            if response.status_code >= 400:
+                raise error_from_response(response, await read_prefix(response))
+            return await read_json(response, limit=self.max_body_bytes)
+        finally:
+            await response.aclose()
 
     async def _open(self, path: str, body: dict[str, Any]) -> httpx.Response:
         """One streaming POST, open once its status is known to be fine."""
         request = self._http.build_request("POST", self._endpoint.url + path, json=body)
         try:
             response = await self._http.send(request, stream=True)
-        except httpx.TransportError as exc:
-            raise translate_transport_error(exc) from exc
+        except httpx.RequestError as exc:
+            raise translate_request_error(exc) from exc
         if response.status_code >= 400:
             try:
-                await response.aread()
-            except httpx.TransportError:
-                pass
+                prefix = await read_prefix(response)
             finally:
                 await response.aclose()
-            raise error_from_response(response)
+            raise error_from_response(response, prefix)
         return response
 
     # -- attempts ------------------------------------------------------------------------------
