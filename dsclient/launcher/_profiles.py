@@ -522,9 +522,9 @@ def build_command(
         )
     if not is_loopback(host):
         notes.append(
-            f"warning: host {host} is not loopback: vLLM's API answers other machines that"
-            " reach this address, without a key unless --api-key is passed after '--'"
-            " (/metrics stays open even then)"
+            f"warning: host {host} is not loopback: vLLM answers other machines that reach"
+            " this address; --api-key after '--' guards only its /v1 routes (/metrics,"
+            " /tokenize and others stay open)"
         )
 
     engine_core_cpus: tuple[int, ...] | None = None
