@@ -23,9 +23,13 @@ from dsclient.launcher import (
     DEFAULT_MODEL_DIR,
     Server,
     ServerStartError,
+    VllmFlagsError,
     launch,
+    make_tiny_model,
+    plan_launch,
     resolve_server_python,
 )
+from dsclient.launcher._profiles import OWNED_DESTS, _owned_flags
 
 pytestmark = pytest.mark.integration
 
@@ -67,6 +71,16 @@ def test_record_describes_the_shared_server(vllm_server: Server):
     # A record for another server (other context length) would not be believed.
     stale = type(record)(**{**record.__dict__, "max_model_len": 4096})
     assert not record_matches(stale, models)
+
+
+def test_the_launched_server_keeps_dev_routes_closed_and_binds_loopback(vllm_server: Server):
+    # dsclient sets VLLM_SERVER_DEV_MODE=0 itself, whatever the test's environment says.
+    assert vllm_server.plan.env["VLLM_SERVER_DEV_MODE"] == "0"
+    argv = vllm_server.plan.argv
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert httpx.get(f"{vllm_server.url}/server_info", timeout=10).status_code == 404
+    assert httpx.post(f"{vllm_server.url}/collective_rpc", json={}, timeout=10).status_code == 404
+    assert httpx.get(f"{vllm_server.url}/health", timeout=10).status_code == 200
 
 
 def test_engine_core_runs_on_the_engines_cpus(vllm_server: Server):
@@ -149,6 +163,7 @@ def test_start_failure_shows_the_log_tail(tmp_path):
         max_model_len=512,
         dtype="float32",
         extra_args=["--no-such-vllm-flag"],
+        check_flags=False,  # vLLM's own parser would refuse it before starting: see below
         log_path=tmp_path / "bad.log",
     )
     with pytest.raises(ServerStartError) as info:
@@ -176,3 +191,99 @@ def test_make_tiny_model_cli(tmp_path):
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert again.returncode == 0 and "already complete" in again.stderr + again.stdout
+
+
+# --- flags after '--' go through the installed vLLM's own parser (no server started) ---------
+
+# A fixed port: the same planned command each time, so the per-command cache is what it is.
+_CHECK_PORT = 8123
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tiny_model() -> None:
+    make_tiny_model(python=resolve_server_python().python)  # DEFAULT_MODEL_DIR; kept if built
+
+
+def _plan_with(*extra: str):
+    return plan_launch(
+        DEFAULT_MODEL_DIR, port=_CHECK_PORT, max_num_seqs=2, max_model_len=512, extra_args=extra
+    )
+
+
+def test_vllm_refuses_an_unknown_flag_before_anything_starts():
+    with pytest.raises(VllmFlagsError) as info:
+        _plan_with("--enable-flash-attn")
+    assert info.value.vllm_message == (
+        "vllm serve: error: unrecognized arguments: --enable-flash-attn"
+    )
+    assert str(info.value).startswith("vLLM refuses the flags: vllm serve: error:")
+    assert vllm_processes_on(_CHECK_PORT) == []
+
+
+def test_vllm_refuses_a_bad_value():
+    with pytest.raises(VllmFlagsError) as info:
+        _plan_with("--max-num-batched-tokens", "notanumber")
+    assert info.value.vllm_message == (
+        "vllm serve: error: argument --max-num-batched-tokens:"
+        " invalid human_readable_int value: 'notanumber'"
+    )
+    # A flag dsclient sets itself is refused by dsclient, before vLLM is asked.
+    with pytest.raises(ValueError, match="--max-num-seqs is set by dsclient itself"):
+        _plan_with("--max-num-seqs", "notanumber")
+
+
+def test_vllms_post_parse_rules_apply_too():
+    with pytest.raises(VllmFlagsError, match="--enable-auto-tool-choice requires --tool-call"):
+        _plan_with("--enable-auto-tool-choice")
+
+
+def test_vllm_accepts_a_good_extra_flag():
+    plan = _plan_with("--enable-prefix-caching")
+    assert plan.argv[-1] == "--enable-prefix-caching"
+    install = resolve_server_python()
+    assert plan.notes[-1] == (
+        "flags checked with vLLM's own parser"
+        f" (vllm.entrypoints.launchers.cli_args.make_arg_parser in {install.python}): accepted"
+    )
+
+
+def test_cli_dry_run_refuses_a_flag_vllm_does_not_have():
+    out = subprocess.run(
+        [sys.executable, "-m", "dsclient", "serve", str(DEFAULT_MODEL_DIR), "--dry-run",
+         "--port", str(_CHECK_PORT), "--", "--enable-flash-attn"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert (
+        "dsclient: error: vLLM refuses the flags:"
+        " vllm serve: error: unrecognized arguments: --enable-flash-attn"
+    ) in out.stderr
+    assert "--enable-flash-attn" not in out.stdout  # no command printed
+
+
+_OPTIONS_SCRIPT = """
+import json
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+print(json.dumps([[o, a.dest] for a in parser._actions for o in a.option_strings]))
+"""
+
+
+def test_dsclients_own_flag_check_matches_vllms_parser():
+    # Every long option of the installed vLLM: dsclient refuses it after '--' exactly when it
+    # sets that value itself (an alias of its own, or none of them).
+    install = resolve_server_python()
+    out = subprocess.run(
+        [install.python, "-c", _OPTIONS_SCRIPT], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    options = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(options) > 100
+    wrong = [
+        (option, dest)
+        for option, dest in options
+        if option.startswith("--") and bool(_owned_flags(option)) != (dest in OWNED_DESTS)
+    ]
+    assert wrong == []
