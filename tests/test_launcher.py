@@ -485,6 +485,9 @@ def test_no_port_takes_another_when_8000_is_taken(how, fake_vllm_dist, model_dir
     # A real listener on 127.0.0.1:8000, ours; if something else already has it, it is taken
     # all the same, which is the case under test.
     holder = socket.socket()
+    # As _port_is_free binds: a connection of an earlier server still in TIME_WAIT on 8000 must
+    # not keep this test from holding the port.
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         try:
             holder.bind(("127.0.0.1", 8000))
@@ -623,7 +626,7 @@ BASE = ["--model", "/m/tiny", "--served-model-name", "tiny", "--host", "127.0.0.
 
 def run_check(site: Path, *extra: str) -> FlagCheck:
     """The real check script, run by this interpreter against the fake vLLM in ``site``."""
-    env = {**os.environ, "PYTHONPATH": str(site)}
+    env = {"PYTHONPATH": str(site)}  # on top of this process's environment
     args = [*BASE, *extra]
     return check_vllm_flags(sys.executable, args, own_count=len(BASE), owned=OWNED_DESTS, env=env)
 

@@ -7,7 +7,7 @@ vLLM's parser the way ``python -m vllm.entrypoints.openai.api_server`` does (in 
 ``vllm.utils.argparse_utils.FlexibleArgumentParser``, then ``validate_parsed_serve_args``),
 parses, and prints one marked JSON line that :func:`read_check_output` turns into a
 :class:`FlagCheck`. Importing vLLM imports torch, about 10 to 25 s on the 2-core reference
-machine, so verdicts are cached per (python, arguments, environment).
+machine, so verdicts are cached per (python, arguments, the variables the plan sets).
 
 Example::
 
@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -212,7 +213,7 @@ def check_vllm_flags(
     timeout: float = _DEFAULT_TIMEOUT,
     run: Runner = subprocess.run,
 ) -> FlagCheck:
-    """Run vLLM's own parser (in ``python``) on ``args``; cached per python, args and env.
+    """Run vLLM's own parser (in ``python``) on ``args``; cached per python, args and ``env``.
 
     Example::
 
@@ -224,7 +225,8 @@ def check_vllm_flags(
         args: vLLM's arguments (see :func:`vllm_arguments`).
         own_count: how many leading ``args`` dsclient set (default: all of them).
         owned: parser destinations the arguments after ``own_count`` must not change.
-        env: the whole environment to run the check in (vLLM reads some defaults from it).
+        env: variables set on top of this process's environment, as the server gets them
+            (vLLM reads some defaults from them): the plan's ``env``.
         timeout: seconds before giving up; the verdict is then ``"unchecked"``.
         run: ``subprocess.run`` or a stand-in (tests).
 
@@ -250,7 +252,7 @@ def check_vllm_flags(
             capture_output=True,
             text=True,
             timeout=timeout,
-            env=dict(env) if env is not None else None,
+            env={**os.environ, **(env or {})},
             stdin=subprocess.DEVNULL,
             check=False,
         )

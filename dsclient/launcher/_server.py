@@ -44,7 +44,7 @@ import subprocess
 import threading
 import time
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import anyio
@@ -217,7 +217,7 @@ def _wants_check(check_flags: bool | None, extra_args: Sequence[str]) -> bool:
     return bool(extra_args) if check_flags is None else check_flags
 
 
-def verify_flags(plan: LaunchPlan, *, env: Mapping[str, str] | None = None) -> LaunchPlan:
+def verify_flags(plan: LaunchPlan) -> LaunchPlan:
     """Ask the installed vLLM's own argument parser about ``plan.argv`` before starting it.
 
     Example::
@@ -228,8 +228,9 @@ def verify_flags(plan: LaunchPlan, *, env: Mapping[str, str] | None = None) -> L
     could not run (``plan.argv[0]`` has no vLLM, it timed out, ...): vLLM itself then refuses
     bad flags when it starts. Raises :class:`VllmFlagsError` with vLLM's own message when it
     refuses them, and ``ValueError`` when the flags after ``--`` change a setting dsclient
-    makes itself (``--hos 0.0.0.0`` is ``--host`` to vLLM's parser). Cached per command line
-    and environment (``env``, default this process's plus ``plan.env``).
+    makes itself (``--hos 0.0.0.0`` is ``--host`` to vLLM's parser). Runs in this process's
+    environment plus ``plan.env``, as the server would; cached per command line and
+    ``plan.env``.
     """
     python = plan.argv[0]
     args = vllm_arguments(plan.argv)
@@ -239,7 +240,7 @@ def verify_flags(plan: LaunchPlan, *, env: Mapping[str, str] | None = None) -> L
         args,
         own_count=len(args) - len(plan.extra_args),
         owned=OWNED_DESTS,
-        env={**os.environ, **plan.env} if env is None else env,
+        env=plan.env,
     )
     logger.info("vLLM's own parser: %s after %.1f s", check.verdict, time.monotonic() - begun)
     if check.verdict == "refused":
