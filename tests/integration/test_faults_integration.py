@@ -136,6 +136,18 @@ async def test_latency_delays_calls_and_a_longer_one_times_out(proxy):
         await still_serves(client)
 
 
+async def test_a_call_allowed_longer_than_the_client_timeout_gets_its_time(proxy):
+    """A per-call timeout overrides the client's: the client's must not cut each attempt short
+    (it did: every attempt of a slow call timed out, and the call failed after its retries)."""
+    async with make_client(proxy, timeout=0.5) as client:
+        proxy.inject(Latency(1.0), times=3)
+        assert (await generate(client, timeout=20)).attempts == 1
+        assert (await chat(client, timeout=None)).attempts == 1
+        await stream(client, timeout=20)
+        assert proxy.fired == {"latency": 3}
+        assert_drained(client)
+
+
 @pytest.mark.parametrize(
     "fault",
     [Truncate(), Truncate(after_bytes=0), Drop(), Drop(after_bytes=3), Reset(), Garbage()],
@@ -202,8 +214,9 @@ async def test_a_stream_cut_mid_body_is_a_connection_error(proxy, fault):
 )
 async def test_a_stalled_answer_times_out_within_the_call_timeout(proxy, fault):
     """The server goes silent, or trickles a byte at a time: each kind of call ends in
-    TimeoutError within its timeout, however far the answer got."""
-    async with make_client(proxy) as client:
+    TimeoutError within its own timeout, however far the answer got, on a client that has no
+    timeout of its own (nothing else would end the call)."""
+    async with make_client(proxy, timeout=None) as client:
         proxy.inject(fault, times=3)
         with pytest.raises(TimeoutError):
             await generate(client, timeout=1.5)
@@ -376,6 +389,56 @@ async def test_the_limit_grows_back_after_a_burst_of_refusals(proxy, caplog):
                 batches += 1
         assert_drained(client)
     assert batches >= 1
+
+
+async def test_map_cancelled_while_calls_stall_gives_every_slot_back(proxy, tmp_path):
+    """Cancelling a batch whose calls all hang leaks no slot, and a resume completes it."""
+    out = tmp_path / "out.jsonl"
+    items = prompts(12, "Stalled")
+    proxy.inject(Stall(before_headers=True), times=None)
+    async with make_client(proxy) as client:
+        with anyio.move_on_after(2.0) as scope:
+            await client.map(items, output=out, progress=False)
+        assert scope.cancelled_caught
+        assert proxy.fired["stall"] >= 1
+        assert_drained(client)
+        proxy.clear()
+        with anyio.fail_after(GUARD_S):
+            resumed = await client.map(items, output=out, resume=True, progress=False)
+        assert_drained(client)
+    assert not resumed.failures and [r.index for r in resumed] == list(range(12))
+    successes = Counter(line["id"] for line in read_lines(out) if line["ok"])
+    assert len(successes) == 12 and set(successes.values()) == {1}
+
+
+async def test_map_on_error_raise_stops_at_the_fault_and_gives_every_slot_back(proxy):
+    proxy.inject(Latency(0.5), times=4)
+    proxy.inject(GarbageBody())
+    async with make_client(proxy) as client:
+        with anyio.fail_after(GUARD_S), pytest.raises(MalformedResponse):
+            await client.map(prompts(30, "Raise"), on_error="raise", progress=False)
+        assert proxy.fired["garbage_body"] == 1
+        assert_drained(client)
+        await still_serves(client)
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [GarbageBody(), Garbage(), Truncate(), Reset(), Status(503), Stall(trickle=0.05)],
+    ids=["garbage-body", "garbage", "truncate", "reset", "503", "trickle"],
+)
+async def test_faults_on_the_metrics_scrape_never_reach_the_calls(proxy, fault):
+    """The poller scrapes /metrics through the same proxy: whatever that scrape meets, calls
+    go on (a poller that raised would cancel the client's task group, and the calls in it)."""
+    async with make_client(proxy) as client:
+        assert client.stats().control.mode == "metrics"
+        proxy.inject(fault, times=None, paths=["/metrics"])
+        with anyio.fail_after(GUARD_S):
+            results = await client.map(prompts(30, "Scraped"), progress=False)
+            while not proxy.fired[fault.name]:  # a scrape met the fault while calls ran
+                results += await client.map(prompts(10, "More"), progress=False)
+        assert not results.failures
+        assert_drained(client)
 
 
 def test_the_sync_client_through_faults(proxy):
