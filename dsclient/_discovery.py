@@ -30,7 +30,6 @@ llama.cpp ``n_ctx`` (per slot), Ollama ``/api/ps`` ``context_length``; else unkn
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Mapping
@@ -42,9 +41,13 @@ import anyio
 import anyio.to_thread
 import httpx
 
+from ._exceptions import DSClientError, ResponseTooLarge, parse_json
+from ._streaming import read_body
+
 __all__ = [
     "DEFAULT_MAX_NUM_SEQS",
     "OLLAMA_DEFAULT_PARALLEL",
+    "PROBE_BODY_BYTES",
     "Facts",
     "ServerInfo",
     "ServerKind",
@@ -98,17 +101,32 @@ class Facts:
     num_waiting: int | None = None
 
 
+#: The largest count or length believed. No server runs 2**31 sequences or has a context that
+#: long; a larger number is a broken or hostile answer, and taken as a limit it overflowed float
+#: arithmetic downstream (``10**400`` x 0.7 raises ``OverflowError``; found by tests/test_fuzz.py).
+_MOST = 2**31 - 1
+
+
 def _pos_int(value: Any) -> int | None:
-    """A positive int, or None (JSON booleans and floats are not counts)."""
+    """A positive int, or None (JSON booleans and floats are not counts, nor absurd numbers)."""
     if isinstance(value, bool) or not isinstance(value, int):
         return None
-    return value if value > 0 else None
+    return value if 0 < value <= _MOST else None
 
 
 def _nonneg_int(value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         return None
-    return value if value >= 0 else None
+    return value if 0 <= value <= _MOST else None
+
+
+def _text_int(match: re.Match[str] | None) -> int | None:
+    """The positive count a regex captured. ``int()`` refuses more than 4300 digits with
+    ``ValueError``, and ``max_num_seqs=0`` made ``ServerInfo`` raise: both were found by
+    tests/test_fuzz.py."""
+    if match is None or len(match.group(1)) > 10:
+        return None
+    return _pos_int(int(match.group(1)))
 
 
 def _str(value: Any) -> str | None:
@@ -117,7 +135,7 @@ def _str(value: Any) -> str | None:
 
 def _sum(values: list[int | None]) -> int | None:
     known = [v for v in values if v is not None]
-    return sum(known) if known else None
+    return _nonneg_int(sum(known)) if known else None
 
 
 # --- parsers, one per endpoint --------------------------------------------------------------------
@@ -171,7 +189,7 @@ def _maybe_json(value: Any) -> Any:
     """A JSON string holding JSON becomes the value it holds; anything else stays as it is."""
     if isinstance(value, str) and value.lstrip()[:1] in ("{", "["):
         try:
-            return json.loads(value)
+            return parse_json(value)
         except ValueError:
             return value
     return value
@@ -199,9 +217,8 @@ def parse_vllm_server_info(obj: Any) -> Facts | None:
             _pos_int(model_config.get("max_model_len")) if isinstance(model_config, dict) else None
         )
     elif isinstance(config, str):
-        found = {k: p.search(config) for k, p in _VLLM_TEXT_FIELDS.items()}
-        seqs = int(m.group(1)) if (m := found["max_num_seqs"]) else None
-        length = int(m.group(1)) if (m := found["max_model_len"]) else None
+        seqs = _text_int(_VLLM_TEXT_FIELDS["max_num_seqs"].search(config))
+        length = _text_int(_VLLM_TEXT_FIELDS["max_model_len"].search(config))
     else:
         return None
     return Facts(kind="vllm", max_num_seqs=seqs, max_model_len=length)
@@ -254,7 +271,8 @@ def parse_sglang_server_info(obj: Any) -> Facts | None:
     if isinstance(states, list) and states and isinstance(states[0], dict):
         per_dp = _pos_int(states[0].get("effective_max_running_requests_per_dp"))
     dp_size = _pos_int(obj.get("dp_size")) or 1
-    seqs = per_dp * dp_size if per_dp is not None else _pos_int(obj.get("max_running_requests"))
+    seqs = _pos_int(per_dp * dp_size) if per_dp is not None else None
+    seqs = seqs or _pos_int(obj.get("max_running_requests"))
     served = obj.get("served_model_name")
     return Facts(
         kind="sglang",
@@ -484,22 +502,35 @@ _PROBES: dict[str, str] = {
 }
 
 
+#: The most bytes of a probe's answer read. The largest seen are vLLM's ``/server_info`` (the
+#: whole config, tens of KiB) and a ``/v1/models`` listing many adapters; beyond this the probe
+#: tells nothing, like one that failed.
+PROBE_BODY_BYTES = 4 * 2**20
+
+
 async def _get_json(http: httpx.AsyncClient, url: str, seconds: float) -> Any | None:
-    """GET and decode JSON; any failure is "no answer" (None)."""
+    """GET and decode JSON, reading at most :data:`PROBE_BODY_BYTES`; any failure is "no
+    answer" (None)."""
     with anyio.move_on_after(seconds):  # httpx's timeout is per phase; bound the whole probe
         try:
-            response = await http.get(url, timeout=seconds)
+            response = await http.send(http.build_request("GET", url, timeout=seconds), stream=True)
         except httpx.HTTPError as exc:
             logger.debug("dsclient: probe %s failed: %r", url, exc)
             return None
-        if response.status_code != 200:
-            logger.debug("dsclient: probe %s answered HTTP %d", url, response.status_code)
-            return None
         try:
-            return response.json()
-        except ValueError:
-            logger.debug("dsclient: probe %s answered with something that is not JSON", url)
+            if response.status_code != 200:
+                logger.debug("dsclient: probe %s answered HTTP %d", url, response.status_code)
+                return None
+            return parse_json(await read_body(response, limit=PROBE_BODY_BYTES))
+        except ResponseTooLarge as exc:
+            logger.warning("dsclient: probe %s ignored: %s", url, exc)
             return None
+        except (DSClientError, ValueError) as exc:
+            logger.debug("dsclient: probe %s gave nothing usable: %r", url, exc)
+            return None
+        finally:
+            with anyio.CancelScope(shield=True):
+                await response.aclose()
     logger.debug("dsclient: probe %s timed out", url)
     return None
 

@@ -28,10 +28,12 @@ import httpx
 
 from ._control import SLOW_START, CapacityLearner, ControlStats, LimitController, Mode
 from ._discovery import ServerInfo
+from ._exceptions import DSClientError, decode_text
 from ._governor import Governor, Slot, compute_limit
 from ._load import Load, parse_load
+from ._streaming import read_body
 
-__all__ = ["LEARNED_SOURCE", "ControlOptions", "Endpoint", "fetch_load"]
+__all__ = ["LEARNED_SOURCE", "METRICS_BODY_BYTES", "ControlOptions", "Endpoint", "fetch_load"]
 
 logger = logging.getLogger("dsclient")
 
@@ -59,19 +61,32 @@ class ControlOptions:
     scrape_interval: float = 0.25
 
 
+#: The most bytes of a ``/metrics`` answer read. vLLM's is about 50-100 KiB per engine (its
+#: histograms carry one series per bucket); 8 MiB covers dozens of data-parallel engines, and a
+#: larger answer is not read at all: the scrape counts as failed.
+METRICS_BODY_BYTES = 8 * 2**20
+
+
 async def fetch_load(
     http: httpx.AsyncClient, url: str, *, model: str | None, timeout: float
 ) -> Load | None:
-    """GET ``{url}/metrics`` and parse it; ``None`` on any failure or without queue gauges."""
+    """GET ``{url}/metrics`` (at most :data:`METRICS_BODY_BYTES` of it) and parse it; ``None``
+    on any failure or without queue gauges."""
     try:
         with anyio.fail_after(timeout):
-            response = await http.get(url + "/metrics", timeout=timeout)
-    except (httpx.HTTPError, TimeoutError) as exc:
+            request = http.build_request("GET", url + "/metrics", timeout=timeout)
+            response = await http.send(request, stream=True)
+            try:
+                if response.status_code != 200:
+                    return None
+                body = await read_body(response, limit=METRICS_BODY_BYTES, what="/metrics answer")
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await response.aclose()
+    except (httpx.HTTPError, TimeoutError, DSClientError) as exc:
         logger.debug("dsclient: scraping %s/metrics failed: %r", url, exc)
         return None
-    if response.status_code != 200:
-        return None
-    return parse_load(response.text, model=model)
+    return parse_load(decode_text(body), model=model)
 
 
 class Endpoint:

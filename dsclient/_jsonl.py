@@ -27,13 +27,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from ._exceptions import RequestRefused
+from ._exceptions import RequestRefused, parse_json
 from ._models import ChatResult, CompletionResult, Failure, Result, Usage
 
 __all__ = [
@@ -161,42 +162,62 @@ class MapRecords:
         return rid, ok and isinstance(record.get("text"), str)
 
     def rebuild(self, record: Mapping[str, Any], index: int) -> Result:
-        usage = record.get("usage") or {}
-        kind = record.get("kind", "completion")
+        # A line that identify() took as a success has its text; any other field of the wrong
+        # type (a hand-edited or foreign file) falls back to its default rather than failing the
+        # resume: ``"usage": 5`` raised AttributeError, ``"latency_s": "x"`` a pydantic
+        # ValidationError (found by tests/test_fuzz.py).
+        kind = "chat" if record.get("kind") == "chat" else "completion"
+        prompt_tokens, completion_tokens = _usage_of(record)
+        max_tokens = _count(record.get("max_tokens"))
         cls = ChatResult if kind == "chat" else CompletionResult
         result = cls(
             text=record["text"],
-            finish_reason=record.get("finish_reason"),
-            usage=Usage(
-                prompt_tokens=usage.get("prompt_tokens") or 0,
-                completion_tokens=usage.get("completion_tokens") or 0,
-            ),
-            latency_s=record.get("latency_s") or 0.0,
-            queued_s=record.get("queued_s") or 0.0,
-            attempts=record.get("attempts") or 1,
-            max_tokens=record.get("max_tokens"),
-            lane=record.get("lane") or "short",
+            finish_reason=_text(record.get("finish_reason")),
+            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
+            latency_s=_seconds(record.get("latency_s")),
+            queued_s=_seconds(record.get("queued_s")),
+            attempts=_count(record.get("attempts")) or 1,
+            max_tokens=max_tokens or None,
+            lane=_text(record.get("lane")) or "short",
             index=index,
         )
         result._raw_data = raw_from_fields(kind, record)
         return result
 
 
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _seconds(value: Any) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok and value >= 0 else 0.0
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _usage_of(record: Mapping[str, Any]) -> tuple[int, int]:
+    usage = record.get("usage")
+    if not isinstance(usage, Mapping):
+        return 0, 0
+    return _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+
+
 def raw_from_fields(kind: str, record: Mapping[str, Any]) -> dict[str, Any]:
     """An OpenAI-shaped response body rebuilt from a stored line's fields."""
-    usage = record.get("usage") or {}
-    prompt_tokens = usage.get("prompt_tokens") or 0
-    completion_tokens = usage.get("completion_tokens") or 0
-    choice: dict[str, Any] = {"index": 0, "finish_reason": record.get("finish_reason")}
+    prompt_tokens, completion_tokens = _usage_of(record)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": _text(record.get("finish_reason"))}
     if kind == "chat":
         choice["message"] = {"role": "assistant", "content": record.get("text")}
     else:
         choice["text"] = record.get("text")
     return {
-        "id": record.get("response_id") or f"resumed-{record.get('id')}",
+        "id": _text(record.get("response_id")) or f"resumed-{record.get('id')}",
         "object": "chat.completion" if kind == "chat" else "text_completion",
-        "created": record.get("created") or 0,
-        "model": record.get("model") or "",
+        "created": _count(record.get("created")),
+        "model": _text(record.get("model")) or "",
         "choices": [choice],
         "usage": {
             "prompt_tokens": prompt_tokens,
@@ -237,9 +258,9 @@ def scan_records(
         if not raw.strip():
             continue
         try:
-            record = json.loads(raw)
+            record = parse_json(raw)
             found = fmt.identify(record) if isinstance(record, dict) else None
-        except ValueError:
+        except ValueError:  # not JSON, not UTF-8, or nested past the decoder's recursion limit
             found = None
         if found is None:
             bad += 1

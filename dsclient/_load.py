@@ -244,21 +244,35 @@ def _finite(values: Iterable[float]) -> list[float]:
 
 def _sum(values: Iterable[float]) -> float | None:
     finite = _finite(values)
-    return math.fsum(finite) if finite else None
+    if not finite:
+        return None
+    try:
+        return math.fsum(finite)
+    except OverflowError:  # two series of 1e308: "intermediate overflow" (tests/test_fuzz.py)
+        return None
 
 
 def _mean(values: Iterable[float]) -> float | None:
     finite = _finite(values)
-    return math.fsum(finite) / len(finite) if finite else None
+    # Each term divided first, so the sum cannot overflow where the mean would not.
+    return math.fsum(v / len(finite) for v in finite) if finite else None
 
 
 def _first(values: Iterable[float]) -> float | None:
     return next(iter(_finite(values)), None)
 
 
+#: The largest count believed: the largest integer a float holds exactly. A gauge of 1e308
+#: running sequences is a broken or hostile server, not a batch size to learn (the limit's
+#: ceiling, four times the learned batch, would have become 7e308).
+_MOST = 2**53
+
+
 def _count(value: float | None) -> int | None:
     # Gauges are floats on the wire ("3.0"); a transiently negative one counts as zero.
-    return None if value is None else max(0, round(value))
+    if value is None or value > _MOST:
+        return None
+    return max(0, round(value))
 
 
 def _ratio(value: float | None) -> float | None:

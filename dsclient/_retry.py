@@ -77,10 +77,14 @@ class Retry:
             raise ValueError(
                 f"Retry.overload_attempts must be an int >= 1, got {self.overload_attempts!r}"
             )
-        if not self.base > 0:
-            raise ValueError(f"Retry.base must be > 0 seconds, got {self.base!r}")
-        if not self.cap >= self.base:
-            raise ValueError(f"Retry.cap must be >= base ({self.base}), got {self.cap!r}")
+        if not (isinstance(self.base, (int, float)) and 0 < self.base < math.inf):
+            raise ValueError(f"Retry.base must be finite seconds > 0, got {self.base!r}")
+        # A cap of +inf would let a server's Retry-After park a call for as long as it says.
+        if not (isinstance(self.cap, (int, float)) and self.base <= self.cap < math.inf):
+            raise ValueError(
+                f"Retry.cap must be a finite number of seconds >= base ({self.base}), "
+                f"got {self.cap!r}"
+            )
         if not 0 <= self.budget_ratio <= 1:
             raise ValueError(f"Retry.budget_ratio must be in [0, 1], got {self.budget_ratio!r}")
         if self.budget_floor < 0:
@@ -105,14 +109,15 @@ def compute_backoff(
     """Seconds to wait after failed attempt ``attempt`` (1-based): exponential, full jitter.
 
     ``wait = uniform(0, min(cap, base * 2**(attempt - 1)))``; a server hint wins over the jitter:
-    ``wait = min(cap, retry_after)`` when ``retry_after`` is given.
+    ``wait = min(cap, max(0, retry_after))`` when ``retry_after`` is given (a NaN hint is none).
 
         >>> compute_backoff(1, base=0.5, cap=8.0, rng=random.Random(0))  # in [0, 0.5]
         0.42...
     """
     if attempt < 1:
         raise ValueError(f"attempt is 1-based, got {attempt}")
-    if retry_after is not None:
+    if retry_after is not None and not math.isnan(retry_after):
+        # A server cannot park the client: a wait of hours, or +inf, is cut to ``cap``.
         return max(0.0, min(cap, retry_after))
     # 2**attempt overflows float for absurd attempts; clamp the exponent first.
     ceiling = min(cap, base * math.pow(2.0, min(attempt - 1, 60)))
@@ -139,12 +144,12 @@ def parse_retry_after(
     except ValueError:
         try:
             when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
+            seconds = when.timestamp() - (time.time() if now is None else now)
+        # OverflowError: a year or zone offset of 20 digits ("Mon, 01 Jan 99999999999999999999
+        # 00:00:00 GMT") overflowed a C long inside the date parser (found by tests/test_fuzz.py).
+        except (TypeError, ValueError, IndexError, OverflowError, AttributeError):
             return None
-        if when is None:  # pragma: no cover - older Pythons
-            return None
-        seconds = when.timestamp() - (time.time() if now is None else now)
-        return max(0.0, seconds)
+        return max(0.0, seconds) if math.isfinite(seconds) else None
     return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
