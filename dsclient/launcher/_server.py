@@ -65,6 +65,9 @@ from ._profiles import (
     ModelFacts,
     build_command,
     format_cpu_list,
+    redact_argv,
+    scrub,
+    secrets_in,
 )
 
 __all__ = ["DEFAULT_PORT", "Server", "launch", "plan_launch", "verify_flags"]
@@ -244,7 +247,10 @@ def verify_flags(plan: LaunchPlan) -> LaunchPlan:
     )
     logger.info("vLLM's own parser: %s after %.1f s", check.verdict, time.monotonic() - begun)
     if check.verdict == "refused":
-        raise VllmFlagsError(check.message, argv=plan.argv, python=python)
+        secrets = secrets_in(plan.argv, plan.env)
+        raise VllmFlagsError(
+            scrub(check.message, secrets), argv=redact_argv(plan.argv), python=python
+        )
     if check.overridden:
         flags = ", ".join("--" + d.replace("_", "-") for d in check.overridden)
         raise ValueError(
@@ -525,14 +531,14 @@ class Server:
         if code is not None:
             raise ServerStartError(
                 f"vLLM exited with status {code} after {elapsed:.0f} s while starting",
-                log_tail=_tail(self.log_path),
+                log_tail=scrub(_tail(self.log_path), secrets_in(self.plan.argv, self.plan.env)),
                 log_path=self.log_path,
                 returncode=code,
             )
         if elapsed > self.startup_timeout:
             raise ServerStartError(
                 f"vLLM was not healthy after {self.startup_timeout:.0f} s (startup_timeout)",
-                log_tail=_tail(self.log_path),
+                log_tail=scrub(_tail(self.log_path), secrets_in(self.plan.argv, self.plan.env)),
                 log_path=self.log_path,
             )
 
