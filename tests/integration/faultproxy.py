@@ -579,30 +579,34 @@ class FaultProxy:
         writer: asyncio.StreamWriter,
         upstream: _Upstream,
     ) -> bool:
-        """Serve one request with its fault; whether the client connection stays open."""
+        """Serve one request with its fault; whether the client connection stays open.
+
+        A fault is counted before the client can see its effect, so that a test reading
+        :attr:`fired` after a call returns never misses it.
+        """
         if isinstance(fault, Status):
             extra = []
             if fault.retry_after is not None:
                 extra.append(f"retry-after: {fault.retry_after:g}")
             if fault.retry_after_ms is not None:
                 extra.append(f"retry-after-ms: {fault.retry_after_ms:g}")
+            self._count(fault.name)
             writer.write(_answer(fault.status, fault.body, "application/json", extra))
             await writer.drain()
-            self._count(fault.name)
             return request.keep_alive
         if isinstance(fault, Garbage):
+            self._count(fault.name)
             writer.write(fault.data)
             await writer.drain()
-            self._count(fault.name)
             return False
         if isinstance(fault, GarbageBody):
+            self._count(fault.name)
             if request.stream:
                 body = b"data: {not json at all\n\ndata: [DONE]\n\n"
                 writer.write(_answer(200, body, "text/event-stream"))
             else:
                 writer.write(_answer(200, b"<html>not json</html>", "application/json"))
             await writer.drain()
-            self._count(fault.name)
             return request.keep_alive
         if isinstance(fault, Reset):
             self._count(fault.name)

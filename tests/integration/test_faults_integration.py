@@ -12,6 +12,7 @@ run against short per-call timeouts, so the file stays well under two minutes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -409,6 +410,23 @@ async def test_map_cancelled_while_calls_stall_gives_every_slot_back(proxy, tmp_
     assert not resumed.failures and [r.index for r in resumed] == list(range(12))
     successes = Counter(line["id"] for line in read_lines(out) if line["ok"])
     assert len(successes) == 12 and set(successes.values()) == {1}
+
+
+async def test_imap_closed_early_while_calls_stall_gives_every_slot_back(proxy):
+    """A consumer that takes one outcome and leaves: the calls still stalled are cancelled,
+    and their slots come back."""
+    proxy.inject(Latency(0.3))
+    proxy.inject(Stall(before_headers=True), times=None)
+    async with make_client(proxy) as client:
+        with anyio.fail_after(GUARD_S):
+            async with contextlib.aclosing(client.imap(prompts(12, "Early"))) as outcomes:
+                async for index, first in outcomes:
+                    break
+        assert isinstance(first, CompletionResult) and first.index == index
+        assert proxy.fired["stall"] >= 1
+        assert_drained(client)
+        proxy.clear()
+        await still_serves(client)
 
 
 async def test_map_on_error_raise_stops_at_the_fault_and_gives_every_slot_back(proxy):
