@@ -45,6 +45,7 @@ __all__ = [
     "decode_text",
     "error_from_response",
     "parse_json",
+    "redact",
     "translate_request_error",
     "translate_transport_error",
 ]
@@ -99,7 +100,7 @@ class ResponseTooLarge(MalformedResponse):
     def __init__(self, what: str, *, limit: int, body: str = "") -> None:
         super().__init__(
             f"{what} over {_size(limit)}; a completion is kilobytes, so the rest was not read "
-            "(the cap is the client's max_body_bytes)",
+            "(the cap is max_body_bytes)",
             body=body,
         )
         self.limit = limit
@@ -370,6 +371,21 @@ def translate_transport_error(exc: httpx.TransportError) -> TransportError:
     if isinstance(exc, httpx.RemoteProtocolError):
         return ConnectionError(f"connection dropped before the answer was complete: {exc}")
     return ConnectionError(f"could not talk to the server ({type(exc).__name__}): {exc}")
+
+
+def redact(exc: DSClientError, secret: str) -> None:
+    """Replace ``secret`` by ``***`` in an error's message and the body it keeps, in place.
+
+    A server that echoes the request (a debugging proxy, a gateway's error page) would otherwise
+    put the API key into an error's text, and from there into logs.
+    """
+    if not secret:
+        return
+    exc.args = tuple(a.replace(secret, "***") if isinstance(a, str) else a for a in exc.args)
+    for name in ("body", "message"):
+        value = getattr(exc, name, None)
+        if isinstance(value, str) and secret in value:
+            setattr(exc, name, value.replace(secret, "***"))
 
 
 def translate_request_error(exc: httpx.RequestError) -> DSClientError:

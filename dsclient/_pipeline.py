@@ -34,6 +34,7 @@ from ._exceptions import (
     DSClientError,
     Overloaded,
     error_from_response,
+    redact,
     translate_request_error,
 )
 from ._retry import Retry, RetryBudget, compute_backoff, describe, is_retryable, retry_after_of
@@ -104,6 +105,9 @@ class RequestPath:
             if response.status_code >= 400:
                 raise error_from_response(response, await read_prefix(response))
             return await read_json(response, limit=self.max_body_bytes)
+        except DSClientError as exc:
+            self._redact(exc)
+            raise
         finally:
             await response.aclose()
 
@@ -119,8 +123,18 @@ class RequestPath:
                 prefix = await read_prefix(response)
             finally:
                 await response.aclose()
-            raise error_from_response(response, prefix)
+            error = error_from_response(response, prefix)
+            self._redact(error)
+            raise error
         return response
+
+    def _redact(self, exc: DSClientError) -> None:
+        """Keep the API key out of an error whose text came from the server (an echo of the
+        request's headers): the errors end up in logs and in results files."""
+        scheme, _, token = self._http.headers.get("authorization", "").partition(" ")
+        secret = token.strip() or scheme.strip()
+        if len(secret) >= 6:  # replacing a word-sized "key" would garble the message instead
+            redact(exc, secret)
 
     # -- attempts ------------------------------------------------------------------------------
     async def send_json(

@@ -42,8 +42,7 @@ __all__ = [
 
 #: The most bytes of one answer read (and of one line or event of a stream). A completion is
 #: kilobytes: 32k tokens of text are about 128 KiB, and 4k tokens with 20 top logprobs each about
-#: 5 MiB. 16 MiB leaves room for that and bounds what a broken server costs (the bytes, the text
-#: and the parsed objects together stay under about 200 MiB).
+#: 5 MiB. 16 MiB leaves room for that, and bounds what a broken or hostile server can cost.
 MAX_BODY_BYTES = 16 * 2**20
 
 _EOL = re.compile(rb"\r\n|\r|\n")

@@ -628,3 +628,64 @@ def test_server_info_is_frozen_and_validated() -> None:
         ServerInfo(url=URL, kind="unknown", max_num_seqs=0)
     with pytest.raises(TypeError):
         ServerInfo(URL, "unknown")  # type: ignore[misc]
+
+
+# --- hostile answers (each found by tests/test_fuzz.py) ------------------------------------------
+async def test_a_zero_max_num_seqs_in_the_text_config_is_not_taken() -> None:
+    # Found: "max_num_seqs=0" in vLLM's text form became max_num_seqs 0, and ServerInfo raised
+    # ValueError out of discover(); "max_model_len" 0 was reported as a context of 0.
+    facts = parse_vllm_server_info({"vllm_config": "max_num_seqs=0, max_model_len=0"})
+    assert facts is not None and facts.max_num_seqs is None and facts.max_model_len is None
+    info = await _discover({**VLLM_NO_DEV, "/server_info": {"vllm_config": "max_num_seqs=0"}})
+    assert info.max_num_seqs == DEFAULT_MAX_NUM_SEQS and info.sources["max_num_seqs"] == "default"
+
+
+def test_a_count_of_thousands_of_digits_is_not_taken() -> None:
+    # Found: int() of 5000 digits raises ValueError ("Exceeds the limit (4300 digits)").
+    facts = parse_vllm_server_info({"vllm_config": "max_num_seqs=" + "9" * 5000})
+    assert facts is not None and facts.max_num_seqs is None
+
+
+async def test_an_absurd_limit_is_not_taken() -> None:
+    # Found: TGI's max_concurrent_requests of 10**400 became max_num_seqs, and seeding the
+    # endpoint with it raised OverflowError (int too large to convert to float).
+    from dsclient._endpoint import ControlOptions, Endpoint
+
+    assert parse_tgi_info({"max_concurrent_requests": 10**400}).max_num_seqs is None  # type: ignore[union-attr]
+    assert parse_sglang_loads(
+        {"loads": [{"num_running_reqs": 1, "max_running_requests": 2**31}] * 2}
+    ).max_num_seqs is None  # type: ignore[union-attr]
+    info = await _discover({"/info": {"max_concurrent_requests": 10**400, "max_total_tokens": 10**400}})
+    assert info.max_num_seqs == DEFAULT_MAX_NUM_SEQS and info.max_model_len is None
+    endpoint = Endpoint(URL, ControlOptions(), {}, start=1)
+    endpoint.seed(info, None)
+    assert endpoint.governor.limit == 5
+
+
+async def test_json_nested_past_the_recursion_limit_is_no_answer() -> None:
+    # Found: the decoder raises RecursionError, not ValueError, on "[[[[..." of 50 000
+    # brackets; it escaped _get_json and discover() (inside an ExceptionGroup). The string form
+    # of vllm_config (decoded by _maybe_json) had the same hole.
+    deep = httpx.Response(200, content=b"[" * 50_000)
+    info = await _discover({**VLLM_NO_DEV, "/server_info": deep, "/v1/loads": deep})
+    assert info.kind == "vllm" and info.model == "tiny"
+    facts = parse_vllm_server_info({"vllm_config": "[" * 50_000})  # read as the text form
+    assert facts is not None and facts.max_num_seqs is None and facts.max_model_len is None
+    assert parse_vllm_server_info("{" + '"a":{' * 50_000) is None
+
+
+async def test_a_probe_answer_in_an_odd_charset_or_encoding_is_read_as_utf8_or_skipped() -> None:
+    # Kept when probes moved from response.json() to a capped read: JSON is read as UTF-8
+    # whatever charset is named, and a body that fails its Content-Encoding tells nothing.
+    body = json.dumps(VLLM_MODELS).encode()
+    info = await _discover(
+        {
+            "/v1/models": httpx.Response(
+                200, content=body, headers={"content-type": "application/json; charset=rot13"}
+            ),
+            "/version": httpx.Response(
+                200, stream=httpx.ByteStream(b"{}"), headers={"content-encoding": "gzip"}
+            ),
+        }
+    )
+    assert info.model == "tiny" and info.version is None

@@ -210,3 +210,56 @@ def test_precheck_overflow_message_has_no_http():
         "prompt has 2300 tokens; model context is 2048", prompt_tokens=2300, context_length=2048
     )
     assert str(err) == "prompt has 2300 tokens; model context is 2048"
+
+
+# --- hostile error bodies (each found by tests/test_fuzz.py unless said otherwise) ---------------
+def test_json_nested_past_the_recursion_limit_is_a_plain_refusal():
+    # Found: json.loads raises RecursionError (not ValueError) on 50 000 "[", out of
+    # _server_message and so out of error_from_response.
+    error = error_from_response(httpx.Response(400, content=b"[" * 50_000))
+    assert type(error) is RequestRefused and error.status == 400
+    assert len(error.body) == 4000
+
+
+def test_a_count_of_thousands_of_digits_is_no_count():
+    # Found: int() of more than 4300 digits raises ValueError from context_overflow_from_response.
+    message = f"This model's maximum context length is 2048 tokens. However, your prompt contains at least {'9' * 5000} input tokens"
+    overflow = context_overflow_from_response(400, _openai_error(message))
+    assert isinstance(overflow, ContextOverflow)
+    assert overflow.context_length == 2048 and overflow.prompt_tokens is None
+
+
+@pytest.mark.parametrize("charset", ["rot13", "hex", "idna", "utf-16", "no-such-codec"])
+def test_a_charset_no_decoder_takes_is_ignored(charset):
+    # Found: response.text follows the charset, and rot13 raised TypeError, hex AssertionError,
+    # idna and utf-16 UnicodeError. JSON is UTF-8 (RFC 8259); so are error messages read here.
+    response = httpx.Response(
+        503,
+        content=_openai_error("The engine is currently busy").encode(),
+        headers={"content-type": f"application/json; charset={charset}"},
+    )
+    error = error_from_response(response)
+    assert isinstance(error, Overloaded) and error.message == "The engine is currently busy"
+
+
+def test_only_a_bounded_prefix_of_an_error_body_is_looked_at():
+    from dsclient._exceptions import ERROR_BODY_BYTES
+
+    long_message = "x" * 30_000  # the body is under ERROR_BODY_BYTES: its message is read, cut
+    error = error_from_response(httpx.Response(500, json={"error": {"message": long_message}}))
+    assert len(error.message) == 4000 and len(error.body) == 4000 and len(str(error)) < 4100
+    # Over it, the body is cut before parsing: no JSON left, the message is the text's start.
+    error = error_from_response(httpx.Response(500, json={"error": {"message": "x" * 100_000}}))
+    assert error.message.startswith('{"error":') and len(error.message) == 500
+    # What error_from_response is given to read is cut to ERROR_BODY_BYTES before parsing.
+    error = error_from_response(httpx.Response(500), b"y" * (ERROR_BODY_BYTES * 4))
+    assert error.body == "y" * 4000
+
+
+def test_redact_takes_a_secret_out_of_message_and_body():
+    from dsclient._exceptions import redact
+
+    error = RequestRefused(401, body="Authorization: Bearer sk-1234567")
+    redact(error, "sk-1234567")
+    assert "sk-1234567" not in f"{error} {error!r} {error.body} {error.message}"
+    assert error.body == "Authorization: Bearer ***"

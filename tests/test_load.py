@@ -529,3 +529,25 @@ def test_pathological_label_values_do_not_backtrack():
     nasty = 'm{a="' + '\\"' * 5000 + "}" * 5000 + " 1\n"  # never closed
     nasty += "m{" + 'a="b",' * 5000 + "} 1\n"
     assert len(parse_prometheus(nasty)["m"]) == 1
+
+
+# --- hostile scrapes (found by tests/test_fuzz.py unless said otherwise) --------------------------
+def test_two_series_of_1e308_do_not_overflow_the_sum():
+    # Found: math.fsum raised OverflowError ("intermediate overflow in fsum") on two data-parallel
+    # series of 1e308, out of parse_load and the poller.
+    text = "\n".join(
+        f'{name}{{engine="{e}"}} 1e308'
+        for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total")
+        for e in (0, 1)
+    )
+    load = parse_load(text + "\nvllm:num_requests_waiting 0\n")
+    assert load is not None
+    assert load.running is None and load.waiting == 0
+    assert load.preemptions is None and load.kv_usage == 1.0
+
+
+def test_a_count_no_float_holds_exactly_is_dropped():
+    # Not a crash: a running count of 1e308 was passed on as a batch size to learn, and the
+    # limit's ceiling (four times the batch) became 7e308.
+    load = parse_load("vllm:num_requests_running 1e300\nvllm:num_requests_waiting 9007199254740992\n")
+    assert load is not None and load.running is None and load.waiting == 2**53

@@ -3,13 +3,14 @@ one retry-budget token per retry that happens."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import anyio
 import httpx
 import pytest
 
-from dsclient import AsyncClient, Overloaded, RequestRefused, Retry
+from dsclient import AsyncClient, MalformedResponse, Overloaded, RequestRefused, Retry
 
 from .fakes import FakeServer, completion_body
 
@@ -190,3 +191,87 @@ async def test_load_refusals_are_not_charged_to_the_budget_under_an_adaptive_lim
         assert result.attempts == 3
         assert len(client._budget._retries) == tokens
         assert client.limit == (3 if adaptive else 5)  # one cut per cooldown (1 s)
+
+
+# --- hostile answers (each found by tests/test_fuzz.py) ------------------------------------------
+@pytest.mark.parametrize(
+    ("response", "match"),
+    [
+        # httpx.DecodingError, not a TransportError, went through untyped.
+        (
+            lambda: httpx.Response(
+                200, headers={"content-encoding": "gzip"}, stream=httpx.ByteStream(b"{}")
+            ),
+            "could not be decoded",
+        ),
+        # json.loads raised RecursionError, not ValueError, on 50 000 "[".
+        (lambda: httpx.Response(200, content=b"[" * 50_000), "not JSON"),
+        # MalformedResponse(body=response.text) raised TypeError for charset=rot13.
+        (
+            lambda: httpx.Response(
+                200, content=b"oops", headers={"content-type": "text/plain; charset=rot13"}
+            ),
+            "not JSON",
+        ),
+    ],
+    ids=["bad-gzip", "deep-json", "rot13-charset"],
+)
+async def test_an_answer_that_cannot_be_read_is_malformed_and_not_retried(response, match):
+    fake = FakeServer(script=[lambda _: response()])
+    async with make_client(fake, SlotWatchingSleep()) as client:
+        with pytest.raises(MalformedResponse, match=match) as info:
+            await client.generate("x", max_tokens=1)
+        assert info.value.attempts == 1 and len(fake.requests) == 1
+        assert client.in_flight == 0
+
+
+async def test_an_error_body_in_an_odd_charset_is_still_a_refusal():
+    # Found: error_from_response read response.text, which raised AssertionError for charset=hex.
+    fake = FakeServer(
+        script=[
+            httpx.Response(
+                400, content=b'{"error": {"message": "no"}}', headers={"content-type": "text/x; charset=hex"}
+            )
+        ]
+    )
+    async with make_client(fake, SlotWatchingSleep()) as client:
+        with pytest.raises(RequestRefused, match="HTTP 400: no"):
+            await client.generate("x", max_tokens=1)
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"choices": 5},  # TypeError: 'int' object is not subscriptable
+        {"choices": ["x"]},  # AttributeError: 'str' object has no attribute 'get'
+        {"choices": [{"delta": "x"}]},  # AttributeError on the delta
+        {"choices": [{"text": "a", "finish_reason": []}]},  # a finish reason that is no string
+        {"choices": [{"text": 5}]},  # str(5) was passed off as text
+    ],
+)
+async def test_a_stream_chunk_of_the_wrong_shape_is_malformed(event):
+    fake = FakeServer(
+        script=[
+            httpx.Response(
+                200,
+                headers={"content-type": "text/event-stream"},
+                text=f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n",
+            )
+        ]
+    )
+    async with make_client(fake, SlotWatchingSleep()) as client:
+        with pytest.raises(MalformedResponse, match="stream event"):
+            async with client.stream("x", max_tokens=2) as s:
+                async for _ in s:
+                    pass
+        assert client.in_flight == 0
+
+
+async def test_a_stream_event_nested_past_the_recursion_limit_is_malformed():
+    # Found: RecursionError out of the stream's JSON decoding.
+    fake = FakeServer(script=[httpx.Response(200, text="data: " + "[" * 50_000 + "\n\n")])
+    async with make_client(fake, SlotWatchingSleep()) as client:
+        with pytest.raises(MalformedResponse, match="not JSON"):
+            async with client.stream("x", max_tokens=2) as s:
+                async for _ in s:
+                    pass

@@ -121,3 +121,38 @@ def test_budget_bounds_retries_to_a_share_of_requests():
 def test_retry_config_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         Retry(**kwargs)
+
+
+# --- hostile Retry-After values (found by tests/test_fuzz.py unless said otherwise) ---------------
+@pytest.mark.parametrize(
+    "header",
+    [
+        "Mon, 01 Jan 99999999999999999999 00:00:00 GMT",  # OverflowError: int too large for C long
+        "Mon, 01 Jan 2024 00:00:00 +99999999999999999999999",  # OverflowError in the zone offset
+        "Mon, 01 Jan 2147483648 00:00:00 GMT",  # OverflowError: signed integer > maximum
+        "Mon, 01 Jan 10000 00:00:00 GMT",  # ValueError: year out of range (caught before)
+    ],
+)
+def test_retry_after_dates_out_of_range_are_no_hint(header):
+    assert parse_retry_after(None, header) is None
+
+
+@pytest.mark.parametrize(
+    ("hint", "expected"),
+    [(float("inf"), 8.0), (1e300, 8.0), (-float("inf"), 0.0), (-5.0, 0.0), (8.0, 8.0)],
+)
+def test_a_hint_never_waits_past_the_cap_or_below_zero(hint, expected):
+    assert compute_backoff(3, base=0.5, cap=8.0, retry_after=hint) == expected
+
+
+def test_a_nan_hint_is_no_hint():
+    # min(cap, nan) happened to give the cap; a NaN hint now falls back to the jittered backoff.
+    wait = compute_backoff(1, base=0.5, cap=8.0, retry_after=float("nan"), rng=random.Random(0))
+    assert 0.0 <= wait <= 0.5
+
+
+@pytest.mark.parametrize("cap", [float("inf"), float("nan")])
+def test_the_cap_must_be_finite(cap):
+    # Retry(cap=inf) was accepted, and then a server's Retry-After could park a call for a year.
+    with pytest.raises(ValueError, match="Retry.cap"):
+        Retry(cap=cap)
