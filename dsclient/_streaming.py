@@ -60,7 +60,8 @@ async def read_body(
         TransportError: the connection failed while reading.
     """
     declared = response.headers.get("content-length", "")
-    if declared.isdigit() and (len(declared) > 15 or int(declared) > limit):
+    # isascii: "²".isdigit() is true too, and int("²") raises ValueError.
+    if declared.isascii() and declared.isdigit() and (len(declared) > 15 or int(declared) > limit):
         raise ResponseTooLarge(f"{what} (Content-Length: {declared[:20]})", limit=limit)
     buffer = bytearray()
     try:

@@ -12,6 +12,7 @@ for the results file.
 from __future__ import annotations
 
 import email.utils
+import io
 import itertools
 import json
 import math
@@ -22,6 +23,7 @@ from typing import Any
 
 import anyio
 import httpx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -731,9 +733,12 @@ encodings = st.sampled_from([None, None, "gzip", "deflate", "identity", "br", "x
     encodings,
     st.sampled_from([200, 200, 201, 204, 299, 400, 429, 503]),
     st.none() | charsets,
+    st.none() | st.sampled_from([b"\xb2", b"-1", b"abc", b"9" * 30, b"0", b"10", b" 5"]),
 )
-def test_any_answer_is_a_result_or_a_typed_error(body, call, encoding, status, charset):
+def test_any_answer_is_a_result_or_a_typed_error(body, call, encoding, status, charset, length):
     headers = {"content-encoding": encoding} if encoding else {}
+    if length is not None:
+        headers["content-length"] = length
     if charset:
         headers["content-type"] = f"application/json; charset={charset}"
     # A stream, not content=: httpx would decode content= (gzip) when the test builds it.
@@ -915,3 +920,77 @@ def test_a_success_line_with_odd_fields_still_rebuilds(tmp_path):
     raw = result._raw_data
     assert raw["choices"][0]["text"] == "hello"
     assert (raw["id"], raw["created"], raw["model"]) == ("resumed-a", 0, "")
+
+
+# -- found in files this change does not own: pinned until fixed there ----------------------------
+# Each is strict: once fixed, the test passes, xfail reports it, and the marker comes off.
+@pytest.mark.xfail(
+    strict=True,
+    raises=RecursionError,
+    reason="dsclient/_cli_map.py read_requests catches ValueError only around json.loads",
+)
+def test_an_input_line_nested_past_the_recursion_limit_is_an_invalid_item():
+    from dsclient._batch import InvalidItem
+    from dsclient._cli_map import read_requests
+
+    items = list(read_requests(io.StringIO("[" * 50_000 + "\n"), drop_model=False, report=print))
+    assert len(items) == 1 and isinstance(items[0], InvalidItem)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="dsclient/_cli_map.py BatchRecords: identify() takes any dict body as a success, and "
+    "rebuild() then raises KeyError / TypeError / pydantic ValidationError on resume",
+)
+@pytest.mark.parametrize(
+    "body",
+    [{"choices": [{}]}, {"choices": "x"}, {"choices": [{"text": 5}]}, {"usage": 5}],
+    ids=["no-text", "choices-str", "text-int", "usage-int"],
+)
+def test_a_batch_output_line_of_an_odd_shape_is_redone_or_rebuilt(body):
+    from dsclient._cli_map import BATCH_RECORDS
+
+    record = {"custom_id": "a", "error": None, "response": {"status_code": 200, "body": body}}
+    found = BATCH_RECORDS.identify(record)
+    if found is not None and found[1]:
+        assert isinstance(BATCH_RECORDS.rebuild(record, 0).text, str)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RecursionError,
+    reason="dsclient/_cli_map.py BatchRecords.encode catches ValueError only around "
+    "json.loads(error.body); a refusal's body of 4000 '[' raises RecursionError",
+)
+def test_a_refusal_body_nested_past_the_recursion_limit_is_written_as_text():
+    from dsclient._cli_map import BATCH_RECORDS
+
+    failure = Failure(index=0, id="a", error=RequestRefused(500, "[" * 4000))
+    line = BATCH_RECORDS.encode(0, "a", failure)
+    assert line["response"]["body"] == "[" * 4000
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="dsclient/_tokens.py count_exact reads response.text (follows the charset) and "
+    "response.json() (RecursionError), and reads the whole body",
+)
+@pytest.mark.parametrize(
+    "response",
+    [
+        lambda: httpx.Response(
+            400, content=b"x", headers={"content-type": "text/x; charset=rot13"}
+        ),
+        lambda: httpx.Response(200, content=b"[" * 50_000),
+    ],
+    ids=["rot13-charset", "deep-json"],
+)
+def test_a_hostile_tokenize_answer_is_no_count(response):
+    from dsclient._tokens import count_exact
+
+    async def main() -> int | None:
+        transport = httpx.MockTransport(lambda _: response())
+        async with httpx.AsyncClient(transport=transport) as http:
+            return await count_exact(http, "http://x", model=None, prompt="hi", timeout=5.0)
+
+    assert run(main) is None
