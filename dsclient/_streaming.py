@@ -63,16 +63,18 @@ async def read_body(
     # isascii: "²".isdigit() is true too, and int("²") raises ValueError.
     if declared.isascii() and declared.isdigit() and (len(declared) > 15 or int(declared) > limit):
         raise ResponseTooLarge(f"{what} (Content-Length: {declared[:20]})", limit=limit)
-    buffer = bytearray()
+    chunks: list[bytes] = []
+    size = 0
     try:
         async for chunk in response.aiter_bytes():
-            if len(buffer) + len(chunk) > limit:
-                head = decode_text(bytes(buffer[:2000]))
+            size += len(chunk)
+            if size > limit:
+                head = decode_text((chunks[0] if chunks else chunk)[:2000])
                 raise ResponseTooLarge(what, limit=limit, body=head)
-            buffer += chunk
+            chunks.append(chunk)
     except httpx.RequestError as exc:
         raise translate_request_error(exc) from exc
-    return bytes(buffer)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)  # one chunk: no copy
 
 
 async def read_prefix(response: httpx.Response, limit: int = ERROR_BODY_BYTES) -> bytes:
