@@ -334,6 +334,17 @@ async def test_a_server_that_refuses_forever_sees_a_bounded_number_of_tries(stat
     assert len(sleep.delays) == 2 * (tries - 1)
 
 
+@pytest.mark.anyio
+async def test_a_stream_that_is_refused_forever_sees_a_bounded_number_of_tries():
+    fake = FakeServer(script=[httpx.Response(503, text="busy")])
+    async with client_for(fake) as client:
+        with pytest.raises(Overloaded) as info:
+            async with client.stream("x", max_tokens=1):
+                pass
+        assert client.in_flight == 0
+    assert len(fake.requests) == info.value.attempts == Retry().overload_attempts
+
+
 # -- TLS ---------------------------------------------------------------------------------------
 def _ssl_context(http: httpx.AsyncClient) -> ssl.SSLContext:
     # httpx keeps the context on its connection pool; no connection is made to read it.
