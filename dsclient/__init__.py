@@ -17,11 +17,13 @@ from ._exceptions import (
     MalformedResponse,
     Overloaded,
     RequestRefused,
+    ResponseTooLarge,
     ServerError,
     TimeoutError,
     TransportError,
 )
 from ._governor import GovernorStats, LaneStats
+from ._health import Reachability
 from ._models import ChatResult, CompletionResult, Failure, Result, Usage
 from ._retry import Retry, compute_backoff
 from ._sync import Client, SyncStream
@@ -44,7 +46,9 @@ __all__ = [
     "LaneStats",
     "MalformedResponse",
     "Overloaded",
+    "Reachability",
     "RequestRefused",
+    "ResponseTooLarge",
     "Result",
     "Retry",
     "ServerError",

@@ -629,7 +629,7 @@ class Bench:
     async def request(self, request: BenchRequest) -> RequestSample:
         """Send one streamed request and time it."""
         from ._exceptions import MalformedResponse
-        from ._streaming import delta_of, iter_sse_data
+        from ._streaming import delta_of, sse_events
 
         body = {
             **request.body,
@@ -655,7 +655,7 @@ class Bench:
                 if response.status_code != 200:
                     text = (await response.aread()).decode("utf-8", "replace")
                     return failed(f"HTTP {response.status_code}", _one_line(text))
-                async for event in iter_sse_data(response.aiter_lines()):
+                async for event in sse_events(response):
                     now = clock()
                     text, _ = delta_of(event)
                     if text:

@@ -24,7 +24,6 @@ Output lines follow OpenAI's batch output::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -39,7 +38,7 @@ import httpx
 
 from ._batch import InvalidItem, Outcome, _Options, _run_direct
 from ._client import USE_DEFAULT, AsyncClient
-from ._exceptions import DSClientError, RequestRefused
+from ._exceptions import DSClientError, RequestRefused, parse_json
 from ._jsonl import JsonlStore, derive_id, explicit_id
 from ._models import ChatResult, CompletionResult, Failure, Result, Usage
 
@@ -66,7 +65,7 @@ class BatchRecords:
             response = None
             if isinstance(error, RequestRefused):
                 try:
-                    body: Any = json.loads(error.body)
+                    body: Any = parse_json(error.body)
                 except ValueError:
                     body = error.body
                 response = {"status_code": error.status, "request_id": "", "body": body}
@@ -93,22 +92,23 @@ class BatchRecords:
             record.get("error") is None
             and isinstance(response, dict)
             and response.get("status_code") == 200
-            and isinstance(response.get("body"), dict)
+            and _is_result_body(response.get("body"))
         )
         return cid, ok
 
     def rebuild(self, record: Mapping[str, Any], index: int) -> Result:
-        body = record["response"]["body"]
-        choice = (body.get("choices") or [{}])[0]
+        body = record["response"]["body"]  # identify() checked its shape
+        choice = body["choices"][0]
         chat = "message" in choice
-        usage = body.get("usage") or {}
+        usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+        finish = choice.get("finish_reason")
         cls = ChatResult if chat else CompletionResult
         result = cls(
-            text=((choice.get("message") or {}).get("content") or "") if chat else choice["text"],
-            finish_reason=choice.get("finish_reason"),
+            text=(choice["message"].get("content") or "") if chat else choice["text"],
+            finish_reason=finish if isinstance(finish, str) else None,
             usage=Usage(
-                prompt_tokens=usage.get("prompt_tokens") or 0,
-                completion_tokens=usage.get("completion_tokens") or 0,
+                prompt_tokens=_count(usage.get("prompt_tokens")),
+                completion_tokens=_count(usage.get("completion_tokens")),
             ),
             latency_s=0.0,  # not in OpenAI's shape
             index=index,
@@ -118,6 +118,22 @@ class BatchRecords:
 
 
 BATCH_RECORDS = BatchRecords()
+
+
+def _is_result_body(body: Any) -> bool:
+    """Whether a stored answer has the text rebuild() needs (else the item is run again)."""
+    choices = body.get("choices") if isinstance(body, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return False
+    choice = choices[0]
+    if "message" in choice:
+        message = choice["message"]
+        return isinstance(message, dict) and isinstance(message.get("content") or "", str)
+    return isinstance(choice.get("text"), str)
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 # -- input ---------------------------------------------------------------------------------------
@@ -173,7 +189,7 @@ def read_requests(
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = parse_json(line)
         except ValueError as exc:
             error: Exception = ValueError(f"{name} line {lineno}: not valid JSON ({exc})")
             report(str(error))

@@ -31,11 +31,12 @@ from ._discovery import DEFAULT_MAX_NUM_SEQS, ServerInfo, discover
 from ._endpoint import ControlOptions, Endpoint, fetch_load
 from ._exceptions import DSClientError, MalformedResponse, TimeoutError, translate_transport_error
 from ._governor import GovernorStats, choose_lane, compute_limit, default_long_threshold
+from ._health import Reachability
 from ._models import ChatResult, CompletionResult, Failure, Result, Usage
 from ._observe import CallRecord, Observer
 from ._pipeline import RequestPath, outcome_of
 from ._retry import Retry, RetryBudget
-from ._streaming import delta_of, iter_sse_data
+from ._streaming import MAX_BODY_BYTES, delta_of, sse_events
 from ._tokens import (
     CALIBRATION_TEXT,
     TokenCounter,
@@ -226,6 +227,11 @@ class AsyncClient:
         model: the model to ask for; ``None`` takes the server's only model.
         api_key: bearer token; falls back to ``DSCLIENT_API_KEY``, then ``OPENAI_API_KEY``.
         timeout: seconds for a whole call, waiting for a slot and retries included.
+        outage_wait: seconds calls wait, on the client, for a server that stopped answering
+            (killed, restarting) before they fail with :class:`dsclient.ConnectionError`
+            (default 300; ``None``: only ``timeout`` bounds the wait).
+        max_response_bytes: the largest answer (or stream line) read; a longer one fails with
+            :class:`dsclient.ResponseTooLarge` (default 16 MiB: a completion is kilobytes).
         retry: the retry policy (:class:`dsclient.Retry`); ``Retry(attempts=1)`` turns it off.
         transport: any ``httpx.AsyncBaseTransport`` (tests pass ``httpx.MockTransport``).
         max_num_seqs: the server's batch size, if you know it better than discovery.
@@ -265,6 +271,8 @@ class AsyncClient:
         model: str | None = None,
         api_key: str | None = None,
         timeout: float | None = 600.0,
+        outage_wait: float | None = 300.0,
+        max_response_bytes: int = MAX_BODY_BYTES,
         retry: Retry | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         max_num_seqs: int | None = None,
@@ -329,6 +337,14 @@ class AsyncClient:
             raise ValueError(
                 f"scrape_interval must be between 0.05 and 60 seconds, got {scrape_interval!r}"
             )
+        if outage_wait is not None and not (
+            isinstance(outage_wait, (int, float))
+            and not isinstance(outage_wait, bool)
+            and outage_wait > 0
+        ):
+            raise ValueError(
+                f"outage_wait must be a positive number of seconds or None, got {outage_wait!r}"
+            )
         key = api_key or os.environ.get("DSCLIENT_API_KEY") or os.environ.get("OPENAI_API_KEY")
         self._api_key = _Secret(key) if key else None
         self._model = model
@@ -392,6 +408,8 @@ class AsyncClient:
             self._budget,
             sleep=sleep or anyio.sleep,
             rng=rng or random.Random(),
+            max_body_bytes=max_response_bytes,
+            outage_wait=outage_wait,
         )
         self._observers: list[Observer] = []
         self._discover_lock = anyio.Lock()
@@ -485,6 +503,12 @@ class AsyncClient:
     @property
     def in_flight(self) -> int:
         return self._endpoint.governor.in_flight
+
+    @property
+    def reachability(self) -> Reachability:
+        """Whether the server answers: ``down``, ``outages``, ``last_outage_s`` (see
+        ``docs/robustness.md``). While it is down, calls wait here for it."""
+        return self._path.reach
 
     def stats(self) -> GovernorStats:
         """Per-lane in flight, waiting, done, failed and latency percentiles, and ``control``:
@@ -993,7 +1017,7 @@ class Stream:
             ) from exc
         self.lane, self.max_tokens, self.attempts = plan.lane, plan.max_tokens, attempts
         self._response, self._slot = response, slot
-        self._events = iter_sse_data(response.aiter_lines())
+        self._events = sse_events(response, limit=client._path.max_body_bytes)
         return self
 
     def __aiter__(self) -> AsyncIterator[str]:

@@ -24,6 +24,8 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
+from ._exceptions import ConnectionError
+
 __all__ = ["Reachability"]
 
 logger = logging.getLogger("dsclient")
@@ -38,6 +40,8 @@ class Reachability:
         sleep, rng, clock: injectable for tests.
         first, cap: the probe's backoff, in seconds (full jitter on each wait).
         label: how log lines name the server (its URL).
+        max_wait: seconds of probing in one outage before calls stop waiting (``None``: only
+            the calls' own timeouts bound the wait).
     """
 
     def __init__(
@@ -50,9 +54,13 @@ class Reachability:
         first: float = 0.25,
         cap: float = 2.0,
         label: str = "server",
+        max_wait: float | None = 300.0,
     ) -> None:
         if not 0 < first <= cap:
             raise ValueError(f"need 0 < first <= cap, got first={first!r}, cap={cap!r}")
+        if max_wait is not None and not max_wait > 0:
+            raise ValueError(f"max_wait must be > 0 seconds or None, got {max_wait!r}")
+        self.max_wait = max_wait
         self._probe = probe
         self._sleep = sleep
         self._rng = rng or random.Random()
@@ -66,6 +74,7 @@ class Reachability:
         self.probes = 0  #: probes sent, over all outages
         self.last_outage_s: float | None = None  #: how long the last outage lasted
         self._probing = False
+        self._waited = 0.0  # seconds slept between probes in this outage
         self._changed: anyio.Event | None = None  # made by the first waiter (needs a loop)
 
     def __repr__(self) -> str:
@@ -78,6 +87,7 @@ class Reachability:
             return
         self.down = True
         self.down_since = self._clock()
+        self._waited = 0.0
         self.outages += 1
         logger.warning(
             "dsclient: %s does not answer (%s); calls wait for it (each within its timeout)",
@@ -103,10 +113,27 @@ class Reachability:
         if event is not None:
             event.set()
 
+    @property
+    def given_up(self) -> bool:
+        """Down for longer than ``max_wait`` of probing: calls no longer wait for it."""
+        return self.down and self.max_wait is not None and self._waited >= self.max_wait
+
+    def _gone(self) -> ConnectionError:
+        return ConnectionError(
+            f"{self.label} has not answered for {self._waited:.0f} s (max_wait {self.max_wait:g} s)"
+        )
+
     async def wait_up(self) -> None:
         """Return at once while the server is up; else wait (probing, if nobody else is) until
-        it is. Cancellation (the call's timeout) is the only way out while it stays down."""
+        it is. Raises :class:`~dsclient.ConnectionError` once the server is given up on and a
+        fresh probe finds it still down."""
         while self.down:
+            if self.given_up:
+                self.probes += 1
+                if await self._probe():
+                    self.mark_up()
+                    return
+                raise self._gone()
             if self._probing:
                 if self._changed is None:
                     self._changed = anyio.Event()
@@ -118,15 +145,23 @@ class Reachability:
         self._probing = True
         try:
             attempt = 0
-            while self.down:
+            while self.down and not self.given_up:
                 self.probes += 1
                 if await self._probe():
                     self.mark_up()
                     return
                 attempt += 1
                 ceiling = min(self.cap, self.first * math.pow(2, attempt - 1))
-                await self._sleep(self._rng.uniform(ceiling / 2, ceiling))
+                delay = self._rng.uniform(ceiling / 2, ceiling)
+                await self._sleep(delay)
+                self._waited += delay
+            if self.given_up:
+                logger.warning(
+                    "dsclient: %s has not answered for %.0f s; calls fail until it does",
+                    self.label,
+                    self._waited,
+                )
         finally:
             self._probing = False
             if self.down:
-                self._fire()  # cancelled while probing: the next waiting call takes over
+                self._fire()  # cancelled, or given up: the waiting calls look again

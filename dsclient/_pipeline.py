@@ -18,6 +18,11 @@ queue moving back to the client, as intended. A server that refuses everything s
 bounded number of tries per call, paced by backoff and by a limit that keeps shrinking towards 1.
 (vLLM's ``--max-num-queued-reqs`` answers 503 the moment its queue is full; charging those to
 the budget, or giving them four tries, lost requests in a burst.)
+
+A server that stops answering (a connection fails or drops) is marked down in :attr:`reach`;
+every attempt first waits at that gate, so calls wait on the client while one of them probes
+``/health`` (:class:`~dsclient._health.Reachability`), instead of spending attempts and the
+budget on a dead server. Any answer opens the gate again.
 """
 
 from __future__ import annotations
@@ -31,12 +36,14 @@ import httpx
 import tenacity
 
 from ._exceptions import (
+    ConnectionError,
     DSClientError,
     Overloaded,
     error_from_response,
     redact,
     translate_request_error,
 )
+from ._health import Reachability
 from ._retry import Retry, RetryBudget, compute_backoff, describe, is_retryable, retry_after_of
 from ._streaming import MAX_BODY_BYTES, read_json, read_prefix
 
@@ -67,6 +74,8 @@ class RequestPath:
         max_body_bytes: the most bytes of an answer read (default :data:`MAX_BODY_BYTES`,
             16 MiB); a longer one ends the call in ``ResponseTooLarge``, unread and not retried.
             Streams apply it to each line and event (:func:`~dsclient._streaming.sse_events`).
+        outage_wait: seconds calls wait for a server that stopped answering (see
+            :class:`~dsclient._health.Reachability`); ``None``: only their own timeouts.
     """
 
     def __init__(
@@ -79,6 +88,7 @@ class RequestPath:
         sleep: Callable[[float], Awaitable[None]],
         rng: random.Random,
         max_body_bytes: int = MAX_BODY_BYTES,
+        outage_wait: float | None = 300.0,
     ) -> None:
         if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int):
             raise TypeError(f"max_body_bytes must be an int, got {type(max_body_bytes).__name__}")
@@ -91,6 +101,19 @@ class RequestPath:
         self._budget = budget
         self._sleep = sleep
         self._rng = rng
+        #: Whether the server answers at all; attempts wait at its gate while it does not.
+        self.reach = Reachability(
+            self._probe_health, sleep=sleep, rng=rng, label=endpoint.url, max_wait=outage_wait
+        )
+
+    async def _probe_health(self) -> bool:
+        """Whether the server answers again: any answer to ``GET /health`` but a 5xx (a server
+        without the route answers 404, which is an answer)."""
+        try:
+            response = await self._http.get(self._endpoint.url + "/health", timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code < 500
 
     # -- one attempt -----------------------------------------------------------------------------
     async def _post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -128,6 +151,12 @@ class RequestPath:
             raise error
         return response
 
+    def _unreachable(self, exc: DSClientError) -> None:
+        """A connection that failed or dropped: the server may be gone; later attempts wait at
+        the gate until a probe says it answers (at once, if it does)."""
+        if isinstance(exc, ConnectionError):
+            self.reach.mark_down(str(exc))
+
     def _redact(self, exc: DSClientError) -> None:
         """Keep the API key out of an error whose text came from the server (an echo of the
         request's headers): the errors end up in logs and in results files."""
@@ -149,13 +178,17 @@ class RequestPath:
 
         async def attempt() -> dict[str, Any]:
             nonlocal queued
+            await self.reach.wait_up()
             async with governor.slot(lane=lane, urgency=urgency, group=group) as slot:
                 queued += slot.queued_s
                 try:
-                    return await self._post_json(path, body)
+                    data = await self._post_json(path, body)
                 except DSClientError as exc:
                     slot.set_outcome(outcome_of(exc))
+                    self._unreachable(exc)
                     raise
+            self.reach.mark_up()
+            return data
 
         self._endpoint.wake()
         data, attempts = await self._with_retries(attempt, path)
@@ -174,6 +207,7 @@ class RequestPath:
 
         async def attempt() -> tuple[httpx.Response, Slot]:
             nonlocal queued
+            await self.reach.wait_up()
             slot = governor.slot(lane=lane, urgency=urgency, group=group)
             await slot.__aenter__()
             queued += slot.queued_s
@@ -182,8 +216,10 @@ class RequestPath:
             except BaseException as exc:
                 if isinstance(exc, DSClientError):
                     slot.set_outcome(outcome_of(exc))
+                    self._unreachable(exc)
                 await slot.__aexit__(type(exc), exc, exc.__traceback__)
                 raise
+            self.reach.mark_up()
             return response, slot
 
         self._endpoint.wake()

@@ -42,7 +42,14 @@ from typing import Any
 
 import httpx
 
-from ._exceptions import ContextOverflow, context_overflow_from_response
+from ._exceptions import (
+    ContextOverflow,
+    DSClientError,
+    context_overflow_from_response,
+    decode_text,
+    parse_json,
+)
+from ._streaming import MAX_BODY_BYTES, read_body, read_prefix
 
 __all__ = [
     "BYTES_PER_TOKEN",
@@ -584,21 +591,28 @@ async def count_exact(
         body["prompt"] = prompt
     else:
         body["messages"] = messages
+    request = http.build_request("POST", url.rstrip("/") + "/tokenize", json=body, timeout=timeout)
     try:
-        response = await http.post(url.rstrip("/") + "/tokenize", json=body, timeout=timeout)
+        response = await http.send(request, stream=True)
     except httpx.HTTPError as exc:
         logger.debug("dsclient: /tokenize failed: %r", exc)
         return None
-    if response.status_code != 200:
-        overflow = context_overflow_from_response(response.status_code, response.text)
-        if overflow is not None:
-            raise overflow
-        logger.debug("dsclient: /tokenize answered HTTP %d", response.status_code)
-        return None
     try:
-        data = response.json()
-    except ValueError:
+        if response.status_code != 200:
+            text = decode_text(await read_prefix(response))
+            overflow = context_overflow_from_response(response.status_code, text)
+            if overflow is not None:
+                raise overflow
+            logger.debug("dsclient: /tokenize answered HTTP %d", response.status_code)
+            return None
+        data = parse_json(await read_body(response, limit=MAX_BODY_BYTES))
+    except (DSClientError, ValueError, httpx.HTTPError) as exc:
+        if isinstance(exc, ContextOverflow):
+            raise
+        logger.debug("dsclient: /tokenize gave nothing usable: %r", exc)
         return None
+    finally:
+        await response.aclose()
     count = data.get("count") if isinstance(data, dict) else None
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         tokens = data.get("tokens") if isinstance(data, dict) else None

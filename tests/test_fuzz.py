@@ -922,13 +922,7 @@ def test_a_success_line_with_odd_fields_still_rebuilds(tmp_path):
     assert (raw["id"], raw["created"], raw["model"]) == ("resumed-a", 0, "")
 
 
-# -- found in files this change does not own: pinned until fixed there ----------------------------
-# Each is strict: once fixed, the test passes, xfail reports it, and the marker comes off.
-@pytest.mark.xfail(
-    strict=True,
-    raises=RecursionError,
-    reason="dsclient/_cli_map.py read_requests catches ValueError only around json.loads",
-)
+# -- found in _cli_map.py and _tokens.py by the fuzzing, fixed there -------------------------------
 def test_an_input_line_nested_past_the_recursion_limit_is_an_invalid_item():
     from dsclient._batch import InvalidItem
     from dsclient._cli_map import read_requests
@@ -937,11 +931,6 @@ def test_an_input_line_nested_past_the_recursion_limit_is_an_invalid_item():
     assert len(items) == 1 and isinstance(items[0], InvalidItem)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dsclient/_cli_map.py BatchRecords: identify() takes any dict body as a success, and "
-    "rebuild() then raises KeyError / TypeError / pydantic ValidationError on resume",
-)
 @pytest.mark.parametrize(
     "body",
     [{"choices": [{}]}, {"choices": "x"}, {"choices": [{"text": 5}]}, {"usage": 5}],
@@ -956,12 +945,6 @@ def test_a_batch_output_line_of_an_odd_shape_is_redone_or_rebuilt(body):
         assert isinstance(BATCH_RECORDS.rebuild(record, 0).text, str)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RecursionError,
-    reason="dsclient/_cli_map.py BatchRecords.encode catches ValueError only around "
-    "json.loads(error.body); a refusal's body of 4000 '[' raises RecursionError",
-)
 def test_a_refusal_body_nested_past_the_recursion_limit_is_written_as_text():
     from dsclient._cli_map import BATCH_RECORDS
 
@@ -970,11 +953,6 @@ def test_a_refusal_body_nested_past_the_recursion_limit_is_written_as_text():
     assert line["response"]["body"] == "[" * 4000
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dsclient/_tokens.py count_exact reads response.text (follows the charset) and "
-    "response.json() (RecursionError), and reads the whole body",
-)
 @pytest.mark.parametrize(
     "response",
     [

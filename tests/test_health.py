@@ -137,3 +137,34 @@ def test_construction_needs_no_event_loop():
     r = Reachability(Script([True]))
     r.mark_down("x")
     assert r.down
+
+
+async def test_past_max_wait_waiting_calls_fail_and_later_ones_probe_once():
+    probe = Script([False])
+    r, slept = reach(probe, first=1.0, cap=2.0, max_wait=10.0)
+    r.mark_down("refused")
+    errors: list[str] = []
+
+    async def call() -> None:
+        try:
+            await r.wait_up()
+        except Exception as exc:
+            errors.append(type(exc).__name__ + ": " + str(exc))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(call)
+    assert len(errors) == 3 and all(e.startswith("ConnectionError") for e in errors)
+    assert "has not answered for" in errors[0] and r.given_up
+    assert 10.0 <= sum(slept) < 12.0
+    calls = probe.calls
+    await call()  # a later call: one probe, then fails at once
+    assert probe.calls == calls + 1 and len(errors) == 4
+    probe.answers = [True]
+    await r.wait_up()  # the server is back: the next call's probe finds it
+    assert not r.down and not r.given_up
+
+
+def test_max_wait_must_be_positive():
+    with pytest.raises(ValueError, match="max_wait"):
+        Reachability(Script([True]), max_wait=0)

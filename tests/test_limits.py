@@ -207,13 +207,6 @@ async def test_a_stream_that_fails_to_decode_is_a_typed_error():
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the wiring in dsclient/_client.py: Stream.__aenter__ must read the events with "
-    "sse_events(response, limit=client._path.max_body_bytes) instead of "
-    "iter_sse_data(response.aiter_lines()), which buffers a whole line and lets "
-    "httpx.DecodingError through",
-)
 @pytest.mark.parametrize("case", ["long line", "bad gzip"])
 async def test_the_clients_stream_reads_under_the_cap_and_raises_typed_errors(case):
     if case == "long line":

@@ -17,6 +17,8 @@ EXPECTED = {
     "GovernorStats",
     "LaneStats",
     "MalformedResponse",
+    "Reachability",
+    "ResponseTooLarge",
     "Overloaded",
     "RequestRefused",
     "Result",
@@ -49,6 +51,7 @@ def test_exception_tree():
     assert issubclass(dsclient.RequestRefused, dsclient.ServerError)
     assert issubclass(dsclient.TimeoutError, dsclient.TransportError)
     assert issubclass(dsclient.ConnectionError, dsclient.TransportError)
+    assert issubclass(dsclient.ResponseTooLarge, dsclient.MalformedResponse)
     for name in ("ServerError", "TransportError", "MalformedResponse"):
         assert issubclass(getattr(dsclient, name), dsclient.DSClientError)
 
