@@ -1042,6 +1042,9 @@ class Stream:
                     raise TimeoutError(
                         f"stream did not finish within its timeout of {self._timeout} s"
                     ) from exc
+                except DSClientError as exc:
+                    self._client._path.redact_error(exc)  # the server may echo the key
+                    raise
                 delta, finish = delta_of(event)
                 if finish is not None:
                     self.finish_reason = finish

@@ -129,7 +129,7 @@ class RequestPath:
                 raise error_from_response(response, await read_prefix(response))
             return await read_json(response, limit=self.max_body_bytes)
         except DSClientError as exc:
-            self._redact(exc)
+            self.redact_error(exc)
             raise
         finally:
             await response.aclose()
@@ -147,7 +147,7 @@ class RequestPath:
             finally:
                 await response.aclose()
             error = error_from_response(response, prefix)
-            self._redact(error)
+            self.redact_error(error)
             raise error
         return response
 
@@ -157,7 +157,7 @@ class RequestPath:
         if isinstance(exc, ConnectionError):
             self.reach.mark_down(str(exc))
 
-    def _redact(self, exc: DSClientError) -> None:
+    def redact_error(self, exc: DSClientError) -> None:
         """Keep the API key out of an error whose text came from the server (an echo of the
         request's headers): the errors end up in logs and in results files."""
         scheme, _, token = self._http.headers.get("authorization", "").partition(" ")

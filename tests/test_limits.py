@@ -455,3 +455,25 @@ def test_the_sync_clients_repr_hides_the_key():
     with Client("http://127.0.0.1:8000", api_key=SECRET, transport=fake.transport) as client:
         text = repr(client)
     assert SECRET not in text and "api_key=***" in text
+
+
+@pytest.mark.anyio
+async def test_an_error_reported_mid_stream_does_not_carry_the_key():
+    # vLLM reports an error raised mid-stream as a data event; a server that echoes the
+    # request's headers there put the key into the error's text.
+    def answer(request: httpx.Request) -> httpx.Response:
+        event = json.dumps({"error": {"message": f"failed: {_echo(request)}"}})
+        first = json.dumps({"choices": [{"text": "a", "finish_reason": None}]})
+        body = f"data: {first}\n\ndata: {event}\n\n".encode()
+        return httpx.Response(200, stream=httpx.ByteStream(body))
+
+    fake = FakeServer(script=[answer])
+    async with client_for(fake, api_key=SECRET) as client:
+        with pytest.raises(MalformedResponse) as info:
+            async with client.stream("x", max_tokens=2) as s:
+                async for _ in s:
+                    pass
+    assert SECRET in fake.requests[-1].headers["authorization"]  # it was sent
+    error = info.value
+    assert "failed:" in str(error)
+    assert SECRET not in str(error) and SECRET not in getattr(error, "body", "")
