@@ -261,6 +261,34 @@ def vllm_processes() -> list[str]:
     return [line for line in done.stdout.splitlines() if line.strip()]
 
 
+@contextlib.contextmanager
+def tiny_vllm(
+    url: str | None, *, max_num_seqs: int, max_model_len: int, model_name: str = "tiny"
+) -> Iterator[str]:
+    """The server to benchmark: ``url`` as given, or the tiny random Llama launched through
+    ``dsclient.launcher`` for the block (once no other vLLM runs), served as ``model_name``."""
+    if url:
+        yield url.rstrip("/")
+        return
+    from dsclient.launcher import launch, make_tiny_model, resolve_server_python
+
+    wait_for_no_vllm()
+    install = resolve_server_python()
+    say(f"vLLM: {install.dist} {install.version} ({install.python})")
+    model = make_tiny_model(python=install.python)
+    server = launch(
+        model,
+        python=install.python,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        served_model_name=model_name,
+        dtype="float32",
+        progress=lambda m: say(f"[vllm] {m}"),
+    )
+    with server:
+        yield server.url
+
+
 def wait_for_no_vllm(timeout: float | None = None, every: float = 30.0) -> None:
     """Wait until no other vLLM runs (numbers on a shared 2-core machine would be meaningless).
 

@@ -56,7 +56,7 @@ from benchmarks._common import (
     sample_every,
     say,
     spread,
-    wait_for_no_vllm,
+    tiny_vllm,
     words,
     write_results,
 )
@@ -468,26 +468,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"unknown strategy {name!r}")
 
     started = time.monotonic()
-    if args.url:
-        payload = asyncio.run(bench(args.url.rstrip("/"), args))
-    else:
-        from dsclient.launcher import launch, make_tiny_model, resolve_server_python
-
-        wait_for_no_vllm()
-        install = resolve_server_python()
-        say(f"vLLM: {install.dist} {install.version} ({install.python})")
-        model = make_tiny_model(python=install.python)
-        server = launch(
-            model,
-            python=install.python,
-            max_num_seqs=MAX_NUM_SEQS,
-            max_model_len=MAX_MODEL_LEN,
-            served_model_name=MODEL,
-            dtype="float32",
-            progress=lambda m: say(f"[vllm] {m}"),
-        )
-        with server:
-            payload = asyncio.run(bench(server.url, args))
+    with tiny_vllm(args.url, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN) as url:
+        payload = asyncio.run(bench(url, args))
     payload.update(machine=machine(), args=vars(args), wall_s=round(time.monotonic() - started, 1))
     path = write_results("governor", payload)
     print(table(payload["runs"]))

@@ -44,7 +44,7 @@ from benchmarks._common import (
     machine,
     percentile,
     say,
-    wait_for_no_vllm,
+    tiny_vllm,
     words,
     write_results,
 )
@@ -310,26 +310,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--minutes must leave at least 3 windows after {WARM_UP_S:.0f} s of warm-up")
 
     started = time.monotonic()
-    if args.url:
-        payload = asyncio.run(soak(args.url.rstrip("/"), args))
-    else:
-        from dsclient.launcher import launch, make_tiny_model, resolve_server_python
-
-        wait_for_no_vllm()
-        install = resolve_server_python()
-        say(f"vLLM: {install.dist} {install.version} ({install.python})")
-        model = make_tiny_model(python=install.python)
-        server = launch(
-            model,
-            python=install.python,
-            max_num_seqs=MAX_NUM_SEQS,
-            max_model_len=MAX_MODEL_LEN,
-            served_model_name=MODEL,
-            dtype="float32",
-            progress=lambda m: say(f"[vllm] {m}"),
-        )
-        with server:
-            payload = asyncio.run(soak(server.url, args))
+    with tiny_vllm(args.url, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN) as url:
+        payload = asyncio.run(soak(url, args))
     payload.update(machine=machine(), args=vars(args), wall_s=round(time.monotonic() - started, 1))
     path = write_results(args.name, payload)
     print(table(payload))

@@ -1,31 +1,6 @@
-"""Start and stop a reference vLLM server, and tell dsclient's client what it started.
-
-Typical use::
-
-    from dsclient.launcher import launch
-
-    with launch("~/.cache/dsclient/models/tiny-llama", max_num_seqs=8, max_model_len=2048) as srv:
-        print(srv.url, srv.max_num_seqs)          # AsyncClient(srv) knows both
-
-    async with launch(model_dir, served_model_name="tiny") as srv:   # inside an event loop
-        ...
-
-:func:`launch` only *plans* (cheap, no process yet); the server starts when the ``with`` /
-``async with`` block is entered, or on :meth:`Server.start` / :meth:`Server.astart`. Either way
-the call returns once ``/health`` answers 200, and fails with the tail of the server's log if the
-server dies or does not get healthy in time. Leaving the block, an exception, Ctrl-C or the
-interpreter's exit stop the server's whole process group.
-
-vLLM runs in its own venv (see :func:`resolve_server_python`); ``dsclient install-server``
-creates one. While it runs, a launch record (``dsclient._records``) tells discovery its
-``max_num_seqs``, which no public vLLM route reports.
-
-Flags passed through to vLLM (``extra_args``) are checked with the installed vLLM's own argument
-parser before anything starts (``_argcheck``): :func:`plan_launch` does it at once, a
-:class:`Server` from :func:`launch` when it starts (in a worker thread under ``astart``), as the
-check imports vLLM (10 to 25 s on 2 cores) and :func:`launch` stays cheap. A refusal raises
-:class:`VllmFlagsError` with vLLM's message. The server binds loopback and keeps vLLM's
-development routes closed unless the caller asks (``host=``, ``dev_mode=True``).
+"""Plan, start and stop one vLLM: :func:`plan_launch` (cheap, no process), :func:`launch` and
+its handle :class:`Server` (starts on ``with`` / :meth:`Server.start`, healthy or an error with
+the log's tail; stops the whole process group). Use is shown in :mod:`dsclient.launcher`.
 """
 
 from __future__ import annotations
