@@ -501,7 +501,10 @@ async def test_thousands_of_cancelled_waiters_leak_nothing() -> None:
 
 async def test_random_timeouts_and_releases_leak_nothing() -> None:
     rng = random.Random(99)
-    governor = Governor(3, group_caps={"batch": 0.5})
+    # No idle borrowing: when the loop stalls for a second (a loaded machine), long requests may
+    # borrow idle short slots, and in-flight may then pass the limit by design (the module
+    # docstring); this test is about leaks under a strict limit. (peak 4 <= 3 failed twice so.)
+    governor = Governor(3, group_caps={"batch": 0.5}, long_idle_borrow=None)
     peak = 0
 
     async def request(lane: Lane, group: str | None, deadline: float, duration: float) -> None:
