@@ -345,6 +345,14 @@ class AsyncClient:
             raise ValueError(
                 f"outage_wait must be a positive number of seconds or None, got {outage_wait!r}"
             )
+        if (
+            isinstance(max_response_bytes, bool)
+            or not isinstance(max_response_bytes, int)
+            or max_response_bytes < 1
+        ):
+            raise ValueError(
+                f"max_response_bytes must be an int >= 1 (bytes), got {max_response_bytes!r}"
+            )
         key = api_key or os.environ.get("DSCLIENT_API_KEY") or os.environ.get("OPENAI_API_KEY")
         self._api_key = _Secret(key) if key else None
         self._model = model

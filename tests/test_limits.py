@@ -477,3 +477,17 @@ async def test_an_error_reported_mid_stream_does_not_carry_the_key():
     error = info.value
     assert "failed:" in str(error)
     assert SECRET not in str(error) and SECRET not in getattr(error, "body", "")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_response_bytes": 0}, "max_response_bytes must be an int >= 1"),
+        ({"max_response_bytes": 1.5}, "max_response_bytes must be an int >= 1"),
+        ({"outage_wait": -1}, "outage_wait must be a positive number of seconds or None"),
+        ({"outage_wait": True}, "outage_wait must be a positive number of seconds or None"),
+    ],
+)
+def test_the_clients_limits_refuse_nonsense_by_their_own_names(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AsyncClient("http://127.0.0.1:8000", **kwargs)
