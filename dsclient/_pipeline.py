@@ -108,12 +108,14 @@ class RequestPath:
 
     async def _probe_health(self) -> bool:
         """Whether the server answers again: any answer to ``GET /health`` but a 5xx (a server
-        without the route answers 404, which is an answer)."""
+        without the route answers 404, which is an answer). Only the status is read: the body,
+        whatever its size, never is."""
+        url = self._endpoint.url + "/health"
         try:
-            response = await self._http.get(self._endpoint.url + "/health", timeout=5.0)
+            async with self._http.stream("GET", url, timeout=5.0) as response:
+                return response.status_code < 500
         except httpx.HTTPError:
             return False
-        return response.status_code < 500
 
     # -- one attempt -----------------------------------------------------------------------------
     async def _post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:

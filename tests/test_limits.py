@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
@@ -491,3 +492,24 @@ async def test_an_error_reported_mid_stream_does_not_carry_the_key():
 def test_the_clients_limits_refuse_nonsense_by_their_own_names(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AsyncClient("http://127.0.0.1:8000", **kwargs)
+
+
+@pytest.mark.anyio
+async def test_the_outage_probe_reads_no_body():
+    # A /health that answers 64 MiB: the probe takes the status and leaves the body unread.
+    body = Lazy(64 * MiB, head=b"ok")
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=body)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
+        from dsclient._endpoint import ControlOptions, Endpoint
+        from dsclient._pipeline import RequestPath
+        from dsclient._retry import RetryBudget
+
+        endpoint = Endpoint("http://x", ControlOptions(), {}, start=1)
+        path = RequestPath(http, endpoint, Retry(), RetryBudget(), sleep=anyio.sleep, rng=random.Random(0))
+        path.reach.mark_down("refused")
+        await path.reach.wait_up()
+    assert not path.reach.down
+    assert body.pulled <= MiB
