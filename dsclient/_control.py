@@ -22,9 +22,10 @@ about 12) ran a batch of 240 fastest; a target of a quarter (8) kept the batch 2
 ==========  =====================================================================================
 metrics     the server reports running and waiting. Grow while the client has calls waiting and
             the server's queue is at or under target (fast while it has never queued, then by half
-            the room seen); on a queue above target set ``limit = in_flight * (running + target)
-            / (running + waiting)`` (at most halving per step); cut by :data:`OVERLOAD_CUT` on 429
-            / 503 and on preemptions; a 429 / 503 while the server showed a queue also caps the
+            the room seen, less the requests the last steps sent that the gauges do not show yet);
+            on a queue above target set ``limit = in_flight * (running + target) / (running +
+            waiting)`` (at most halving per step, once per two periods); cut by
+            :data:`OVERLOAD_CUT` on 429 / 503 and on preemptions; a 429 / 503 while the server showed a queue also caps the
             target at half the longest queue seen (where the server's admission queue ends).
             No growth for ``cooldown`` after any cut (the cut needs a round trip to show). Room
             in the batch counts only while the queue is empty: a queue means the batch is full,
@@ -86,6 +87,15 @@ _SLOW_START_WAIT: Final = 2
 _GAIN: Final = 0.5
 #: A proportional cut never goes below half of in-flight in one step.
 _MAX_CUT: Final = 0.5
+#: Periods between two cuts on the server's queue: a cut shows in the queue only a round trip
+#: later (the scrape's age plus transit), and cutting again on the same lagging queue took the
+#: limit under batch + target + what is in transit, so that the batch ran dry and the regrowth
+#: overshot the target (a simulated batch of 24: queue p90 1.4-1.5x the target).
+_QUEUE_CUT_PERIODS: Final = 2
+#: Seconds over which the usual number of this client's requests the server's gauges do not
+#: show (in transit either way) is taken, as the least seen: growth counts only what is unseen
+#: beyond it (the requests the last steps sent, still on their way to the queue).
+_UNSEEN_WINDOW_S: Final = 2.0
 #: Latency rule (the tuning literature's baseline): halve above 120% of the target.
 _LATENCY_SLACK: Final = 1.2
 _LATENCY_CUT: Final = 0.5
@@ -230,6 +240,8 @@ class LimitController:
         "_last_cut_any",
         "_last_grow",
         "_last_latency_check",
+        "_last_queue_cut",
+        "_most_running",
         "_preemptions",
         "_queue_cap",
         "_queue_seen",
@@ -238,6 +250,7 @@ class LimitController:
         "_refused_at_limit",
         "_saturated",
         "_service",
+        "_unseen_seen",
         "changes",
         "cooldown",
         "floor",
@@ -311,6 +324,9 @@ class LimitController:
         self._queued_last = False
         self._queue_seen: deque[tuple[float, int]] = deque(maxlen=64)
         self._service: deque[float] = deque(maxlen=_LATENCY_WINDOW)
+        self._unseen_seen: deque[tuple[float, int]] = deque(maxlen=64)
+        self._last_queue_cut = -math.inf
+        self._most_running = 0
 
     # -- bounds ---------------------------------------------------------------------------------
     @property
@@ -328,7 +344,9 @@ class LimitController:
         if self.mode == "latency":
             # Without a queue signal, never above the server's own batch (today's contract).
             return max(self.start, self._capacity or self.start)
-        seen = max(self._capacity or 0, self.server_running or 0)
+        # The most ever seen running, not the last scrape's: a ceiling that fell with the
+        # running count left the limit above it (a batch running 17 then 12: ceiling 68 -> 64).
+        seen = max(self._capacity or 0, self._most_running)
         return max(self.start, CEILING_FLOOR, _CEILING_PER_SEQ * seen)
 
     def set_capacity(self, capacity: int | None) -> None:
@@ -357,6 +375,7 @@ class LimitController:
             preemptions: the server's cumulative preemption counter, if it has one.
         """
         self.server_running, self.server_waiting = running, waiting
+        self._most_running = max(self._most_running, running)
         self._queue_seen.append((now, waiting))
         if waiting > 0 and self._queued_last:
             # Queued in two scrapes running (one may be a request caught between steps): the
@@ -380,6 +399,12 @@ class LimitController:
             self._saturated = True
             if self._cut(now, "preempt", OVERLOAD_CUT, "the server preempted sequences"):
                 return True
+        # This client's requests the gauges do not show: on their way to the server or back,
+        # or sent after the scrape. Zero whenever the server shows more than this client has
+        # in flight (other clients' requests), so with several clients it counts for nothing.
+        unseen = max(0, in_flight - running - waiting)
+        self._unseen_seen.append((now, unseen))
+        usual = min(u for t, u in self._unseen_seen if now - t <= _UNSEEN_WINDOW_S)
         if waiting > target:
             self._saturated = True
             if in_flight > self.limit:
@@ -387,10 +412,12 @@ class LimitController:
                 # drains as they finish): cutting again on the same queue would walk the
                 # limit to the floor whenever other traffic keeps the queue up.
                 return False
+            if now - self._last_queue_cut < _QUEUE_CUT_PERIODS * self.period:
+                return False  # in-flight drains fast; the queue shows the cut a round trip later
             factor = max(_MAX_CUT, (running + target) / max(1, running + waiting))
             wanted = max(self.floor, math.ceil(in_flight * factor))
             if wanted < self.limit:
-                self._last_cut_any = now
+                self._last_cut_any = self._last_queue_cut = now
                 return self._set(
                     wanted, f"server queue {waiting} > target {target} (running {running})"
                 )
@@ -426,6 +453,14 @@ class LimitController:
                 # batch of 12 otherwise read a dip to 8 running as room for 88 and grew 13 -> 45.)
                 batch = min(self._capacity, self._batch_seen or self._capacity)
                 room += max(0, batch - running)
+            # What the last steps sent and the gauges do not show yet will land in that room:
+            # counting the room again each period while it is on its way grew the limit two or
+            # three steps past the target before the first step showed (a queue p90 of 14-15
+            # against a target of 12 on a real batch of 24). The usual unseen share (requests
+            # on their way back, say) is not counted: it stays unseen at any limit.
+            room -= unseen - usual
+            if room < 0:
+                return False
             grown = self.limit + max(1, math.ceil(_GAIN * room))
             why = f"server queue {waiting} <= target {target} (running {running})"
         return self._set(min(grown, self._growth_cap(now)), why)

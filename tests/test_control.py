@@ -104,6 +104,14 @@ def test_metrics_ceiling_follows_the_running_count_seen() -> None:
     assert control.ceiling == 400
 
 
+def test_metrics_ceiling_never_falls_under_the_limit_when_the_batch_shrinks() -> None:
+    control = metrics(5, capacity=None)
+    control.on_load(0.0, running=17, waiting=0, in_flight=5, demand=False)
+    assert control.ceiling == 68
+    control.on_load(PERIOD, running=12, waiting=0, in_flight=5, demand=False)
+    assert control.ceiling == 68  # was 48: a limit grown to 68 would have been above it
+
+
 def test_set_capacity_ignores_nonsense() -> None:
     control = metrics(5, capacity=None)
     control.set_capacity(None)
@@ -200,7 +208,11 @@ def test_growth_after_the_first_queue_is_additive_by_half_the_room() -> None:
     for running, waiting, growth in steps:
         now += PERIOD
         before = control.limit
-        assert control.on_load(now, running=running, waiting=waiting, in_flight=before, demand=True)
+        # Everything in flight shows in the gauges (in transit: see the transit tests below).
+        in_flight = running + waiting
+        assert control.on_load(
+            now, running=running, waiting=waiting, in_flight=in_flight, demand=True
+        )
         assert control.limit == before + growth, (running, waiting)
 
 
@@ -208,8 +220,43 @@ def test_growth_with_unknown_capacity_uses_the_batch_as_seen() -> None:
     control = metrics(20, capacity=None, cooldown=1.0)
     control.on_load(0.0, running=12, waiting=9, in_flight=20, demand=True)  # target 3: cut
     assert control.limit == 15  # ceil(20 * 15 / 21)
-    control.on_load(1.0, running=12, waiting=0, in_flight=15, demand=True)
+    control.on_load(1.0, running=12, waiting=0, in_flight=12, demand=True)  # all of it landed
     assert control.limit == 17  # room = target 3 - waiting 0 = 3: + ceil(1.5)
+
+
+def test_growth_counts_what_is_still_on_its_way_to_the_server() -> None:
+    """Issue 15: the last step's requests, sent but not yet in the gauges, fill the room the
+    gauges show; growing on that room again each period overshot the target (queue p90 14-15
+    against 12 on a real batch of 24)."""
+    control = metrics(44, capacity=24, queue_share=0.5, cooldown=1.0)  # target 12
+    control.on_load(0.0, running=24, waiting=20, in_flight=44, demand=True)  # a cut: saturated
+    assert control.limit == 36
+    # Everything landed: room 12 - 4 = 8, grows by half of it.
+    assert control.on_load(1.0, running=24, waiting=4, in_flight=28, demand=True)
+    assert control.limit == 40
+    # The client sent those 12; the gauges do not show them yet: no room left to fill.
+    for now in (1.25, 1.5):
+        assert not control.on_load(now, running=24, waiting=4, in_flight=40, demand=True)
+    # Half of them landed: 6 still on the way, against a room of 12 - 10 = 2.
+    assert not control.on_load(1.75, running=24, waiting=10, in_flight=40, demand=True)
+    assert control.limit == 40
+    # All landed, and the batch took some from the queue: room 12 - 8 = 4.
+    assert control.on_load(2.0, running=24, waiting=8, in_flight=32, demand=True)
+    assert control.limit == 42
+
+
+def test_a_steady_share_in_transit_does_not_stop_growth() -> None:
+    """Requests always on their way (to the server or back) at any limit are not room taken:
+    only what is unseen beyond the least seen in the last two seconds counts."""
+    control = metrics(44, capacity=24, queue_share=0.5, cooldown=1.0)  # target 12
+    control.on_load(0.0, running=24, waiting=20, in_flight=44, demand=True)  # a cut to 36
+    now = 0.0
+    while now < 1.0 + _control._UNSEEN_WINDOW_S:  # no demand: it only watches, 10 unseen
+        now += PERIOD
+        control.on_load(now, running=24, waiting=2, in_flight=36, demand=False)
+    assert control.limit == 36
+    assert control.on_load(now + PERIOD, running=24, waiting=2, in_flight=36, demand=True)
+    assert control.limit == 41  # room 12 - 2 = 10: + 5, the 10 in transit notwithstanding
 
 
 def test_no_growth_for_a_cooldown_after_any_cut() -> None:
@@ -308,6 +355,21 @@ def test_queue_cut_settles_at_running_plus_target_while_one_client_drains() -> N
         limits.append(control.limit)
     assert min(limits) == 10
     assert control.limit == 10
+
+
+def test_one_queue_cut_per_round_trip() -> None:
+    """In-flight drains within a period of a cut, while the queue shows the cut only a round
+    trip later: a second cut on the same lagging queue took the limit under the batch + target
+    + transit, the batch ran dry and the regrowth overshot."""
+    control = metrics(60, capacity=24, queue_share=0.5)  # target 12
+    assert control.on_load(0.0, running=24, waiting=24, in_flight=60, demand=True)
+    assert control.limit == 45  # ceil(60 * 36 / 48)
+    # One period on: in-flight is under the new limit, the queue not yet down to the target.
+    assert not control.on_load(PERIOD, running=24, waiting=20, in_flight=44, demand=True)
+    assert control.limit == 45
+    # Two periods on, the queue still over: the next cut.
+    assert control.on_load(2 * PERIOD, running=24, waiting=18, in_flight=42, demand=True)
+    assert control.limit == 36  # ceil(42 * 36 / 42)
 
 
 def test_queue_cut_does_not_keep_cutting_while_in_flight_drains() -> None:
@@ -675,8 +737,11 @@ class Trace:
     target: list[int]
 
 
-def simulate(server: SimServer, clients: list[SimClient], periods: int) -> Trace:
+def simulate(server: SimServer, clients: list[SimClient], periods: int, lag: int = 0) -> Trace:
+    """Run the loop; the clients' scrapes show the server as it was ``lag`` periods before (a
+    scrape is up to a period old when the controller reads it); the trace has it as it is."""
     trace = Trace([[] for _ in clients], [], [], [])
+    gauges: deque[tuple[int, int]] = deque([(0, 0)] * (lag + 1), maxlen=lag + 1)
     for period in range(periods):
         # Alternate who goes first, so the queue's order favours nobody.
         order = clients[period % len(clients) :] + clients[: period % len(clients)]
@@ -688,7 +753,8 @@ def simulate(server: SimServer, clients: list[SimClient], periods: int) -> Trace
                 server.arrive(client, period)
         for owner in server.step():
             clients[owner].in_flight -= 1
-        running, waiting = len(server.running), len(server.waiting)
+        gauges.append((len(server.running), len(server.waiting)))
+        running, waiting = gauges[0]
         for client in clients:
             if client.learner is not None and client.learner.observe(
                 running=running, waiting=waiting
@@ -703,8 +769,8 @@ def simulate(server: SimServer, clients: list[SimClient], periods: int) -> Trace
             )
             trace.limits[client.name].append(client.control.limit)
             assert 1 <= client.control.limit <= client.control.ceiling
-        trace.running.append(running)
-        trace.waiting.append(waiting)
+        trace.running.append(len(server.running))
+        trace.waiting.append(len(server.waiting))
         trace.target.append(clients[0].control.target or 1)
     return trace
 
@@ -736,6 +802,30 @@ def test_closed_loop_converges_into_a_band(capacity: int, start: str, learned: b
         assert max(running) == capacity
         assert statistics.mean(running) >= 0.85 * capacity
         assert 0.5 * target <= statistics.mean(waiting) <= 2 * target
+
+
+def _p90(values: list[int]) -> int:
+    ordered = sorted(values)
+    return ordered[max(1, (90 * len(ordered) + 99) // 100) - 1]
+
+
+@pytest.mark.parametrize("lag", [0, 1], ids=["fresh-gauges", "gauges-a-period-old"])
+@pytest.mark.parametrize("learned", [False, True], ids=["capacity-known", "capacity-learned"])
+@pytest.mark.parametrize("capacity", [24, 32, 256])
+def test_closed_loop_holds_the_queue_p90_at_the_target(
+    capacity: int, learned: bool, lag: int
+) -> None:
+    """Issue 15: one client, requests 2 periods in transit, gauges fresh or a period old. The
+    server's queue p90 stays within 10% of the target (it was 1.4-1.7x: growth counted room
+    its last steps were already filling, and cuts repeated on a lagging queue), and the batch
+    stays fuller than it did."""
+    control = LimitController(start=5, mode="metrics", capacity=None if learned else capacity)
+    client = SimClient(0, control, transit=2, learner=CapacityLearner() if learned else None)
+    trace = simulate(SimServer(capacity), [client], PERIODS, lag=lag)
+    target = target_waiting(capacity, SIM_SHARE, capacity)
+    assert trace.target[-1] == target
+    assert _p90(trace.waiting[WARM_UP:]) <= 1.1 * target
+    assert statistics.mean(trace.running[WARM_UP:]) >= 0.96 * capacity
 
 
 def test_closed_loop_keeps_the_batch_full_with_requests_in_transit() -> None:
