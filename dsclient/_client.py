@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import random
 import sys
@@ -29,7 +30,13 @@ import sniffio
 
 from ._discovery import DEFAULT_MAX_NUM_SEQS, ServerInfo, discover
 from ._endpoint import ControlOptions, Endpoint, fetch_load
-from ._exceptions import DSClientError, MalformedResponse, TimeoutError, translate_transport_error
+from ._exceptions import (
+    ConnectionError,
+    DSClientError,
+    MalformedResponse,
+    TimeoutError,
+    translate_transport_error,
+)
 from ._governor import GovernorStats, choose_lane, compute_limit, default_long_threshold
 from ._health import Reachability
 from ._models import ChatResult, CompletionResult, Failure, Result, Usage
@@ -48,6 +55,8 @@ from ._tokens import (
 )
 
 if TYPE_CHECKING:
+    import openai
+
     from ._batch import BatchResults
     from ._governor import Slot
 
@@ -128,6 +137,13 @@ _HAS_ASYNCIO_TIMEOUT = sys.version_info >= (3, 11)
 #: Seconds one attempt may take to connect (a retryable failure past it); the call's deadline
 #: still bounds the whole call.
 _CONNECT_TIMEOUT_S = 10.0
+
+
+def _rediscover_backoff(failures: int, rng: random.Random) -> float:
+    """Seconds before asking an unanswered ``/v1/models`` again after ``failures`` failures:
+    ``0.5 * 2**(failures-1)`` capped at 30, jittered to 50-100% of that."""
+    ceiling = min(30.0, 0.5 * math.pow(2.0, min(failures - 1, 16)))
+    return rng.uniform(ceiling / 2, ceiling)
 
 
 def _root_url(base_url: str) -> str:
@@ -409,18 +425,24 @@ class AsyncClient:
             timeout=httpx.Timeout(None, connect=_CONNECT_TIMEOUT_S),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
         )
+        self._sleep = sleep or anyio.sleep
+        self._rng = rng or random.Random()
         self._path = RequestPath(
             self._http,
             self._endpoint,
             self._retry,
             self._budget,
-            sleep=sleep or anyio.sleep,
-            rng=rng or random.Random(),
+            sleep=self._sleep,
+            rng=self._rng,
             max_body_bytes=max_response_bytes,
             outage_wait=outage_wait,
         )
         self._observers: list[Observer] = []
         self._discover_lock = anyio.Lock()
+        # An incomplete discovery (no answer from /v1/models) is asked again, not before this
+        # time (on self._clock), with a backoff that grows per failure (_rediscover_backoff).
+        self._rediscover_at = -math.inf
+        self._rediscover_failures = 0
         self._tokenize_limiter = anyio.CapacityLimiter(8)
         self._closed = False
         self._poller_scope: anyio.CancelScope | None = None
@@ -434,7 +456,14 @@ class AsyncClient:
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncClient:
-        await self.discover()
+        try:
+            await self.discover()
+        except BaseException:
+            # Nothing may stay open after a failed enter (several models and none chosen, a bad
+            # URL, a cancelled discovery): __aexit__ will not run.
+            with anyio.CancelScope(shield=True):
+                await self.aclose()
+            raise
         if self._endpoint.controller.mode != "fixed":
             group = anyio.create_task_group()
             await group.__aenter__()
@@ -530,6 +559,9 @@ class AsyncClient:
 
         Also scrapes ``/metrics`` once (whether the limit can follow the server's queue) and,
         where the server has ``/tokenize``, calibrates the local token estimate on a sample text.
+        A discovery that got no answer from ``/v1/models`` (``server.complete`` is false) is not
+        final: later calls ask again, with a backoff (0.5 s doubling to 30 s, jittered), and a
+        call that needs the model to send waits for the answer.
         """
         info = self._endpoint.info
         if info is not None and not refresh:
@@ -538,35 +570,90 @@ class AsyncClient:
             info = self._endpoint.info
             if info is not None and not refresh:
                 return info
-            url = self.url
-            info = await discover(
-                self._http,
+            return await self._discover_locked()
+
+    async def _discover_locked(self) -> ServerInfo:
+        url = self.url
+        info = await discover(
+            self._http,
+            url,
+            model=self._model,
+            max_num_seqs=self._explicit_max_num_seqs,
+            max_model_len=self._explicit_max_model_len,
+        )
+        info = self._with_handle_facts(info)
+        self._model = info.model if info.model is not None else self._model
+        load = None
+        if info.kind not in ("ollama", "unknown"):
+            load = await fetch_load(self._http, url, model=info.model, timeout=2.0)
+        self._endpoint.seed(info, load)
+        if info.has_tokenize and self._tokens.samples == 0:
+            await self._calibrate()
+        control = self._endpoint.controller
+        if info.complete:
+            if self._rediscover_failures:
+                logger.warning("dsclient: %s/v1/models answers again; model %s", url, info.model)
+            self._rediscover_failures = 0
+        else:
+            self._rediscover_failures += 1
+            delay = _rediscover_backoff(self._rediscover_failures, self._rng)
+            self._rediscover_at = self._clock() + delay
+            log = logger.warning if self._rediscover_failures == 1 else logger.debug
+            log(
+                "dsclient: %s/v1/models did not answer (try %d); the model and context stay "
+                "unknown, asked again in %.1f s or later",
                 url,
-                model=self._model,
-                max_num_seqs=self._explicit_max_num_seqs,
-                max_model_len=self._explicit_max_model_len,
+                self._rediscover_failures,
+                delay,
             )
-            info = self._with_handle_facts(info)
-            self._model = info.model if info.model is not None else self._model
-            load = None
-            if info.kind not in ("ollama", "unknown"):
-                load = await fetch_load(self._http, url, model=info.model, timeout=2.0)
-            self._endpoint.seed(info, load)
-            if info.has_tokenize and self._tokens.samples == 0:
-                await self._calibrate()
-            control = self._endpoint.controller
-            logger.info(
-                "dsclient: %s at %s, model %s, max_num_seqs %s (%s), limit %d (%s, up to %d)",
-                info.kind,
-                url,
-                info.model,
-                info.max_num_seqs,
-                info.sources.get("max_num_seqs", "?"),
-                self.limit,
-                control.mode,
-                control.ceiling,
-            )
-            return self._endpoint.info or info
+        logger.info(
+            "dsclient: %s at %s, model %s, max_num_seqs %s (%s), limit %d (%s, up to %d)",
+            info.kind,
+            url,
+            info.model,
+            info.max_num_seqs,
+            info.sources.get("max_num_seqs", "?"),
+            self.limit,
+            control.mode,
+            control.ceiling,
+        )
+        return self._endpoint.info or info
+
+    async def _rediscover(self, *, now: bool = False) -> ServerInfo:
+        """Discovery again, if the last one was incomplete and its backoff is over (or ``now``);
+        concurrent callers share one."""
+        async with self._discover_lock:
+            info = self._endpoint.info
+            if info is not None and (
+                info.complete or (not now and self._clock() < self._rediscover_at)
+            ):
+                return info
+            return await self._discover_locked()
+
+    async def _wait_for_listing(self) -> ServerInfo:
+        """The model is unknown because ``/v1/models`` did not answer: a call must not go out
+        without one. Ask again until it answers: while nothing at all answers, wait for the
+        server like an outage (``outage_wait``); while it answers but not ``/v1/models``, give it
+        ``Retry.attempts`` tries with backoff, then fail. Bounded by the call's own timeout."""
+        reach = self._path.reach
+        tries = 0
+        while True:
+            info = self._endpoint.info
+            if info is not None and info.kind == "unknown" and not await self._path.probe_health():
+                reach.mark_down("discovery: nothing answered")
+                await reach.wait_up()
+            else:
+                tries += 1
+                if tries > self._retry.attempts:
+                    raise ConnectionError(
+                        f"{self.url}/v1/models did not answer in {tries - 1} tries, so the model "
+                        f"to ask for is unknown; pass model= to AsyncClient to send without it"
+                    )
+                if tries > 1:
+                    await self._sleep(_rediscover_backoff(tries - 1, self._rng))
+            info = await self._rediscover(now=True)
+            if info.complete or self._model is not None:
+                return info
 
     async def _calibrate(self) -> None:
         """One exact count of a fixed sample text fits the local estimate to the served model."""
@@ -603,6 +690,10 @@ class AsyncClient:
         info = self._endpoint.info
         if info is None:
             info = await self.discover()
+        if not info.complete:
+            info = await self._rediscover()
+            if not info.complete and self._model is None:
+                info = await self._wait_for_listing()
         if self._poller_scope is None and self._poller_task is None:
             self._ensure_poller()
         return info
@@ -922,6 +1013,60 @@ class AsyncClient:
             plan.path, body, lane=plan.lane, urgency=urgency, group=group
         )
         return plan, response, slot, attempts
+
+    # -- other SDKs over this client (dsclient/_transport.py) --------------------------------
+    def openai(
+        self,
+        *,
+        urgency: int = 0,
+        group: str | None = None,
+        overflow: Literal["refuse", "cut"] = "refuse",
+        **kwargs: Any,
+    ) -> openai.AsyncOpenAI:
+        """An ``openai.AsyncOpenAI`` whose requests go through this client's governor.
+
+            sdk = client.openai()
+            r = await sdk.chat.completions.create(model="tiny", messages=msgs, max_tokens=16)
+
+        Same limit, lanes, retries (openai's own are off), outage wait and response cap as
+        :meth:`generate`; errors come back as openai's own types. Per call, headers
+        ``x-dsclient-urgency`` / ``-group`` / ``-overflow`` (or ``extra_body={"dsclient": {...}}``)
+        override the defaults here. See ``docs/openai.md``.
+
+        Parameters:
+            urgency, group: defaults for calls that do not say (see :meth:`generate`).
+            overflow: ``"refuse"`` (default) answers a ``max_tokens`` that cannot fit with a
+                ``BadRequestError`` before sending; ``"cut"`` cuts it to the room left.
+            kwargs: passed to ``openai.AsyncOpenAI`` (``default_headers``, ``timeout``, ...).
+        """
+        from ._transport import async_openai
+
+        sdk: openai.AsyncOpenAI = async_openai(
+            self, urgency=urgency, group=group, overflow=overflow, **kwargs
+        )
+        return sdk
+
+    def httpx(
+        self,
+        *,
+        urgency: int = 0,
+        group: str | None = None,
+        overflow: Literal["refuse", "cut"] = "refuse",
+        **kwargs: Any,
+    ) -> httpx.AsyncClient:
+        """An ``httpx.AsyncClient`` whose inference requests go through this client's governor,
+        for libraries that take one (``ChatOpenAI(http_async_client=...)``, LlamaIndex).
+
+            llm = ChatOpenAI(base_url=client.url + "/v1", api_key="EMPTY", model="tiny",
+                             max_retries=0, http_async_client=client.httpx())
+
+        ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/embeddings`` are governed; other
+        requests pass through. Parameters are those of :meth:`openai`; ``kwargs`` go to
+        ``httpx.AsyncClient``.
+        """
+        from ._transport import async_httpx
+
+        return async_httpx(self, urgency=urgency, group=group, overflow=overflow, **kwargs)
 
 
 def _build_result(

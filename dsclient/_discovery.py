@@ -381,7 +381,9 @@ class ServerInfo:
     ``max_num_seqs`` came from ("explicit", "launcher record", "vllm /server_info", "/v1/models",
     "default", ...). ``has_tokenize`` is true when the server has vLLM's ``POST /tokenize``.
     ``max_input_tokens`` is the prompt limit when the server has one apart from the context
-    (TGI, SGLang).
+    (TGI, SGLang). ``complete`` is false when ``/v1/models`` gave no answer (a connection error,
+    a timeout, a 5xx, a garbled body): the model and context are then unknown, not absent, and
+    the client asks again (see ``AsyncClient``).
     """
 
     url: str
@@ -394,6 +396,7 @@ class ServerInfo:
     max_input_tokens: int | None = None
     has_tokenize: bool = False
     sources: Mapping[str, str] = field(default_factory=dict)
+    complete: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
@@ -416,6 +419,7 @@ class ServerInfo:
             "max_input_tokens": self.max_input_tokens,
             "has_tokenize": self.has_tokenize,
             "sources": dict(self.sources),
+            "complete": self.complete,
         }
 
     def __str__(self) -> str:
@@ -433,6 +437,8 @@ class ServerInfo:
             ("max_input_tokens", show(self.max_input_tokens), "max_input_tokens"),
             ("/tokenize", "yes" if self.has_tokenize else "no", None),
         ]
+        if not self.complete:
+            rows.append(("/v1/models", "no answer (asked again later)", None))
         width = max(len(name) for name, _, _ in rows)
         value_width = min(40, max(len(value) for _, value, _ in rows))
         lines = []
@@ -508,31 +514,40 @@ _PROBES: dict[str, str] = {
 PROBE_BODY_BYTES = 4 * 2**20
 
 
-async def _get_json(http: httpx.AsyncClient, url: str, seconds: float) -> Any | None:
-    """GET and decode JSON, reading at most :data:`PROBE_BODY_BYTES`; any failure is "no
-    answer" (None)."""
+#: Statuses that say nothing about a route, only that the server could not answer just now.
+_PASSING_STATUSES = frozenset({408, 425, 429})
+
+
+async def _get_json(http: httpx.AsyncClient, url: str, seconds: float) -> tuple[Any | None, bool]:
+    """GET and decode JSON, reading at most :data:`PROBE_BODY_BYTES`: ``(json, answered)``.
+
+    Any failure gives ``None`` for the JSON. ``answered`` tells a route the server does not have
+    or will not serve (a 4xx: ask again and the answer is the same) from a probe that got no
+    answer (a connection error, a timeout, a 5xx or 429, an unreadable body), which is worth
+    trying again later."""
     with anyio.move_on_after(seconds):  # httpx's timeout is per phase; bound the whole probe
         try:
             response = await http.send(http.build_request("GET", url, timeout=seconds), stream=True)
         except httpx.HTTPError as exc:
             logger.debug("dsclient: probe %s failed: %r", url, exc)
-            return None
+            return None, False
         try:
             if response.status_code != 200:
                 logger.debug("dsclient: probe %s answered HTTP %d", url, response.status_code)
-                return None
-            return parse_json(await read_body(response, limit=PROBE_BODY_BYTES))
+                status = response.status_code
+                return None, status < 500 and status not in _PASSING_STATUSES
+            return parse_json(await read_body(response, limit=PROBE_BODY_BYTES)), True
         except ResponseTooLarge as exc:
             logger.warning("dsclient: probe %s ignored: %s", url, exc)
-            return None
-        except (DSClientError, ValueError) as exc:
+            return None, True  # asking again brings the same oversized answer
+        except (DSClientError, ValueError, httpx.HTTPError) as exc:
             logger.debug("dsclient: probe %s gave nothing usable: %r", url, exc)
-            return None
+            return None, False
         finally:
             with anyio.CancelScope(shield=True):
                 await response.aclose()
     logger.debug("dsclient: probe %s timed out", url)
-    return None
+    return None, False
 
 
 def _root(url: str) -> str:
@@ -577,9 +592,10 @@ async def discover(
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     root = _root(url)
     answers: dict[str, Any] = {}
+    answered: dict[str, bool] = {}
 
     async def probe(key: str, path: str) -> None:
-        answers[key] = await _get_json(http, root + path, timeout)
+        answers[key], answered[key] = await _get_json(http, root + path, timeout)
 
     async with anyio.create_task_group() as tg:
         for key, path in _PROBES.items():
@@ -740,6 +756,7 @@ async def discover(
         max_input_tokens=max_input,
         has_tokenize=kind == "vllm",
         sources=sources,
+        complete=answered.get("models", False) or facts["models"] is not None,
     )
     logger.debug("dsclient: discovered %r", info)
     return info

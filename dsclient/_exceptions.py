@@ -61,9 +61,23 @@ class DSClientError(Exception):
     """Root of every error dsclient raises on purpose.
 
     ``attempts`` is how many tries the failed call made (retries included).
+
+    Every dsclient error pickles (process pools, Ray): it is rebuilt from its message and its
+    fields, not by calling its constructor again, whose parameters differ per class.
     """
 
     attempts: int = 1
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_restore, (type(self), self.args, dict(self.__dict__)))
+
+
+def _restore(cls: type[DSClientError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    """Unpickle a :class:`DSClientError`: its message (``args``) and fields as they were."""
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
 
 
 class TransportError(DSClientError):

@@ -12,6 +12,11 @@ jittered exponential backoff, ``first`` seconds doubling up to ``cap``; the firs
 attempt that succeeds, marks it up again and every waiting call proceeds. No background task:
 the probing is done by a waiting call, and if that call is cancelled (its timeout) the next
 waiting one takes over. How long a call waits is bounded by its own timeout.
+
+An outage is *confirmed* once a probe in it fails: the server really did not answer, as opposed
+to one connection dropped by a live server (whose first probe answers at once). The request path
+uses that to tell the victims of an outage (calls whose connection died with the server) from
+calls failing against a live server: see :meth:`Reachability.confirmed`.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ class Reachability:
         self.outages = 0  #: times the server was marked down
         self.probes = 0  #: probes sent, over all outages
         self.last_outage_s: float | None = None  #: how long the last outage lasted
+        self._confirmed: list[int] = []  # outages (by number) in which a probe failed, newest last
         self._probing = False
         self._waited = 0.0  # seconds slept between probes in this outage
         self._changed: anyio.Event | None = None  # made by the first waiter (needs a loop)
@@ -81,10 +87,14 @@ class Reachability:
         state = "down" if self.down else "up"
         return f"Reachability({self.label}: {state}, outages={self.outages})"
 
-    def mark_down(self, why: str) -> None:
-        """An attempt could not reach the server: hold calls until it answers again."""
+    def mark_down(self, why: str) -> int:
+        """An attempt could not reach the server: hold calls until it answers again.
+
+        Returns the outage's number (:attr:`outages`; the current one if already down), for
+        :meth:`confirmed`.
+        """
         if self.down:
-            return
+            return self.outages
         self.down = True
         self.down_since = self._clock()
         self._waited = 0.0
@@ -94,6 +104,16 @@ class Reachability:
             self.label,
             why,
         )
+        return self.outages
+
+    def confirmed(self, outage: int) -> bool:
+        """Whether outage number ``outage`` was real: a probe failed while it lasted."""
+        return outage in self._confirmed
+
+    def _confirm(self) -> None:
+        if self.down and (not self._confirmed or self._confirmed[-1] != self.outages):
+            self._confirmed.append(self.outages)
+            del self._confirmed[:-16]  # only recent outages are ever asked about
 
     def mark_up(self) -> None:
         """The server answered: let every waiting call through."""
@@ -133,6 +153,7 @@ class Reachability:
                 if await self._probe():
                     self.mark_up()
                     return
+                self._confirm()
                 raise self._gone()
             if self._probing:
                 if self._changed is None:
@@ -150,6 +171,7 @@ class Reachability:
                 if await self._probe():
                     self.mark_up()
                     return
+                self._confirm()
                 attempt += 1
                 ceiling = min(self.cap, self.first * math.pow(2, attempt - 1))
                 delay = self._rng.uniform(ceiling / 2, ceiling)

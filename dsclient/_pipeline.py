@@ -7,8 +7,8 @@ Each attempt takes its own slot from the endpoint's governor, sends once, and re
 with what happened (``ok``, ``overloaded``, ``error``, ``cancelled``); the governor passes that and
 the attempt's service time to the limit controller. A retry's backoff sleeps *outside* any slot,
 so a sleeping call holds no capacity and service times never include sleeps. Retries follow
-:class:`~dsclient._retry.Retry` through ``tenacity``; a retry spends one token of the retry budget,
-and only a retry that happens spends one.
+:class:`~dsclient._retry.Retry` (the loop is :meth:`RequestPath._retry_loop`); a retry spends one
+token of the retry budget, and only a retry that happens spends one.
 
 One exception: under an adaptive limit, a refusal for load (429 / 503) is congestion, not a
 failure. It is retried without a token, up to ``Retry.overload_attempts`` tries rather than
@@ -22,7 +22,11 @@ the budget, or giving them four tries, lost requests in a burst.)
 A server that stops answering (a connection fails or drops) is marked down in :attr:`reach`;
 every attempt first waits at that gate, so calls wait on the client while one of them probes
 ``/health`` (:class:`~dsclient._health.Reachability`), instead of spending attempts and the
-budget on a dead server. Any answer opens the gate again.
+budget on a dead server. Any answer opens the gate again. The calls whose connections died with
+the server (in flight when it was killed) are victims of the same outage: once a failed probe has
+confirmed it, they wait at the gate with the rest and then try again, outside the budget and the
+attempt count (``Retry.outage_retries``). A dropped connection on a server whose first probe
+answers at once is an ordinary failure: it spends the budget like any other.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
-import tenacity
 
 from ._exceptions import (
     ConnectionError,
@@ -103,10 +106,10 @@ class RequestPath:
         self._rng = rng
         #: Whether the server answers at all; attempts wait at its gate while it does not.
         self.reach = Reachability(
-            self._probe_health, sleep=sleep, rng=rng, label=endpoint.url, max_wait=outage_wait
+            self.probe_health, sleep=sleep, rng=rng, label=endpoint.url, max_wait=outage_wait
         )
 
-    async def _probe_health(self) -> bool:
+    async def probe_health(self) -> bool:
         """Whether the server answers again: any answer to ``GET /health`` but a 5xx (a server
         without the route answers 404, which is an answer). Only the status is read: the body,
         whatever its size, never is."""
@@ -153,11 +156,12 @@ class RequestPath:
             raise error
         return response
 
-    def _unreachable(self, exc: DSClientError) -> None:
+    def _unreachable(self, exc: DSClientError, call: _Call) -> None:
         """A connection that failed or dropped: the server may be gone; later attempts wait at
-        the gate until a probe says it answers (at once, if it does)."""
+        the gate until a probe says it answers (at once, if it does). The call remembers which
+        outage it failed in (see :meth:`_retry_loop`)."""
         if isinstance(exc, ConnectionError):
-            self.reach.mark_down(str(exc))
+            call.outage = self.reach.mark_down(str(exc))
 
     def redact_error(self, exc: DSClientError) -> None:
         """Keep the API key out of an error whose text came from the server (an echo of the
@@ -176,25 +180,24 @@ class RequestPath:
         ``queued_s`` sums the waits for a slot over the attempts.
         """
         governor = self._endpoint.governor
-        queued = 0.0
+        call = _Call()
 
         async def attempt() -> dict[str, Any]:
-            nonlocal queued
             await self.reach.wait_up()
             async with governor.slot(lane=lane, urgency=urgency, group=group) as slot:
-                queued += slot.queued_s
+                call.queued_s += slot.queued_s
                 try:
                     data = await self._post_json(path, body)
                 except DSClientError as exc:
                     slot.set_outcome(outcome_of(exc))
-                    self._unreachable(exc)
+                    self._unreachable(exc, call)
                     raise
             self.reach.mark_up()
             return data
 
         self._endpoint.wake()
-        data, attempts = await self._with_retries(attempt, path)
-        return data, attempts, queued
+        data, attempts = await self._with_retries(attempt, path, call)
+        return data, attempts, call.queued_s
 
     async def open_stream(
         self, path: str, body: dict[str, Any], *, lane: Lane, urgency: int, group: str | None
@@ -205,31 +208,32 @@ class RequestPath:
         entered) while it reads, and must ``await slot.__aexit__(...)`` when done.
         """
         governor = self._endpoint.governor
-        queued = 0.0
+        call = _Call()
 
         async def attempt() -> tuple[httpx.Response, Slot]:
-            nonlocal queued
             await self.reach.wait_up()
             slot = governor.slot(lane=lane, urgency=urgency, group=group)
             await slot.__aenter__()
-            queued += slot.queued_s
+            call.queued_s += slot.queued_s
             try:
                 response = await self._open(path, body)
             except BaseException as exc:
                 if isinstance(exc, DSClientError):
                     slot.set_outcome(outcome_of(exc))
-                    self._unreachable(exc)
+                    self._unreachable(exc, call)
                 await slot.__aexit__(type(exc), exc, exc.__traceback__)
                 raise
             self.reach.mark_up()
             return response, slot
 
         self._endpoint.wake()
-        (response, slot), attempts = await self._with_retries(attempt, path)
-        return response, slot, attempts, queued
+        (response, slot), attempts = await self._with_retries(attempt, path, call)
+        return response, slot, attempts, call.queued_s
 
-    async def _with_retries(self, op: Callable[[], Awaitable[T]], label: str) -> tuple[T, int]:
-        """Run ``op`` once; only if that fails retryably, hand over to :meth:`_retry_loop`.
+    async def _with_retries(
+        self, op: Callable[[], Awaitable[T]], label: str, call: _Call
+    ) -> tuple[T, int]:
+        """Run ``op`` once; only if that fails, hand over to :meth:`_retry_loop`.
 
         The common path (success at once) builds no retry machinery.
         """
@@ -239,10 +243,8 @@ class RequestPath:
         except DSClientError as first:
             if self._retry.attempts <= 1 or not is_retryable(first):
                 raise
-            if not self._spend(first):
-                raise
             failure: DSClientError = first
-        return await self._retry_loop(op, failure, label)
+        return await self._retry_loop(op, failure, label, call)
 
     def _is_congestion(self, exc: BaseException | None) -> bool:
         """A load refusal under an adaptive limit (see the module docstring)."""
@@ -266,63 +268,79 @@ class RequestPath:
         return False
 
     async def _retry_loop(
-        self, op: Callable[[], Awaitable[T]], first: DSClientError, label: str
+        self, op: Callable[[], Awaitable[T]], failure: DSClientError, label: str, call: _Call
     ) -> tuple[T, int]:
+        """Retry ``op`` after ``failure`` (retryable) until it succeeds or may not go on.
+
+        The rule, per failed attempt:
+
+        1. A connection that failed in an outage (the server went away, and a health probe
+           confirmed it) is not the call's fault: the call waits at the gate for the server,
+           then tries again at once, spending neither the budget nor one of ``Retry.attempts``
+           (at most ``Retry.outage_retries`` times). The wait is bounded by the call's deadline
+           and by ``outage_wait`` (the gate then raises ``ConnectionError``).
+        2. Any other retryable failure is a try: at most ``Retry.attempts`` tries in all
+           (``overload_attempts`` for congestion, see the module docstring), each retry spending
+           one budget token (none for congestion), after a full-jitter backoff outside any slot.
+        """
         retry = self._retry
-        delay = compute_backoff(
-            1, base=retry.base, cap=retry.cap, retry_after=retry_after_of(first), rng=self._rng
-        )
-        logger.info(
-            "dsclient: %s failed with %s; retry 2/%d in %.2fs",
-            label,
-            describe(first),
-            self._tries_allowed(first),
-            delay,
-        )
-        await self._sleep(delay)  # outside any slot
+        attempts = 1  # tries made, outage retries included
+        free = 0  # outage retries among them
+        while True:
+            outage, call.outage = call.outage, None
+            victim = False
+            if outage is not None:
+                try:
+                    await self.reach.wait_up()
+                except DSClientError as gone:
+                    gone.attempts = attempts
+                    raise
+                victim = self.reach.confirmed(outage) and free < retry.outage_retries
+            if victim:
+                free += 1
+                logger.info(
+                    "dsclient: %s lost its connection in an outage of %s; trying again now that "
+                    "it answers (outside the retry budget)",
+                    label,
+                    self.reach.label,
+                )
+            else:
+                tries = attempts - free
+                if tries >= self._tries_allowed(failure) or not self._spend(failure):
+                    failure.attempts = attempts
+                    raise failure
+                delay = compute_backoff(
+                    tries,
+                    base=retry.base,
+                    cap=retry.cap,
+                    retry_after=retry_after_of(failure),
+                    rng=self._rng,
+                )
+                logger.info(
+                    "dsclient: %s failed with %s; retry %d/%d in %.2fs",
+                    label,
+                    describe(failure),
+                    tries + 1,
+                    self._tries_allowed(failure),
+                    delay,
+                )
+                await self._sleep(delay)  # outside any slot
+            attempts += 1
+            try:
+                return await op(), attempts
+            except DSClientError as exc:
+                if not is_retryable(exc):
+                    exc.attempts = attempts
+                    raise
+                failure = exc
 
-        def wait(state: tenacity.RetryCallState) -> float:
-            exc = state.outcome.exception() if state.outcome is not None else None
-            seconds = compute_backoff(
-                state.attempt_number + 1,
-                base=retry.base,
-                cap=retry.cap,
-                retry_after=retry_after_of(exc) if exc else None,
-                rng=self._rng,
-            )
-            logger.info(
-                "dsclient: %s failed with %s; retry %d/%d in %.2fs",
-                label,
-                describe(exc) if exc else "?",
-                state.attempt_number + 2,
-                self._tries_allowed(exc),
-                seconds,
-            )
-            return seconds
 
-        def stop(state: tenacity.RetryCallState) -> bool:
-            # tenacity asks `stop` only once `retry` said the failure is retryable, so this
-            # spends a token exactly when a retry is about to happen.
-            # `attempt_number` counts the loop's tries; the call made one before the loop.
-            exc = state.outcome.exception() if state.outcome is not None else None
-            if state.attempt_number + 1 >= self._tries_allowed(exc):
-                return True
-            return not self._spend(exc or RuntimeError("?"))
+class _Call:
+    """What the attempts of one call share: the time queued for slots, and the outage its last
+    connection failed in."""
 
-        attempts = 1
-        retrying = tenacity.AsyncRetrying(
-            stop=stop,
-            wait=wait,
-            retry=tenacity.retry_if_exception(is_retryable),
-            sleep=self._sleep,
-            reraise=True,
-        )
-        try:
-            async for attempt in retrying:
-                with attempt:
-                    attempts += 1
-                    result = await op()
-        except DSClientError as exc:
-            exc.attempts = attempts
-            raise
-        return result, attempts
+    __slots__ = ("outage", "queued_s")
+
+    def __init__(self) -> None:
+        self.queued_s = 0.0
+        self.outage: int | None = None

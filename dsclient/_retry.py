@@ -1,7 +1,7 @@
 """Retry policy: which failures to retry, how long to wait, and how many retries to allow.
 
-Everything here is pure (no network, no sleeping); the client asks and sleeps, driving the
-attempts with ``tenacity.AsyncRetrying`` whose ``wait`` calls :func:`compute_backoff`.
+Everything here is pure (no network, no sleeping); the request path
+(:class:`~dsclient._pipeline.RequestPath`) asks and sleeps.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class Retry:
     ``Retry(base=0.1, cap=2.0)``                 faster backoff for a local server
     ``Retry(budget_ratio=0.2, budget_floor=3)``  retries may be 20% of recent requests
     ``Retry(overload_attempts=4)``               give up on a refusing server as on any error
+    ``Retry(outage_retries=0)``                  a call dies with the server it was on
     ==========================================  =============================================
 
     Parameters:
@@ -60,6 +61,12 @@ class Retry:
             under the cut limit, so these retries add no load and spend no budget. vLLM's
             ``--max-num-queued-reqs`` refuses every request over its queue at once; four tries
             lost requests in a burst. ``attempts=1`` still turns every retry off.
+        outage_retries: retries a call gets, beyond ``attempts`` and outside the budget, when
+            its connection failed because the server went away (an outage that a failed
+            health probe confirmed): one per outage it lives through, each after waiting for
+            the server to answer again (bounded by the call's timeout and the client's
+            ``outage_wait``). The calls in flight when a server dies are victims of one outage,
+            not evidence of a failing server; the budget is for live servers.
     """
 
     attempts: int = 4
@@ -69,6 +76,7 @@ class Retry:
     budget_floor: int = 10
     budget_window: float = 10.0
     overload_attempts: int = 12
+    outage_retries: int = 8
 
     def __post_init__(self) -> None:
         if not isinstance(self.attempts, int) or self.attempts < 1:
@@ -76,6 +84,14 @@ class Retry:
         if not isinstance(self.overload_attempts, int) or self.overload_attempts < 1:
             raise ValueError(
                 f"Retry.overload_attempts must be an int >= 1, got {self.overload_attempts!r}"
+            )
+        if (
+            isinstance(self.outage_retries, bool)
+            or not isinstance(self.outage_retries, int)
+            or self.outage_retries < 0
+        ):
+            raise ValueError(
+                f"Retry.outage_retries must be an int >= 0, got {self.outage_retries!r}"
             )
         if not (isinstance(self.base, (int, float)) and 0 < self.base < math.inf):
             raise ValueError(f"Retry.base must be finite seconds > 0, got {self.base!r}")

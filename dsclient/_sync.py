@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
@@ -18,6 +18,10 @@ from ._client import USE_DEFAULT, AsyncClient, Messages, Prompt, Stream
 from ._discovery import ServerInfo
 from ._governor import GovernorStats
 from ._models import ChatResult, CompletionResult, Failure, Result
+
+if TYPE_CHECKING:
+    import httpx
+    import openai
 
 __all__ = ["Client", "SyncStream"]
 
@@ -44,7 +48,11 @@ class Client:
 
     # lifecycle
     def __enter__(self) -> Client:
-        self.discover()
+        try:
+            self.discover()
+        except BaseException:
+            self.close()  # the connections and the portal's thread: __exit__ will not run
+            raise
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -143,6 +151,48 @@ class Client:
         from ._batch import iter_map_blocking
 
         return iter_map_blocking(self._portal, self._async, items, **kwargs)
+
+    def openai(
+        self,
+        *,
+        urgency: int = 0,
+        group: str | None = None,
+        overflow: Literal["refuse", "cut"] = "refuse",
+        **kwargs: Any,
+    ) -> openai.OpenAI:
+        """An ``openai.OpenAI`` whose requests go through this client's governor.
+
+            sdk = client.openai()
+            r = sdk.chat.completions.create(model="tiny", messages=msgs, max_tokens=16)
+
+        See :meth:`AsyncClient.openai` (same parameters); the requests run on this client's
+        background loop, so it works from any thread and inside Jupyter cells.
+        """
+        from ._transport import sync_openai
+
+        sdk: openai.OpenAI = sync_openai(
+            self._portal, self._async, urgency=urgency, group=group, overflow=overflow, **kwargs
+        )
+        return sdk
+
+    def httpx(
+        self,
+        *,
+        urgency: int = 0,
+        group: str | None = None,
+        overflow: Literal["refuse", "cut"] = "refuse",
+        **kwargs: Any,
+    ) -> httpx.Client:
+        """An ``httpx.Client`` whose inference requests go through this client's governor
+        (``ChatOpenAI(http_client=client.httpx())``). See :meth:`AsyncClient.httpx`.
+
+            r = client.httpx().post("/v1/completions", json={"model": "tiny", "prompt": "Hi"})
+        """
+        from ._transport import sync_httpx
+
+        return sync_httpx(
+            self._portal, self._async, urgency=urgency, group=group, overflow=overflow, **kwargs
+        )
 
 
 class SyncStream:

@@ -7,6 +7,7 @@ import json
 import httpx
 import pytest
 
+import dsclient
 from dsclient._exceptions import (
     ContextOverflow,
     Overloaded,
@@ -263,3 +264,69 @@ def test_redact_takes_a_secret_out_of_message_and_body():
     redact(error, "sk-1234567")
     assert "sk-1234567" not in f"{error} {error!r} {error.body} {error.message}"
     assert error.body == "Authorization: Bearer ***"
+
+
+# -- pickling: process pools and Ray send errors between processes ---------------------------------
+def _samples() -> dict[type, BaseException]:
+    from pathlib import Path
+
+    from dsclient.launcher import LaunchError, ServerStartError, VllmFlagsError
+
+    return {
+        dsclient.DSClientError: dsclient.DSClientError("plain"),
+        dsclient.TransportError: dsclient.TransportError("no answer"),
+        dsclient.TimeoutError: dsclient.TimeoutError("call did not finish within 5 s"),
+        dsclient.ConnectionError: dsclient.ConnectionError("connection refused"),
+        dsclient.ServerError: dsclient.ServerError("odd"),
+        dsclient.MalformedResponse: dsclient.MalformedResponse("not JSON", body="<html>"),
+        dsclient.ResponseTooLarge: dsclient.ResponseTooLarge("answer", limit=2**20, body="x" * 9),
+        dsclient.RequestRefused: dsclient.RequestRefused(
+            418, '{"error": {"message": "teapot"}}', retry_after=1.5
+        ),
+        dsclient.Overloaded: dsclient.Overloaded(503, "busy", retry_after=2.0),
+        dsclient.ContextOverflow: dsclient.ContextOverflow(
+            "prompt has 2300 tokens; model context is 2048",
+            prompt_tokens=2300,
+            requested_tokens=16,
+            context_length=2048,
+        ),
+        LaunchError: LaunchError("port 8000 is taken"),
+        VllmFlagsError: VllmFlagsError(
+            "unrecognized arguments: --bogus", argv=("vllm", "--bogus"), python="/usr/bin/python3"
+        ),
+        ServerStartError: ServerStartError(
+            "vLLM exited", log_tail="boom\n", log_path=Path("/tmp/x.log"), returncode=1
+        ),
+    }
+
+
+def _exported_exceptions() -> set[type]:
+    import dsclient.launcher
+
+    found = set()
+    for module in (dsclient, dsclient.launcher):
+        for name in module.__all__:
+            value = getattr(module, name)
+            if isinstance(value, type) and issubclass(value, BaseException):
+                found.add(value)
+    return found
+
+
+def test_every_exported_exception_has_a_pickle_sample():
+    assert _exported_exceptions() == set(_samples())
+
+
+@pytest.mark.parametrize(
+    "cls", sorted(_samples(), key=lambda c: c.__name__), ids=lambda c: c.__name__
+)
+def test_every_exported_exception_pickles_whole(cls):
+    import pickle
+
+    original = _samples()[cls]
+    original.attempts = 3  # set by the request path on failed calls
+    for protocol in (2, pickle.HIGHEST_PROTOCOL):
+        copy = pickle.loads(pickle.dumps(original, protocol=protocol))
+        assert type(copy) is cls
+        assert str(copy) == str(original) and copy.args == original.args
+        assert vars(copy) == vars(original)
+        assert copy.attempts == 3
