@@ -42,19 +42,20 @@ from ._exceptions import (
     ConnectionError,
     DSClientError,
     Overloaded,
+    RequestRefused,
     error_from_response,
     redact,
     translate_request_error,
 )
 from ._health import Reachability
 from ._retry import Retry, RetryBudget, compute_backoff, describe, is_retryable, retry_after_of
-from ._streaming import MAX_BODY_BYTES, read_json, read_prefix
+from ._streaming import MAX_BODY_BYTES, read_body, read_json, read_prefix
 
 if TYPE_CHECKING:
     from ._endpoint import Endpoint
     from ._governor import Lane, Slot
 
-__all__ = ["RequestPath", "outcome_of"]
+__all__ = ["Answer", "RequestPath", "outcome_of"]
 
 logger = logging.getLogger("dsclient")
 T = TypeVar("T")
@@ -230,6 +231,97 @@ class RequestPath:
         (response, slot), attempts = await self._with_retries(attempt, path, call)
         return response, slot, attempts, call.queued_s
 
+    async def send_raw(
+        self,
+        path: str,
+        content: bytes,
+        headers: list[tuple[str, str]],
+        *,
+        lane: Lane,
+        urgency: int,
+        group: str | None,
+        stream: bool,
+    ) -> Answer:
+        """POST a caller's bytes attempt by attempt, as :meth:`send_json` does, and give back the
+        server's answer instead of raising for its status (``dsclient/_transport.py`` hands it to
+        another SDK, which maps statuses to its own errors).
+
+        A 2xx body is read under the cap and its slot released; with ``stream`` the response
+        comes back open and the caller holds ``Answer.slot`` until it is done. A refusal that
+        may not be retried (or whose retries are spent) comes back as the last answer, its body
+        read (at most ``ERROR_BODY_BYTES``, the API key blanked out).
+
+        Raises:
+            DSClientError: what has no answer: a transport failure, the outage gate giving up,
+                a body over the cap, the client's own full queue (``Overloaded(0)``).
+        """
+        governor = self._endpoint.governor
+        call = _Call()
+        refused: list[tuple[DSClientError, Answer]] = []
+
+        async def attempt() -> Answer:
+            await self.reach.wait_up()
+            slot = governor.slot(lane=lane, urgency=urgency, group=group)
+            await slot.__aenter__()
+            call.queued_s += slot.queued_s
+            try:
+                response, body = await self._exchange(path, content, headers, stream)
+                if body is not None and response.status_code >= 400:
+                    error = error_from_response(response, body)
+                    self.redact_error(error)
+                    refused[:] = [(error, Answer(response, self._redact_bytes(body), None))]
+                    raise error
+            except BaseException as exc:
+                if isinstance(exc, DSClientError):
+                    slot.set_outcome(outcome_of(exc))
+                    self._unreachable(exc, call)
+                await slot.__aexit__(type(exc), exc, exc.__traceback__)
+                raise
+            self.reach.mark_up()
+            if body is None:
+                return Answer(response, None, slot)
+            await slot.__aexit__(None, None, None)
+            return Answer(response, body, None)
+
+        self._endpoint.wake()
+        try:
+            answer, attempts = await self._with_retries(attempt, path, call)
+        except RequestRefused as exc:
+            if not refused or refused[0][0] is not exc:
+                raise
+            answer, attempts = refused[0][1], exc.attempts
+        answer.attempts, answer.queued_s = attempts, call.queued_s
+        return answer
+
+    async def _exchange(
+        self, path: str, content: bytes, headers: list[tuple[str, str]], stream: bool
+    ) -> tuple[httpx.Response, bytes | None]:
+        """One POST of a caller's bytes: the answer and its body (``None``: an open stream)."""
+        request = self._http.build_request(
+            "POST", self._endpoint.url + path, content=content, headers=headers
+        )
+        try:
+            response = await self._http.send(request, stream=True)
+        except httpx.RequestError as exc:
+            raise translate_request_error(exc) from exc
+        if stream and response.status_code < 400:
+            return response, None
+        try:
+            if response.status_code >= 400:
+                return response, await read_prefix(response)
+            return response, await read_body(response, limit=self.max_body_bytes)
+        except DSClientError as exc:
+            self.redact_error(exc)
+            raise
+        finally:
+            await response.aclose()
+
+    def _redact_bytes(self, body: bytes) -> bytes:
+        """:meth:`redact_error` for a body handed back as it came (a server may echo the key)."""
+        scheme, _, token = self._http.headers.get("authorization", "").partition(" ")
+        secret = (token.strip() or scheme.strip()).encode()
+        return body.replace(secret, b"***") if len(secret) >= 6 else body
+
     async def _with_retries(
         self, op: Callable[[], Awaitable[T]], label: str, call: _Call
     ) -> tuple[T, int]:
@@ -344,3 +436,18 @@ class _Call:
     def __init__(self) -> None:
         self.queued_s = 0.0
         self.outage: int | None = None
+
+
+class Answer:
+    """What :meth:`RequestPath.send_raw` gives back: the server's ``response``, its ``content``
+    (``None`` for an open stream, whose ``slot`` the caller then holds), the ``attempts`` made
+    and the seconds ``queued_s`` waiting for slots."""
+
+    __slots__ = ("attempts", "content", "queued_s", "response", "slot")
+
+    def __init__(self, response: httpx.Response, content: bytes | None, slot: Slot | None) -> None:
+        self.response = response
+        self.content = content
+        self.slot = slot
+        self.attempts = 1
+        self.queued_s = 0.0

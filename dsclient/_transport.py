@@ -1,0 +1,733 @@
+"""The governor under other SDKs: httpx transports that send inference requests through a
+client's request path.
+
+    sdk = openai.AsyncOpenAI(base_url=client.url + "/v1", api_key="EMPTY", max_retries=0,
+                             http_client=httpx.AsyncClient(transport=GovernedTransport(client)))
+
+:meth:`AsyncClient.openai` and :meth:`AsyncClient.httpx` build exactly that. What the transport
+does with one request the SDK hands it:
+
+* ``POST /v1/completions``, ``/v1/chat/completions`` and ``/v1/embeddings`` are *inference*: the
+  JSON body is read, its ``prompt`` / ``messages`` / ``input`` and ``max_tokens`` (or
+  ``max_completion_tokens``) planned with the client's own planning (:meth:`AsyncClient._plan`:
+  the lane, whether ``max_tokens`` fits), and the request goes through the client's
+  :class:`~dsclient._pipeline.RequestPath` attempt by attempt: a slot, one send, the slot back
+  with its outcome, retries with backoff outside the slot under the retry budget, the outage
+  gate, the response-size cap. Everything else in the body (tools, ``response_format``, vLLM's
+  own fields) is sent as the SDK wrote it.
+* Anything else (``GET /v1/models``, ``/tokenize``, ``/health``) passes through ungoverned.
+* Every request goes to the client's server: the path is the SDK's, the host is the client's
+  (the one place a later router picks a server per attempt). The client's API key, when it has
+  one, replaces the SDK's (which can then be a placeholder such as ``"EMPTY"``).
+
+**Errors are the server's.** A refusal (4xx / 5xx) is retried as dsclient retries anything; once
+it may not be retried again, the server's last answer (status, headers, body; at most
+:data:`~dsclient._exceptions.ERROR_BODY_BYTES` of it) comes back to the SDK, which raises its
+own types (``openai.BadRequestError``, ``RateLimitError``, ...). Failures without an answer raise
+httpx exceptions, which the openai SDK maps to ``APITimeoutError`` / ``APIConnectionError``; the
+dsclient error is their ``__cause__``. Two refusals are the client's own, as the SDK's usual
+statuses, marked ``x-dsclient-refused``: ``400`` (``context``) when ``max_tokens`` cannot fit,
+``429`` (``queue-full``) when the client's ``max_queue`` is full.
+
+**Per-request options** come in headers (``extra_headers=`` per call, ``default_headers=`` on
+the SDK client) or in the body (``extra_body={"dsclient": {...}}``); both are stripped before
+sending, and the body wins:
+
+===========================  ===============================  ===================================
+header                       body field                       meaning
+===========================  ===============================  ===================================
+``x-dsclient-urgency: 5``    ``{"urgency": 5}``               admitted first among waiters
+``x-dsclient-group: batch``  ``{"group": "batch"}``           the traffic group (``group_caps``)
+``x-dsclient-overflow: cut`` ``{"overflow": "cut"}``          cut ``max_tokens`` to the room left
+===========================  ===============================  ===================================
+
+**max_tokens that cannot fit** is refused by default (``overflow="refuse"``) rather than cut:
+an SDK caller asked for that number, a cut answer can end mid-sentence or mid-JSON without
+saying so (``finish_reason`` "length" looks like a plain limit), vLLM 0.32 clamps silently while
+other versions and servers refuse, and code written against the SDK already handles
+``BadRequestError``. The refusal is exact: it needs the server's own count (``/tokenize``), and
+is made only when ``prompt + max_tokens`` passes the context, dsclient's margin not counted.
+Without an exact count the request goes as written and the server decides. ``overflow="cut"``
+applies what :meth:`AsyncClient.generate` does. A request without ``max_tokens`` is planned as if
+it asked for the client's ``default_max_tokens`` and sent without one.
+
+**Timeouts.** The SDK's timeout (its ``read`` value, which ``timeout=20`` sets) bounds the whole
+call: waiting for a slot, every attempt and backoff, and for a stream every read until its end.
+
+**Streams** (``"stream": true``) keep their slot until the body is read to its end or closed.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import logging
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+import httpx
+
+from ._exceptions import (
+    ContextOverflow,
+    DSClientError,
+    MalformedResponse,
+    Overloaded,
+    ResponseTooLarge,
+    TimeoutError,
+    TransportError,
+    parse_json,
+)
+from ._governor import choose_lane, default_long_threshold
+from ._streaming import MAX_BODY_BYTES
+
+if TYPE_CHECKING:
+    from anyio.from_thread import BlockingPortal
+
+    from ._client import AsyncClient
+    from ._governor import Lane, Slot
+
+__all__ = [
+    "INFERENCE_PATHS",
+    "GovernedTransport",
+    "SyncGovernedTransport",
+    "parse_options",
+]
+
+logger = logging.getLogger("dsclient")
+
+Overflow = Literal["refuse", "cut"]
+
+#: The routes that are governed (a slot per attempt); every other request passes through.
+INFERENCE_PATHS: Final = {
+    "/v1/completions": "completion",
+    "/v1/chat/completions": "chat",
+    "/v1/embeddings": "embedding",
+}
+
+_URGENCY: Final = "x-dsclient-urgency"
+_GROUP: Final = "x-dsclient-group"
+_OVERFLOW: Final = "x-dsclient-overflow"
+#: Request headers never forwarded: the client's own options, and what httpx recomputes.
+_DROP_REQUEST: Final = frozenset(
+    {_URGENCY, _GROUP, _OVERFLOW, "host", "content-length", "transfer-encoding", "connection"}
+)
+#: Answer headers that no longer describe a body read (and decoded) here.
+_DROP_READ: Final = frozenset({"content-length", "content-encoding", "transfer-encoding"})
+
+
+# -- options (pure) -----------------------------------------------------------------------------
+def parse_options(
+    headers: Mapping[str, str],
+    field: Any,
+    *,
+    urgency: int,
+    group: str | None,
+    overflow: Overflow,
+) -> tuple[int, str | None, Overflow]:
+    """The call's ``(urgency, group, overflow)`` from its headers and its body's ``"dsclient"``
+    field, over the transport's defaults; the body wins.
+
+        parse_options({"x-dsclient-urgency": "3"}, None, urgency=0, group=None,
+                      overflow="refuse")                     # (3, None, "refuse")
+        parse_options({}, {"group": "batch", "overflow": "cut"}, urgency=0, group=None,
+                      overflow="refuse")                     # (0, "batch", "cut")
+
+    Parameters:
+        headers: the request's headers (case-insensitive lookup, as ``httpx.Headers``).
+        field: the body's ``"dsclient"`` value, or ``None``.
+        urgency, group, overflow: the defaults (the transport's).
+
+    Raises:
+        ValueError: a value of the wrong kind (a programmer mistake: not sent, not retried).
+    """
+    values: dict[str, Any] = {}
+    for name, key in ((_URGENCY, "urgency"), (_GROUP, "group"), (_OVERFLOW, "overflow")):
+        raw = headers.get(name)
+        if raw is not None:
+            values[key] = raw.strip()
+    if field is not None:
+        if not isinstance(field, Mapping):
+            raise ValueError(f'the body\'s "dsclient" field must be an object, got {field!r:.80}')
+        unknown = set(field) - {"urgency", "group", "overflow"}
+        if unknown:
+            raise ValueError(
+                f'unknown keys in the body\'s "dsclient" field: {sorted(unknown)}; '
+                "known: urgency, group, overflow"
+            )
+        values.update(field)
+    if "urgency" in values:
+        value = values["urgency"]
+        try:
+            if isinstance(value, (bool, float)):
+                raise TypeError
+            urgency = int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"urgency must be an integer, got {value!r:.80}") from None
+    if "group" in values:
+        value = values["group"]
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(f"group must be a non-empty string or null, got {value!r:.80}")
+        group = value
+    if "overflow" in values:
+        value = values["overflow"]
+        if value not in ("refuse", "cut"):
+            raise ValueError(f"overflow must be 'refuse' or 'cut', got {value!r:.80}")
+        overflow = value
+    return urgency, group, overflow
+
+
+def _requested(kind: str, body: Mapping[str, Any]) -> tuple[str, int | None]:
+    """The body's output-token field and its value (``None``: absent or not a positive int)."""
+    names = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
+    for name in names:
+        if name in body:
+            value = body[name]
+            ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+            return name, value if ok else None
+    return names[-1], None
+
+
+def _prompt_of(kind: str, body: Mapping[str, Any]) -> str | list[Mapping[str, Any]] | None:
+    """What :meth:`AsyncClient._plan` can plan: a prompt string or a message list, else None
+    (token ids, batches of prompts: sent as written, in the short lane)."""
+    if kind == "chat":
+        messages = body.get("messages")
+        if (
+            isinstance(messages, list)
+            and messages
+            and all(isinstance(m, Mapping) and "role" in m for m in messages)
+        ):
+            return messages
+        return None
+    prompt = body.get("prompt") if kind == "completion" else body.get("input")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if kind == "embedding" and isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        return "\n".join(prompt) or None
+    return None
+
+
+def _refusal(status: int, message: str, *, why: str, param: str | None) -> httpx.Response:
+    """The client's own refusal, in the OpenAI error shape the SDKs parse."""
+    error_type = "RateLimitError" if status == 429 else "BadRequestError"
+    return httpx.Response(
+        status,
+        headers={"x-dsclient-refused": why},
+        json={"error": {"message": message, "type": error_type, "param": param, "code": status}},
+    )
+
+
+def overflow_message(*, prompt_tokens: int, requested: int, context: int, field: str) -> str:
+    """The refusal's text: the counts, the room left, and how to get a cut instead."""
+    room = max(0, context - prompt_tokens)
+    return (
+        f"dsclient: {field}={requested} cannot fit: the prompt has {prompt_tokens} tokens and "
+        f"the model's context is {context} tokens, which leaves room for {room} output tokens "
+        f"({prompt_tokens} + {requested} > {context}). Ask for at most {room}, or let dsclient "
+        f'cut it (header "x-dsclient-overflow: cut", or extra_body={{"dsclient": '
+        f'{{"overflow": "cut"}}}}).'
+    )
+
+
+# -- planning ---------------------------------------------------------------------------------
+class _Governed:
+    """What one inference request will send: the body's bytes, its lane and options."""
+
+    __slots__ = ("content", "group", "lane", "stream", "urgency")
+
+    def __init__(
+        self, content: bytes, lane: Lane, urgency: int, group: str | None, stream: bool
+    ) -> None:
+        self.content = content
+        self.lane = lane
+        self.urgency = urgency
+        self.group = group
+        self.stream = stream
+
+
+async def _plan(
+    client: AsyncClient,
+    kind: str,
+    content: bytes,
+    headers: httpx.Headers,
+    defaults: tuple[int, str | None, Overflow],
+) -> _Governed | httpx.Response:
+    """Plan one inference request, or answer it with the client's refusal."""
+    try:
+        body = parse_json(content)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):  # not ours to judge: the server answers it
+        urgency, group, _ = parse_options(
+            headers, None, urgency=defaults[0], group=defaults[1], overflow=defaults[2]
+        )
+        return _Governed(content, "short", urgency, group, False)
+    changed = "dsclient" in body
+    field = body.pop("dsclient", None)
+    urgency, group, overflow = parse_options(
+        headers, field, urgency=defaults[0], group=defaults[1], overflow=defaults[2]
+    )
+    stream = body.get("stream") is True
+    prompt = _prompt_of(kind, body)
+    lane: Lane = "short"
+    if prompt is not None and kind == "embedding":
+        info = await client._ready()
+        threshold = client._long_threshold or default_long_threshold(info.max_model_len)
+        upper = client._tokens.upper_bound(prompt) or 0
+        if upper > threshold:
+            estimate = client._tokens.estimate(prompt)
+            lane = choose_lane(estimated_total_tokens=estimate, threshold=threshold)
+    elif prompt is not None:
+        field, requested = _requested(kind, body)
+        plan_kind: Literal["completion", "chat"] = "chat" if kind == "chat" else "completion"
+        try:
+            plan = await client._plan(plan_kind, prompt, requested, {})
+        except ContextOverflow as exc:
+            return _overflow_refusal(exc, requested, field)
+        lane = plan.lane
+        if requested is not None and plan.max_tokens < requested:
+            if overflow == "cut":
+                body[field] = plan.max_tokens
+                changed = True
+            else:
+                refusal = await _check_fit(client, prompt, requested, field)
+                if refusal is not None:
+                    return refusal
+    if changed:
+        content = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    return _Governed(content, lane, urgency, group, stream)
+
+
+async def _check_fit(
+    client: AsyncClient, prompt: str | list[Mapping[str, Any]], requested: int, field: str
+) -> httpx.Response | None:
+    """The planner would cut ``requested``: refuse when the server's own count says it cannot
+    fit (the margin not counted), else let the request go as written."""
+    info = await client._ready()
+    ctx = info.max_model_len
+    counted = await client._count_exact(prompt) if info.has_tokenize else None
+    if counted is None or ctx is None or counted + requested <= ctx:
+        return None
+    message = overflow_message(prompt_tokens=counted, requested=requested, context=ctx, field=field)
+    return _refusal(400, message, why="context", param=field)
+
+
+def _overflow_refusal(exc: ContextOverflow, requested: int | None, field: str) -> httpx.Response:
+    """The prompt alone cannot fit (dsclient counted it, or ``/tokenize`` refused it)."""
+    if exc.prompt_tokens is not None and exc.context_length is not None:
+        message = overflow_message(
+            prompt_tokens=exc.prompt_tokens,
+            requested=requested if requested is not None else 1,
+            context=exc.context_length,
+            field=field,
+        )
+    else:
+        message = f"dsclient: the prompt cannot fit the model's context: {exc}"
+    return _refusal(400, message, why="context", param="messages")
+
+
+# -- the async transport ------------------------------------------------------------------------
+class GovernedTransport(httpx.AsyncBaseTransport):
+    """An httpx transport that sends inference requests through an :class:`AsyncClient`'s
+    governor and request path (see the module docstring); the rest passes through.
+
+        sdk_http = httpx.AsyncClient(transport=GovernedTransport(client, group="batch"))
+        llm = ChatOpenAI(base_url=client.url + "/v1", http_async_client=sdk_http, ...)
+
+    Parameters:
+        client: the dsclient client whose limit, lanes, retries and server are used.
+        urgency, group, overflow: defaults for requests that do not say (see the table above).
+
+    Closing it does not close ``client``: the client owns the connections.
+    """
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        *,
+        urgency: int = 0,
+        group: str | None = None,
+        overflow: Overflow = "refuse",
+    ) -> None:
+        self._client = client
+        options = {"urgency": urgency, "group": group, "overflow": overflow}
+        self._defaults: tuple[int, str | None, Overflow] = parse_options(
+            {}, options, urgency=0, group=None, overflow="refuse"
+        )
+        self._warned: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"GovernedTransport({self._client.url!r})"
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        client = self._client
+        path = self._relative(request.url)
+        kind = INFERENCE_PATHS.get(path) if request.method == "POST" else None
+        content = await request.aread()
+        headers = self._forwarded(request.headers)
+        if request.url.query:
+            path += "?" + request.url.query.decode("ascii")
+        if kind is None:
+            return await self._pass_through(request, client.url + path, headers, content)
+        if request.headers.get("x-stainless-retry-count", "0") not in ("0", ""):
+            self._warn_once(
+                "sdk-retries",
+                "dsclient: the SDK is retrying a request that dsclient already retried; "
+                "give it max_retries=0 (client.openai() does)",
+            )
+        ends_at, limit_s = _deadline_of(request)
+        try:
+            async with _scope(limit_s):
+                planned = await _plan(client, kind, content, request.headers, self._defaults)
+                if isinstance(planned, httpx.Response):
+                    return planned
+                sent = await client._path.send_raw(
+                    path,
+                    planned.content,
+                    headers,
+                    lane=planned.lane,
+                    urgency=planned.urgency,
+                    group=planned.group,
+                    stream=planned.stream,
+                )
+        except builtins.TimeoutError as exc:
+            raise httpx.ReadTimeout(
+                f"dsclient: call did not finish within its timeout of {limit_s} s", request=request
+            ) from exc
+        except DSClientError as exc:
+            if isinstance(exc, Overloaded) and exc.status == 0:
+                message = f"dsclient: the client's queue is full: {exc}"
+                return _refusal(429, message, why="queue-full", param=None)
+            raise _as_httpx(exc, request) from exc
+        response, body, slot = sent.response, sent.content, sent.slot
+        extra = {
+            "x-dsclient-lane": planned.lane,
+            "x-dsclient-attempts": str(sent.attempts),
+            "x-dsclient-queued-s": f"{sent.queued_s:.4f}",
+        }
+        if body is not None:
+            out_headers = [(k, v) for k, v in response.headers.multi_items() if k not in _DROP_READ]
+            out_headers.extend(extra.items())
+            return httpx.Response(response.status_code, headers=out_headers, content=body)
+        stream = GovernedStream(
+            response, slot, limit=client._path.max_body_bytes, ends_at=ends_at, timeout_s=limit_s
+        )
+        out = list(response.headers.multi_items())
+        out.extend(extra.items())
+        return httpx.Response(response.status_code, headers=out, stream=stream)
+
+    def _relative(self, url: httpx.URL) -> str:
+        """The request's path on the client's server: the SDK's path, less the client URL's own
+        path prefix when it has one."""
+        root = httpx.URL(self._client.url)
+        path = url.path
+        prefix = root.path.rstrip("/")
+        if prefix and path.startswith(prefix + "/"):
+            path = path[len(prefix) :]
+        if (url.scheme, url.host, url.port) != (root.scheme, root.host, root.port):
+            self._warn_once(
+                f"origin:{url.scheme}://{url.host}:{url.port}",
+                f"dsclient: a request to {url.scheme}://{url.host}:{url.port} goes to the "
+                f"client's server {self._client.url} (the transport routes; the SDK's host is "
+                "not used)",
+            )
+        return path
+
+    def _forwarded(self, headers: httpx.Headers) -> list[tuple[str, str]]:
+        """The SDK's headers less the client's own options; the client's key replaces the
+        SDK's when the client has one."""
+        drop = _DROP_REQUEST
+        if self._client._api_key is not None:
+            drop = drop | {"authorization"}
+        return [(k, v) for k, v in headers.multi_items() if k.lower() not in drop]
+
+    async def _pass_through(
+        self, request: httpx.Request, target: str, headers: list[tuple[str, str]], content: bytes
+    ) -> httpx.Response:
+        """Not inference: one send, no slot, no retry; the body streams under the line cap."""
+        http = self._client._http
+        outgoing = http.build_request(
+            request.method, target, headers=headers, content=content or None
+        )
+        timeout = request.extensions.get("timeout")
+        if timeout is not None:
+            outgoing.extensions["timeout"] = timeout
+        response = await http.send(outgoing, stream=True)
+        stream = GovernedStream(response, None, limit=self._client._path.max_body_bytes)
+        return httpx.Response(
+            response.status_code, headers=response.headers.multi_items(), stream=stream
+        )
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
+
+    async def aclose(self) -> None:
+        """Nothing to close: the :class:`AsyncClient` owns the connections."""
+
+
+def _deadline_of(request: httpx.Request) -> tuple[float | None, float | None]:
+    """``(ends_at on the loop's clock, seconds)`` from the SDK's timeout (its ``read`` value)."""
+    import anyio
+
+    timeout = request.extensions.get("timeout")
+    seconds = timeout.get("read") if isinstance(timeout, Mapping) else None
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:
+        return None, None
+    return anyio.current_time() + seconds, float(seconds)
+
+
+def _scope(seconds: float | None) -> Any:
+    from ._client import _deadline
+
+    return _deadline(seconds)
+
+
+def _as_httpx(exc: DSClientError, request: httpx.Request) -> httpx.HTTPError:
+    """A failure without an answer, as the httpx exception SDKs map (openai:
+    ``APITimeoutError`` for timeouts, ``APIConnectionError`` for the rest)."""
+    cause = exc.__cause__
+    if isinstance(cause, httpx.TransportError) and not isinstance(exc, MalformedResponse):
+        return cause
+    if isinstance(exc, TimeoutError):
+        return httpx.ReadTimeout(f"dsclient: {exc}", request=request)
+    if isinstance(exc, (MalformedResponse, ResponseTooLarge)):
+        return httpx.RemoteProtocolError(f"dsclient: {exc}", request=request)
+    if isinstance(exc, TransportError):
+        return httpx.ConnectError(f"dsclient: {exc}", request=request)
+    return httpx.RemoteProtocolError(f"dsclient: {exc}", request=request)
+
+
+# -- streams ----------------------------------------------------------------------------------
+class GovernedStream(httpx.AsyncByteStream):
+    """A streamed answer that holds its slot until read to the end or closed.
+
+    Yields the server's raw bytes (the SDK decodes them), never a line longer than ``limit``
+    bytes (then ``httpx.RemoteProtocolError``); each read waits at most for what is left of the
+    call's timeout (then ``httpx.ReadTimeout``). ``slot`` ``None``: an ungoverned pass-through.
+    """
+
+    def __init__(
+        self,
+        response: httpx.Response,
+        slot: Slot | None,
+        *,
+        limit: int = MAX_BODY_BYTES,
+        ends_at: float | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        self._response = response
+        self._slot = slot
+        self._limit = limit
+        self._ends_at = ends_at
+        self._timeout_s = timeout_s
+        self._iterated = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        import anyio
+
+        line = 0  # bytes since the last line break
+        if self._iterated:  # as httpx's own streams: once only (openai drains a second time)
+            raise httpx.StreamConsumed()
+        self._iterated = True
+        response = self._response
+        # A response already read (httpx.MockTransport's) has no raw stream left, only content.
+        chunks = _content_of(response) if response.is_stream_consumed else response.aiter_raw()
+        error: BaseException | None = None
+        try:
+            while True:
+                ends_at = self._ends_at
+                left = None if ends_at is None else max(0.0, ends_at - anyio.current_time())
+                try:
+                    async with _scope(left):
+                        chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    return
+                except builtins.TimeoutError as exc:
+                    raise httpx.ReadTimeout(
+                        f"dsclient: stream did not finish within its timeout of {self._timeout_s} s"
+                    ) from exc
+                cut = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
+                line = len(chunk) - cut - 1 if cut >= 0 else line + len(chunk)
+                if line > self._limit:
+                    raise httpx.RemoteProtocolError(
+                        f"dsclient: one line of the stream over {self._limit} bytes "
+                        "(max_response_bytes); the rest was not read"
+                    )
+                yield chunk
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            await self._release(error)
+
+    async def _release(self, error: BaseException | None) -> None:
+        import anyio
+
+        with anyio.CancelScope(shield=True):
+            await self._response.aclose()
+        slot, self._slot = self._slot, None
+        if slot is not None:
+            if isinstance(error, GeneratorExit):  # the consumer stopped reading: not a failure
+                error = None
+            if error is None:
+                await slot.__aexit__(None, None, None)
+            else:
+                await slot.__aexit__(type(error), error, error.__traceback__)
+
+    async def aclose(self) -> None:
+        await self._release(None)
+
+
+async def _content_of(response: httpx.Response) -> AsyncIterator[bytes]:
+    yield response.content
+
+
+# -- the sync transport ---------------------------------------------------------------------------
+class SyncGovernedTransport(httpx.BaseTransport):
+    """:class:`GovernedTransport` for ``httpx.Client`` (and ``openai.OpenAI``): each request
+    runs on the sync :class:`~dsclient.Client`'s event loop, through its portal.
+
+        sdk = openai.OpenAI(http_client=httpx.Client(transport=SyncGovernedTransport(portal, t)))
+
+    Parameters:
+        portal: the blocking portal of the loop the async client lives on.
+        transport: the :class:`GovernedTransport` of that client.
+    """
+
+    def __init__(self, portal: BlockingPortal, transport: GovernedTransport) -> None:
+        self._portal = portal
+        self._transport = transport
+
+    def __repr__(self) -> str:
+        return repr(self._transport).replace("GovernedTransport", "SyncGovernedTransport", 1)
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        content = request.read()
+        inner = httpx.Request(
+            request.method,
+            request.url,
+            headers=request.headers,
+            content=content,
+            extensions=request.extensions,
+        )
+        response = self._portal.call(self._transport.handle_async_request, inner)
+        stream = response.stream
+        if isinstance(stream, GovernedStream):
+            return httpx.Response(
+                response.status_code,
+                headers=response.headers.multi_items(),
+                stream=_SyncStream(self._portal, stream),
+            )
+        body = self._portal.call(response.aread)
+        return httpx.Response(
+            response.status_code, headers=response.headers.multi_items(), content=body
+        )
+
+    def close(self) -> None:
+        """Nothing to close: the :class:`~dsclient.Client` owns the connections."""
+
+
+class _SyncStream(httpx.SyncByteStream):
+    """A :class:`GovernedStream` read from another thread, one chunk per portal call."""
+
+    def __init__(self, portal: BlockingPortal, stream: GovernedStream) -> None:
+        self._portal = portal
+        self._stream = stream
+        self._chunks: AsyncIterator[bytes] | None = None
+
+    def __iter__(self) -> Iterator[bytes]:
+        chunks = self._stream.__aiter__()
+        self._chunks = chunks
+        while True:
+            try:
+                yield self._portal.call(chunks.__anext__)
+            except StopAsyncIteration:
+                return
+
+    def close(self) -> None:
+        chunks, self._chunks = self._chunks, None
+        if chunks is not None and hasattr(chunks, "aclose"):
+            self._portal.call(chunks.aclose)
+        self._portal.call(self._stream.aclose)
+
+
+# -- what AsyncClient.openai() / .httpx() and Client.openai() / .httpx() build -------------------
+def _sdk_kwargs(client: AsyncClient, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The openai client's options: this client's URL and timeout, openai's retries off."""
+    if kwargs.get("max_retries", 0) != 0:
+        raise ValueError(
+            "max_retries must be 0: dsclient retries (once, under its budget); set the "
+            "client's retry=dsclient.Retry(...) instead"
+        )
+    if "http_client" in kwargs:
+        raise TypeError("http_client is dsclient's; use client.httpx() to build your own SDK")
+    kwargs["max_retries"] = 0
+    kwargs.setdefault("base_url", client.url + "/v1")
+    # A placeholder: the transport sends the client's own key, which the SDK never holds.
+    kwargs.setdefault("api_key", "EMPTY")
+    kwargs.setdefault("timeout", client._timeout)
+    return kwargs
+
+
+def _http_kwargs(client: AsyncClient, kwargs: dict[str, Any]) -> dict[str, Any]:
+    if "transport" in kwargs:
+        raise TypeError("transport is dsclient's governed transport; it cannot be replaced")
+    kwargs.setdefault("base_url", client.url)
+    kwargs.setdefault("timeout", httpx.Timeout(client._timeout))
+    return kwargs
+
+
+def async_openai(
+    client: AsyncClient, *, urgency: int, group: str | None, overflow: Overflow, **kwargs: Any
+) -> Any:
+    """An ``openai.AsyncOpenAI`` over ``client`` (see :meth:`AsyncClient.openai`)."""
+    import openai
+
+    http = async_httpx(client, urgency=urgency, group=group, overflow=overflow)
+    # openai 2.x+ is typed for httpx2 clients and accepts httpx ("legacy") ones at run time
+    # (openai/_httpx2.py: is_legacy_httpx_async_client); dsclient is built on httpx.
+    return openai.AsyncOpenAI(http_client=http, **_sdk_kwargs(client, kwargs))  # type: ignore[arg-type]
+
+
+def async_httpx(
+    client: AsyncClient, *, urgency: int, group: str | None, overflow: Overflow, **kwargs: Any
+) -> httpx.AsyncClient:
+    """An ``httpx.AsyncClient`` over ``client`` (see :meth:`AsyncClient.httpx`)."""
+    transport = GovernedTransport(client, urgency=urgency, group=group, overflow=overflow)
+    return httpx.AsyncClient(transport=transport, **_http_kwargs(client, kwargs))
+
+
+def sync_openai(
+    portal: BlockingPortal,
+    client: AsyncClient,
+    *,
+    urgency: int,
+    group: str | None,
+    overflow: Overflow,
+    **kwargs: Any,
+) -> Any:
+    """An ``openai.OpenAI`` over the sync client's ``client`` (see :meth:`Client.openai`)."""
+    import openai
+
+    http = sync_httpx(portal, client, urgency=urgency, group=group, overflow=overflow)
+    return openai.OpenAI(http_client=http, **_sdk_kwargs(client, kwargs))  # type: ignore[arg-type]
+
+
+def sync_httpx(
+    portal: BlockingPortal,
+    client: AsyncClient,
+    *,
+    urgency: int,
+    group: str | None,
+    overflow: Overflow,
+    **kwargs: Any,
+) -> httpx.Client:
+    """An ``httpx.Client`` over the sync client's ``client`` (see :meth:`Client.httpx`)."""
+    inner = GovernedTransport(client, urgency=urgency, group=group, overflow=overflow)
+    return httpx.Client(
+        transport=SyncGovernedTransport(portal, inner), **_http_kwargs(client, kwargs)
+    )
