@@ -1,6 +1,7 @@
 """Run the benchmarks: ``python -m benchmarks [NAME [ARGS...]]``.
 
     python -m benchmarks                      # list them
+    python -m benchmarks headline             # dsclient vs what you would use instead (~8 min)
     python -m benchmarks client-cost          # client CPU per request (mock transport, ~1 min)
     python -m benchmarks governor             # online + batch on a real tiny vLLM (~12 min)
     python -m benchmarks placement            # where vLLM's EngineCore runs (real vLLM, ~4 min)
@@ -22,6 +23,10 @@ from typing import Any
 
 #: name -> (module, what it measures)
 BENCHMARKS: dict[str, tuple[str, str]] = {
+    "headline": (
+        "benchmarks.bench_headline",
+        "dsclient vs openai, openai+semaphore, LiteLLM Router, plain gather (real tiny vLLM)",
+    ),
     "client-cost": (
         "benchmarks.bench_client_cost",
         "client CPU per request: bare httpx vs dsclient vs openai (in-process mock server)",

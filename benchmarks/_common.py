@@ -1,8 +1,8 @@
 """Helpers shared by the benchmarks.
 
 Canned vLLM answers, percentiles and the results folder; for the benchmarks on a real vLLM also
-prompts of the tiny model's words, a vLLM started by hand (no launcher), a ``/metrics`` sampler
-and a sampler of any value (``client.limit``).
+prompts of the tiny model's words, a vLLM started by hand (no launcher), a ``/metrics`` sampler,
+a sampler of any value (``client.limit``) and how busy the shared machine was (CPU by whom).
 """
 
 from __future__ import annotations
@@ -185,6 +185,103 @@ async def engine_sampler(url: str, every: float = 0.2) -> AsyncIterator[dict[str
         found.update(polls=len(polls), poll_max_s=round(max(polls, default=0.0), 3))
 
 
+# -- how busy the machine was -------------------------------------------------------------------
+# The machine is shared (2 cores; other engineers run servers and tests on it), so a benchmark
+# says how much CPU went elsewhere while it ran: the machine's busy time from /proc/stat, minus
+# this process's and the vLLM server's own.
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """CPU seconds used so far: the whole machine (all cores), this process, the server's group."""
+
+    wall: float
+    machine: float
+    own: float
+    server: float
+    loadavg: float
+
+
+def parse_proc_stat(text: str, ticks_per_s: float) -> float:
+    """Busy CPU seconds of all cores from ``/proc/stat``'s ``cpu`` line (idle and iowait left out).
+
+    The fields are user nice system idle iowait irq softirq steal [guest guest_nice]; guest time
+    is already counted in user, so only the first eight are added.
+    """
+    for line in text.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "cpu":
+            ticks = [int(x) for x in fields[1:9]]
+            return (sum(ticks) - ticks[3] - ticks[4]) / ticks_per_s
+    raise ValueError("no 'cpu' line in /proc/stat")
+
+
+def process_cpu_s(stat: str, ticks_per_s: float) -> float:
+    """utime + stime of one ``/proc/PID/stat`` text, in seconds (comm may hold spaces)."""
+    fields = stat[stat.rfind(")") + 1 :].split()
+    return (int(fields[11]) + int(fields[12])) / ticks_per_s
+
+
+def server_group(url: str) -> int | None:
+    """The process group of the vLLM API server serving ``url`` on this machine (by its port)."""
+    port = url.rstrip("/").rsplit(":", 1)[-1]
+    for line in vllm_processes():
+        pid, _, argv = line.partition(" ")
+        if f"--port {port}" in argv or f"--port={port}" in argv:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                return os.getpgid(int(pid))
+    return None
+
+
+def cpu_snapshot(server_pgid: int | None, proc: Path = Path("/proc")) -> CpuSnapshot:
+    ticks = float(os.sysconf("SC_CLK_TCK"))
+    server = 0.0
+    if server_pgid is not None:
+        for pid in group_pids(server_pgid, proc):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                server += process_cpu_s((proc / str(pid) / "stat").read_text(), ticks)
+    return CpuSnapshot(
+        wall=time.monotonic(),
+        machine=parse_proc_stat((proc / "stat").read_text(), ticks),
+        own=time.process_time(),
+        server=server,
+        loadavg=os.getloadavg()[0],
+    )
+
+
+def cpu_split(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float]:
+    """Cores in use on average between two snapshots: machine, this process, server, others.
+
+    ``others_cores`` is what the rest of the machine used (other engineers' servers and tests);
+    it can dip slightly below 0 from rounding, and is clamped there. A server whose processes
+    were not found counts as others.
+    """
+    wall = after.wall - before.wall
+    if wall <= 0:
+        return {}
+    machine_ = (after.machine - before.machine) / wall
+    own = (after.own - before.own) / wall
+    server = (after.server - before.server) / wall
+    return {
+        "wall_s": round(wall, 2),
+        "machine_cores": round(machine_, 2),
+        "own_cores": round(own, 2),
+        "server_cores": round(server, 2),
+        "others_cores": round(max(0.0, machine_ - own - server), 2),
+        "loadavg_1min_before": round(before.loadavg, 2),
+        "loadavg_1min_after": round(after.loadavg, 2),
+    }
+
+
+def busiest_processes(n: int = 5) -> list[str]:
+    """The ``n`` processes using the most CPU right now (``ps``), to say who else was running."""
+    done = subprocess.run(
+        ["ps", "-eo", "pcpu,pid,comm", "--sort=-pcpu", "--no-headers"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return [" ".join(line.split()) for line in done.stdout.splitlines()[:n]]
+
+
 # -- any value over time (client.limit) ----------------------------------------------------------
 def spread(values: Sequence[float]) -> dict[str, float]:
     """Min, mean, max and last of sampled values (``{}`` for none)."""
@@ -263,16 +360,30 @@ def vllm_processes() -> list[str]:
 
 @contextlib.contextmanager
 def tiny_vllm(
-    url: str | None, *, max_num_seqs: int, max_model_len: int, model_name: str = "tiny"
+    url: str | None,
+    *,
+    max_num_seqs: int,
+    max_model_len: int,
+    model_name: str = "tiny",
+    wait_s: float | None = None,
 ) -> Iterator[str]:
     """The server to benchmark: ``url`` as given, or the tiny random Llama launched through
-    ``dsclient.launcher`` for the block (once no other vLLM runs), served as ``model_name``."""
+    ``dsclient.launcher`` for the block (once no other vLLM runs), served as ``model_name``.
+
+    ``wait_s`` bounds the wait for other vLLMs to finish: past it, the server starts anyway
+    (the results then say how busy the machine was); ``None`` waits for ever.
+    """
     if url:
         yield url.rstrip("/")
         return
     from dsclient.launcher import launch, make_tiny_model, resolve_server_python
 
-    wait_for_no_vllm()
+    try:
+        wait_for_no_vllm(wait_s)
+    except SystemExit as exc:
+        if wait_s is None:
+            raise
+        say(f"waited {wait_s:.0f} s; starting anyway beside them ({exc})")
     install = resolve_server_python()
     say(f"vLLM: {install.dist} {install.version} ({install.python})")
     model = make_tiny_model(python=install.python)
