@@ -318,10 +318,15 @@ def compare(
 def plain_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     baselines = sorted({r["strategy"] for r in rows if not r["strategy"].startswith("dsclient")})
     queue: dict[str, list[float]] = {"dsclient": [], "unbounded": []}
+    targets: list[int] = []  # the queue dsclient's controller aimed at, at the end of each run
     for row in rows:
         if row["strategy"] in queue and "engine_waiting_p90" in row:
             queue[row["strategy"]].append(row["engine_waiting_p90"])
+        control = (row.get("client") or {}).get("control")
+        if row["strategy"] == "dsclient" and isinstance(control, dict):
+            targets += [control["target_waiting"]] if control.get("target_waiting") else []
     return {
+        "queue_target": targets,
         "dsclient": compare(rows, "dsclient", baselines, PLAIN_GOAL),
         "dsclient-gather": compare(rows, "dsclient-gather", baselines, PLAIN_GOAL),
         "queue_p90": queue,
@@ -596,7 +601,8 @@ def report(payload: dict[str, Any]) -> str:
             "## plain", runs_table(plain["rows"]), "",
             goal_line(plain["summary"]["dsclient"], "best of unbounded and semN"),
             goal_line(plain["summary"]["dsclient-gather"], "best of unbounded and semN"),
-            f"server queue p90 (median of runs): dsclient {_num(queue['dsclient'], 'g')}, "
+            f"server queue p90 (median of runs): dsclient {_num(queue['dsclient'], 'g')} "
+            f"(its target: {', '.join(map(str, plain['summary']['queue_target'])) or '-'}), "
             f"unbounded {_num(queue['unbounded'], 'g')}",
         ]  # fmt: skip
     if "two-process" in payload:

@@ -154,6 +154,17 @@ def test_plain_summary_compares_both_dsclient_variants_and_the_queues() -> None:
     assert found["dsclient"]["ratio_median"] == 1.2 and not found["dsclient"]["met"]
     assert found["dsclient-gather"]["ratio_median"] == 1.4
     assert found["queue_p90_median"] == {"dsclient": 4.0, "unbounded": 180.0}
+    assert found["queue_target"] == []  # no control stats in these rows
+
+
+def test_plain_summary_keeps_the_target_dsclient_aimed_at() -> None:
+    control = {"target_waiting": 12, "limit": 40}
+    rows = [
+        {**row("dsclient", 1, 6.0, engine_waiting_p90=11.0), "client": {"control": control}},
+        {**row("dsclient", 2, 6.0, engine_waiting_p90=13.0), "client": {"control": "old repr"}},
+        {**row("dsclient-gather", 1, 6.0), "client": {"control": control}},
+    ]
+    assert plain_summary(rows)["queue_target"] == [12]
 
 
 def test_admission_goal_needs_no_failures_as_well_as_the_ratio() -> None:
@@ -247,7 +258,7 @@ def test_report_renders_every_scenario() -> None:
         {
             **row("dsclient", 1, 6.0),
             **summarize([Done(1.0, 0.5)], 6.0),
-            "client": {"limit_samples": spread([5, 20, 24])},
+            "client": {"limit_samples": spread([5, 20, 24]), "control": {"target_waiting": 4}},
             "engine_running_mean": 20.5,
             "engine_waiting_mean": 3.0,
             "engine_waiting_p90": 6.0,
@@ -282,6 +293,7 @@ def test_report_renders_every_scenario() -> None:
     assert "## plain" in text and "## two-process" in text and "## admission" in text
     assert "median **1.20**" in text  # dsclient 6.0 / unbounded 5.0
     assert "5 / 16.33 / 24 / 24" in text  # the limit's min / mean / max / final
+    assert "dsclient 6 (its target: 4), unbounded" in text
     assert "(**1.25x**)" in text
     assert "dsclient failures 0 (goal 0)" in text
     table = runs_table(admission_rows).splitlines()
