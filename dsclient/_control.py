@@ -25,8 +25,9 @@ metrics     the server reports running and waiting. Grow while the client has ca
             the room seen, less the requests the last steps sent that the gauges do not show yet);
             on a queue above target set ``limit = in_flight * (running + target) / (running +
             waiting)`` (at most halving per step, once per two periods); cut by
-            :data:`OVERLOAD_CUT` on 429 / 503 and on preemptions; a 429 / 503 while the server showed a queue also caps the
-            target at half the longest queue seen (where the server's admission queue ends).
+            :data:`OVERLOAD_CUT` on 429 / 503 and on preemptions; a 429 / 503 while the server
+            showed a queue also caps the target at half the longest queue seen (where the
+            server's admission queue ends).
             No growth for ``cooldown`` after any cut (the cut needs a round trip to show). Room
             in the batch counts only while the queue is empty: a queue means the batch is full,
             whatever ``max_num_seqs`` says. Bounds: 1 .. ``max(64, 4 x capacity)``.
