@@ -8,6 +8,7 @@
     python -m benchmarks closed-loop          # closed-loop governor on hand-started vLLMs (real)
     python -m benchmarks soak                 # minutes at 80% of capacity; nothing creeps (~7 min)
     python -m benchmarks map                  # map() overhead and memory (mock transport)
+    python -m benchmarks openai               # client.openai() vs openai as users run it (~6 min)
     python -m benchmarks instructions         # the same legs in callgrind instructions (~6 min)
     python -m benchmarks governor --help      # each benchmark's own options
 
@@ -50,6 +51,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "map": (
         "benchmarks.bench_map",
         "map() overhead per item and peak memory (in-process mock server)",
+    ),
+    "openai": (
+        "benchmarks.bench_openai",
+        "client.openai() vs AsyncOpenAI plain / behind a semaphore: online p99, makespan, CPU",
     ),
     "instructions": (
         "benchmarks.bench_instructions",

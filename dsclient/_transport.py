@@ -357,6 +357,9 @@ class GovernedTransport(httpx.AsyncBaseTransport):
             {}, options, urgency=0, group=None, overflow="refuse"
         )
         self._warned: set[str] = set()
+        root = httpx.URL(client.url)
+        self._origin = (root.scheme, root.host, root.port)
+        self._prefix = root.path.rstrip("/")
 
     def __repr__(self) -> str:
         return f"GovernedTransport({self._client.url!r})"
@@ -421,12 +424,11 @@ class GovernedTransport(httpx.AsyncBaseTransport):
     def _relative(self, url: httpx.URL) -> str:
         """The request's path on the client's server: the SDK's path, less the client URL's own
         path prefix when it has one."""
-        root = httpx.URL(self._client.url)
         path = url.path
-        prefix = root.path.rstrip("/")
+        prefix = self._prefix
         if prefix and path.startswith(prefix + "/"):
             path = path[len(prefix) :]
-        if (url.scheme, url.host, url.port) != (root.scheme, root.host, root.port):
+        if (url.scheme, url.host, url.port) != self._origin:
             self._warn_once(
                 f"origin:{url.scheme}://{url.host}:{url.port}",
                 f"dsclient: a request to {url.scheme}://{url.host}:{url.port} goes to the "
