@@ -35,7 +35,7 @@ class SlotWatchingSleep:
 
 
 async def test_a_retry_spends_one_budget_token():
-    # Before: the retry predicate spent a token and tenacity's stop check came after it, so one
+    # Before: the retry predicate spent a token and the retry loop's stop check came after it, so one
     # retry could cost two. With a floor of 2 and no ratio, two calls must each get their retry.
     fake = FakeServer(script=[httpx.Response(500, text="boom")])
     sleep = SlotWatchingSleep()
