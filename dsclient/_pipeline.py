@@ -184,7 +184,6 @@ class RequestPath:
         call = _Call()
 
         async def attempt() -> dict[str, Any]:
-            await self.reach.wait_up()
             async with governor.slot(lane=lane, urgency=urgency, group=group) as slot:
                 call.queued_s += slot.queued_s
                 try:
@@ -212,7 +211,6 @@ class RequestPath:
         call = _Call()
 
         async def attempt() -> tuple[httpx.Response, Slot]:
-            await self.reach.wait_up()
             slot = governor.slot(lane=lane, urgency=urgency, group=group)
             await slot.__aenter__()
             call.queued_s += slot.queued_s
@@ -260,7 +258,6 @@ class RequestPath:
         refused: list[tuple[DSClientError, Answer]] = []
 
         async def attempt() -> Answer:
-            await self.reach.wait_up()
             slot = governor.slot(lane=lane, urgency=urgency, group=group)
             await slot.__aenter__()
             call.queued_s += slot.queued_s
@@ -327,9 +324,13 @@ class RequestPath:
     ) -> tuple[T, int]:
         """Run ``op`` once; only if that fails, hand over to :meth:`_retry_loop`.
 
-        The common path (success at once) builds no retry machinery.
+        Every attempt first passes the outage gate (:attr:`reach`): at once while the server
+        answers; a gate that gave up on the server raises ``ConnectionError``, which is not
+        retried (no attempt was made, and the gate already waited). The common path (success at
+        once) builds no retry machinery.
         """
         self._budget.record_request()
+        await self.reach.wait_up()
         try:
             return await op(), 1
         except DSClientError as first:
@@ -417,6 +418,11 @@ class RequestPath:
                     delay,
                 )
                 await self._sleep(delay)  # outside any slot
+            try:
+                await self.reach.wait_up()
+            except DSClientError as gone:
+                gone.attempts = attempts
+                raise
             attempts += 1
             try:
                 return await op(), attempts

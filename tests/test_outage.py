@@ -245,6 +245,13 @@ async def test_victims_give_up_with_the_gate_after_outage_wait():
             await _wait_for(lambda: server.in_flight == 5)
             server.kill()
         assert client.in_flight == 0
+        # A call after the give-up probes once and fails at once: the gate's verdict is not
+        # retried (no backoff sleep, no budget, no second probe).
+        slept, probes = len(sleep.delays), server.health_probes
+        with pytest.raises(ConnectionError, match="has not answered") as info:
+            await client.generate("late", max_tokens=4)
+        assert info.value.attempts == 1
+        assert len(sleep.delays) == slept and server.health_probes == probes + 1
     assert len(errors) == 5
     assert all("has not answered" in str(e) and e.attempts == 1 for e in errors)
 
