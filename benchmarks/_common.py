@@ -366,12 +366,14 @@ def tiny_vllm(
     max_model_len: int,
     model_name: str = "tiny",
     wait_s: float | None = None,
+    startup_timeout: float | None = None,
 ) -> Iterator[str]:
     """The server to benchmark: ``url`` as given, or the tiny random Llama launched through
     ``dsclient.launcher`` for the block (once no other vLLM runs), served as ``model_name``.
 
     ``wait_s`` bounds the wait for other vLLMs to finish: past it, the server starts anyway
     (the results then say how busy the machine was); ``None`` waits for ever.
+    ``startup_timeout`` overrides the launcher's (a loaded machine starts vLLM slowly).
     """
     if url:
         yield url.rstrip("/")
@@ -395,6 +397,7 @@ def tiny_vllm(
         served_model_name=model_name,
         dtype="float32",
         progress=lambda m: say(f"[vllm] {m}"),
+        **({} if startup_timeout is None else {"startup_timeout": startup_timeout}),
     )
     with server:
         yield server.url

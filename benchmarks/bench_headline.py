@@ -1,8 +1,12 @@
 """The headline: dsclient against what a user would write instead, on one real tiny vLLM.
 
-    .venv/bin/python -m benchmarks headline            # 2 runs of each leg: ~8 min
-    .venv/bin/python -m benchmarks headline --quick    # 1 run, smaller workloads: ~3 min
+    .venv/bin/python -m benchmarks headline            # 2 rounds of every leg: 9-13 min
+    .venv/bin/python -m benchmarks headline --quick    # 1 round, smaller workloads: ~3.5 min
     .venv/bin/python -m benchmarks headline --url http://127.0.0.1:8011   # a running server
+    .venv/bin/python -m benchmarks headline --wait-for-others 120   # then run beside them
+
+LiteLLM is in the ``bench`` extra (``pip install -e '.[bench]'``); a client whose library is
+missing is skipped with a note.
 
 Starts ONE vLLM server through ``dsclient.launcher`` (the tiny random Llama, ``max_num_seqs`` 8,
 ``max_model_len`` 2048, served as ``"tiny"``) and stops it at the end. Clients:
@@ -26,11 +30,12 @@ Workloads, every request with ``ignore_eos`` so output lengths are exactly what 
   ``--rate`` (8/s) for ``--online-seconds`` (16), and at t = 1 s a burst of ``--burst`` (40)
   long requests (~1000-token prompts, 256 out): short p99 counted from submission, makespan.
 
-Legs run interleaved (every client once, then again for ``--runs``), each with fresh prompts of
-the same sizes. Every figure is also given as a ratio to the ``httpx`` leg of the same workload
-and run. Each leg records how busy the shared machine was (cores used by this process, by the
-server, by everything else). Raw results: ``benchmarks/results/headline.json`` (and a copy named
-by the time), a markdown summary on stdout.
+Legs run interleaved (every client once per round, ``--runs`` rounds, each round starting one
+client later), each with fresh prompts of the same sizes. Every figure is also given as a ratio
+to the ``httpx`` leg of the same workload and round. Each leg records how busy the shared
+machine was (cores used by this process, by the server, by everything else). Raw results:
+``benchmarks/results/headline.json`` (and a copy named by the time), a markdown summary on
+stdout.
 """
 
 from __future__ import annotations
@@ -89,6 +94,8 @@ STRATEGIES = ("dsclient", "openai", "openai-sem", "litellm", "httpx")
 BASELINE = "httpx"
 WORKLOADS = ("batch", "online")
 TIMEOUT_S = 600.0
+#: vLLM took over 300 s (the launcher's default) to start beside other engineers' servers.
+STARTUP_TIMEOUT_S = 900.0
 #: What each client is, for the tables.
 ABOUT = {
     "dsclient": "dsclient `AsyncClient(url)` defaults (`map` / `generate`)",
@@ -377,6 +384,13 @@ class Plan:
     requests: list[Request] = field(repr=False)
 
 
+def leg_order(names: Sequence[str], run: int) -> list[str]:
+    """The clients' order in round ``run`` (from 1): each round starts one client later, so none
+    is always first or last while the machine's load drifts."""
+    shift = (run - 1) % len(names) if names else 0
+    return [*names[shift:], *names[:shift]]
+
+
 def batch_requests(seed: int, n: int) -> list[Request]:
     rng = random.Random(seed)
     return [short_request(rng, 0.0) for _ in range(n)]
@@ -432,10 +446,7 @@ async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
         plans: list[Plan] = []
         for workload in workloads:
             for run in range(1, args.runs + 1):
-                # Each run starts the order one client later, so none is always first or last
-                # while the machine's load drifts.
-                shift = (run - 1) % len(names)
-                for name in names[shift:] + names[:shift]:
+                for name in leg_order(names, run):
                     seed = args.seed + 7919 * (len(plans) + 1)
                     if workload == "batch":
                         requests = batch_requests(seed, args.batch)
@@ -466,6 +477,7 @@ async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
         "server": {"url": url, "max_num_seqs": MAX_NUM_SEQS, "max_model_len": MAX_MODEL_LEN},
         "cap": CAP,
         "baseline": BASELINE,
+        "clients": {name: ABOUT[name] for name in names},
         "skipped": skipped,
         "noise": noise_summary(rows),
         "rows": rows,
@@ -529,6 +541,7 @@ def main(argv: list[str] | None = None) -> None:
         max_num_seqs=MAX_NUM_SEQS,
         max_model_len=MAX_MODEL_LEN,
         wait_s=args.wait_for_others,
+        startup_timeout=STARTUP_TIMEOUT_S,
     ) as url:
         others_at_start = {"busiest": busiest_processes(), "vllm": vllm_processes()}
         payload = asyncio.run(bench(url, args))
@@ -543,6 +556,7 @@ def main(argv: list[str] | None = None) -> None:
     stamped = path.with_name(f"headline-{time.strftime('%Y%m%d-%H%M%S')}.json")
     shutil.copyfile(path, stamped)
     print(headline_table(payload["rows"]))
+    print("\n" + "\n".join(f"- {name}: {about}" for name, about in ABOUT.items()))
     print(f"\nmachine: {json.dumps(payload['noise'])}")
     print(f"wrote {path} and {stamped.name} in {payload['wall_s']:.0f} s")
 

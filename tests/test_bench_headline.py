@@ -16,6 +16,7 @@ from benchmarks.bench_headline import (
     add_ratios,
     batch_row,
     headline_table,
+    leg_order,
     litellm_model_list,
     noise_summary,
     online_row,
@@ -169,3 +170,11 @@ def test_noise_summary_over_legs() -> None:
         "loadavg_1min_max": 3.5,
     }
     assert noise_summary([]) == {}
+
+
+def test_each_round_starts_one_client_later() -> None:
+    names = ["a", "b", "c"]
+    assert leg_order(names, 1) == ["a", "b", "c"]
+    assert leg_order(names, 2) == ["b", "c", "a"]
+    assert leg_order(names, 4) == ["a", "b", "c"]
+    assert leg_order([], 2) == []
