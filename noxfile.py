@@ -72,6 +72,6 @@ def demo(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks (on demand): results to benchmarks/results/, summary in docs/benchmarks.md."""
-    session.install("-e", ".", "openai")
+    session.install("-e", ".[bench]")  # matplotlib, and LiteLLM for the headline comparison
     _install_server(session)
     session.run("python", "-m", "benchmarks", *session.posargs)
