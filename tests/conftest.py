@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from dsclient.launcher import LaunchError, Server, launch, make_tiny_model, resolve_server_python
+from tests.redis_server import RedisServer
 
 #: What the shared server is started with; integration tests may rely on these numbers.
 VLLM_MAX_NUM_SEQS = 8
@@ -115,3 +116,46 @@ def vllm_server(request: pytest.FixtureRequest) -> Server:
     server = request.getfixturevalue("_vllm_server_session")
     assert isinstance(server, Server)
     return server
+
+
+# --- Redis: a real redis-server on a free loopback port (tests/redis_server.py) -------------------
+
+
+@pytest.fixture(scope="session")
+def _redis_session() -> Iterator[RedisServer]:
+    try:
+        server = RedisServer()
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    with server:
+        yield server
+
+
+def _flushall(port: int) -> None:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"FLUSHALL\r\n")
+        if not sock.recv(64).startswith(b"+OK"):
+            raise RuntimeError("FLUSHALL failed on the test redis-server")
+
+
+@pytest.fixture
+def redis_url(_redis_session: RedisServer) -> str:
+    """The URL (``redis://127.0.0.1:PORT/0``) of one real redis-server shared by the session,
+    emptied (FLUSHALL) before each test. Tests that stop or kill Redis use ``redis_server``."""
+    _redis_session.start()  # no-op unless a test stopped it
+    _flushall(_redis_session.port)
+    return _redis_session.url
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A private real redis-server for one test, free to ``stop()`` / ``kill()`` / ``start()``
+    (same port) mid-test; stopped at the end. ``redis_server.url`` is its URL."""
+    try:
+        server = RedisServer()
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    with server:
+        yield server
