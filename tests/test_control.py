@@ -204,7 +204,9 @@ def test_growth_after_the_first_queue_is_additive_by_half_the_room() -> None:
         (32, 8, 1),  # room 0: still one
         (20, 3, 3),  # room 5: a queue means the batch is full, whatever the running count
     ]
-    now = 0.75
+    # After the queue stood over the target at 40, growth stays under 40 for a while (tested
+    # below): these steps come after that memory.
+    now = _control._OVER_MEMORY_S
     for running, waiting, growth in steps:
         now += PERIOD
         before = control.limit
@@ -214,6 +216,51 @@ def test_growth_after_the_first_queue_is_additive_by_half_the_room() -> None:
             now, running=running, waiting=waiting, in_flight=in_flight, demand=True
         )
         assert control.limit == before + growth, (running, waiting)
+
+
+def test_growth_stays_under_the_limit_the_queue_stood_over_at_for_a_while() -> None:
+    control = metrics(40, capacity=32, cooldown=1.0)  # target 8
+    control.on_load(0.0, running=32, waiting=20, in_flight=40, demand=True)  # over at 40: cut
+    assert control.limit == 31
+    now = 1.0
+    while now < _control._OVER_MEMORY_S - PERIOD:
+        now += PERIOD
+        control.on_load(now, running=32, waiting=0, in_flight=control.limit, demand=True)
+        assert control.limit <= 39  # room enough to grow past 40, but not there yet
+    assert control.limit == 39
+    now = _control._OVER_MEMORY_S + PERIOD
+    assert control.on_load(now, running=32, waiting=0, in_flight=39, demand=True)
+    assert control.limit > 39  # the memory ran out: it may probe again
+
+
+def test_the_over_memory_is_dropped_when_the_batch_runs_dry() -> None:
+    control = metrics(40, capacity=32, cooldown=1.0)  # target 8
+    control.on_load(0.0, running=32, waiting=20, in_flight=40, demand=True)  # over at 40
+    control.on_load(1.0, running=32, waiting=0, in_flight=31, demand=True)
+    assert control.limit == 35  # room 8: + 4
+    # The batch shows free seats with an empty queue twice running: the cap held it short.
+    control.on_load(1.25, running=20, waiting=0, in_flight=20, demand=False)
+    control.on_load(1.5, running=20, waiting=0, in_flight=20, demand=True)
+    assert control.limit == 45  # room 8 + 12 seats: + 10, past the 39 it was held under
+
+
+def test_the_aim_falls_while_the_queue_is_over_the_target_in_more_than_a_tenth() -> None:
+    control = metrics(40, capacity=32, cooldown=1.0)  # target 8
+    control.on_load(0.0, running=32, waiting=4, in_flight=36, demand=True)
+    assert (control.target, control.aim) == (8, 8)
+    now = 0.0
+    for _ in range(12):  # over in every scrape: each lowers the aim by 0.45
+        now += PERIOD
+        control.on_load(now, running=32, waiting=12, in_flight=control.limit, demand=True)
+    assert control.aim == 4  # never under half the target
+    for _ in range(40):  # at or under: each raises it by 0.05
+        now += PERIOD
+        control.on_load(now, running=32, waiting=2, in_flight=control.limit, demand=True)
+    assert control.aim == 6
+    for _ in range(100):  # without demand the queue is not this client's doing: no change
+        now += PERIOD
+        control.on_load(now, running=32, waiting=12, in_flight=control.limit, demand=False)
+    assert control.aim == 6
 
 
 def test_growth_with_unknown_capacity_uses_the_batch_as_seen() -> None:
@@ -785,7 +832,9 @@ PERIODS = 400
 def test_closed_loop_converges_into_a_band(capacity: int, start: str, learned: bool) -> None:
     """One client, unlimited demand, requests 2 periods in transit: from a start of 5 or of 10x
     the batch, the limit settles between the batch and 3x (batch + target queue), the server's
-    queue averages near the target and its batch is full most of the time."""
+    queue averages under the target but is not emptied, and its batch is full most of the time.
+    (The queue's p90 is held at the target, so its mean sits well under it: a quarter of the
+    target at least keeps the batch full here.)"""
     first = 5 if start == "low" else 10 * capacity
     control = LimitController(start=first, mode="metrics", capacity=None if learned else capacity)
     client = SimClient(0, control, transit=2, learner=CapacityLearner() if learned else None)
@@ -801,7 +850,7 @@ def test_closed_loop_converges_into_a_band(capacity: int, start: str, learned: b
         assert max(limits) <= 3 * (capacity + target)
         assert max(running) == capacity
         assert statistics.mean(running) >= 0.85 * capacity
-        assert 0.5 * target <= statistics.mean(waiting) <= 2 * target
+        assert 0.25 * target <= statistics.mean(waiting) <= target
 
 
 def _p90(values: list[int]) -> int:
@@ -816,16 +865,50 @@ def test_closed_loop_holds_the_queue_p90_at_the_target(
     capacity: int, learned: bool, lag: int
 ) -> None:
     """Issue 15: one client, requests 2 periods in transit, gauges fresh or a period old. The
-    server's queue p90 stays within 10% of the target (it was 1.4-1.7x: growth counted room
-    its last steps were already filling, and cuts repeated on a lagging queue), and the batch
-    stays fuller than it did."""
+    server's queue p90 stays at or under the target (it was 1.4-1.7x: growth counted room its
+    last steps were already filling, and cuts repeated on a lagging queue; then 1.0-1.1x: the
+    loop grew right up to the target and cut just above it), and the batch stays full."""
     control = LimitController(start=5, mode="metrics", capacity=None if learned else capacity)
     client = SimClient(0, control, transit=2, learner=CapacityLearner() if learned else None)
     trace = simulate(SimServer(capacity), [client], PERIODS, lag=lag)
     target = target_waiting(capacity, SIM_SHARE, capacity)
     assert trace.target[-1] == target
-    assert _p90(trace.waiting[WARM_UP:]) <= 1.1 * target
-    assert statistics.mean(trace.running[WARM_UP:]) >= 0.96 * capacity
+    assert _p90(trace.waiting[WARM_UP:]) <= target
+    assert statistics.mean(trace.running[WARM_UP:]) >= 0.95 * capacity
+
+
+class WaveServer(SimServer):
+    """Every sequence runs exactly ``length`` periods (``ignore_eos``, as in the benchmarks): the
+    batch empties and refills in waves, and the queue swings with them."""
+
+    def __init__(self, capacity: int, length: int) -> None:
+        super().__init__(capacity)
+        self.length = length
+
+    def step(self) -> list[int]:
+        done = [owner for owner, left in self.running if left <= 1]
+        self.running = [(owner, left - 1) for owner, left in self.running if left > 1]
+        while self.waiting and len(self.running) < self.capacity:
+            self.running.append((self.waiting.popleft(), self.length))
+        return done
+
+
+@pytest.mark.parametrize("transit", [1, 2])
+@pytest.mark.parametrize("length", [4, 8])
+@pytest.mark.parametrize("capacity", [24, 32])
+def test_closed_loop_holds_the_queue_p90_at_the_target_when_the_batch_refills_in_waves(
+    capacity: int, length: int, transit: int
+) -> None:
+    """Answers of one length finish together: growing by one in the wave's trough and cutting
+    by one on its crest held the queue over the target one scrape in eight (p90 1.1-1.4x).
+    Growth now stays under the limit the queue stood over at, and aims lower while more than a
+    tenth of the scrapes are over."""
+    control = LimitController(start=5, mode="metrics", capacity=capacity)
+    client = SimClient(0, control, transit=transit)
+    trace = simulate(WaveServer(capacity, length), [client], PERIODS)
+    target = target_waiting(capacity, SIM_SHARE, capacity)
+    assert _p90(trace.waiting[WARM_UP:]) <= target
+    assert statistics.mean(trace.running[WARM_UP:]) >= 0.95 * capacity
 
 
 def test_closed_loop_keeps_the_batch_full_with_requests_in_transit() -> None:
