@@ -43,6 +43,7 @@ from ._models import ChatResult, CompletionResult, Failure, Result, Usage
 from ._observe import CallRecord, Observer
 from ._pipeline import RequestPath, outcome_of
 from ._retry import Retry, RetryBudget
+from ._shared import SharedBudget, redact_url
 from ._streaming import MAX_BODY_BYTES, delta_of, sse_events
 from ._tokens import (
     CALIBRATION_TEXT,
@@ -277,6 +278,11 @@ class AsyncClient:
         tokenizer: a ``tokenizer.json`` path, a tiktoken encoding name or a ``str -> int``
             callable for local token estimates; default: the launched model's own tokenizer,
             else tiktoken calibrated against the server's ``/tokenize`` at discovery.
+        shared: a Redis URL (``redis://host:6379/0``; ``rediss://`` for TLS; a password in it
+            never shows in logs or reprs): every client of the same server and ``shared_key``
+            shares one in-flight limit, leased from Redis (``docs/shared.md``; needs
+            ``dsclient[redis]``). ``None`` (default): this client's own limit.
+        shared_key: the key prefix in Redis, so that several budgets can share one Redis.
         sleep, rng, clock: injectable for tests (retry sleeps, jitter source, latency clock).
     """
 
@@ -308,6 +314,8 @@ class AsyncClient:
         default_max_tokens: int = 256,
         tokenizer: Any = None,
         headers: Mapping[str, str] | None = None,
+        shared: str | None = None,
+        shared_key: str = "dsclient",
         sleep: Callable[[float], Awaitable[None]] | None = None,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -369,6 +377,17 @@ class AsyncClient:
             raise ValueError(
                 f"max_response_bytes must be an int >= 1 (bytes), got {max_response_bytes!r}"
             )
+        if shared is not None and not (
+            isinstance(shared, str) and shared.startswith(("redis://", "rediss://", "unix://"))
+        ):
+            raise ValueError(
+                "shared must be a Redis URL (redis://, rediss:// or unix://) or None, got "
+                + (redact_url(shared) if isinstance(shared, str) else type(shared).__name__)
+            )
+        if not (isinstance(shared_key, str) and shared_key and "{" not in shared_key):
+            raise ValueError(
+                f"shared_key must be a non-empty str without braces, got {shared_key!r}"
+            )
         key = api_key or os.environ.get("DSCLIENT_API_KEY") or os.environ.get("OPENAI_API_KEY")
         self._api_key = _Secret(key) if key else None
         self._model = model
@@ -406,6 +425,10 @@ class AsyncClient:
             start=limit or compute_limit(max_num_seqs or DEFAULT_MAX_NUM_SEQS, headroom),
             clock=clock,
         )
+        self._shared: SharedBudget | None = None
+        if shared is not None:
+            self._shared = SharedBudget(_Secret(shared), key=shared_key, server_url=url)
+            self._endpoint.use_shared(self._shared)
         self._tokens = TokenCounter(
             tokenizer if tokenizer is not None else _handle_tokenizer(handle)
         )
@@ -464,7 +487,9 @@ class AsyncClient:
             with anyio.CancelScope(shield=True):
                 await self.aclose()
             raise
-        if self._endpoint.controller.mode != "fixed":
+        if self._shared is not None:
+            await self._shared.first_lease(self._endpoint)  # a block before the first call
+        if self._endpoint.controller.mode != "fixed" or self._shared is not None:
             group = anyio.create_task_group()
             await group.__aenter__()
             self._task_group = group
@@ -488,12 +513,22 @@ class AsyncClient:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self._shared is not None:
+            with anyio.CancelScope(shield=True):
+                await self._shared.aclose()  # the leases go back now, not in LEASE_S
         await self._http.aclose()
 
     async def _run_poller(self) -> None:
         with anyio.CancelScope() as scope:
             self._poller_scope = scope
-            await self._endpoint.run_poller(self._http)
+            shared = self._shared
+            if shared is None:
+                await self._endpoint.run_poller(self._http)
+                return
+            async with anyio.create_task_group() as group:
+                group.start_soon(shared.run, self._endpoint)
+                if self._endpoint.controller.mode != "fixed":
+                    group.start_soon(self._endpoint.run_poller, self._http)
 
     def _ensure_poller(self) -> None:
         """Outside ``async with`` (a client used bare, or the sync ``Client``), start the poller as
@@ -502,7 +537,7 @@ class AsyncClient:
             self._poller_scope is not None
             or self._poller_task is not None
             or self._closed
-            or self._endpoint.controller.mode == "fixed"
+            or (self._endpoint.controller.mode == "fixed" and self._shared is None)
         ):
             return
         if sniffio.current_async_library() != "asyncio":
@@ -512,7 +547,9 @@ class AsyncClient:
     def __repr__(self) -> str:
         return (
             f"AsyncClient(url={self.url!r}, model={self._model!r}, limit={self.limit}, "
-            f"in_flight={self.in_flight}, api_key={'***' if self._api_key else None})"
+            f"in_flight={self.in_flight}, api_key={'***' if self._api_key else None}"
+            + (f", shared={self._shared.display_url!r}" if self._shared is not None else "")
+            + ")"
         )
 
     # -- observable state --------------------------------------------------------------------
@@ -534,7 +571,11 @@ class AsyncClient:
     @property
     def limit(self) -> int:
         """The in-flight limit now: ``floor(headroom x max_num_seqs)`` right after discovery,
-        then wherever the controller moved it."""
+        then wherever the controller moved it. Under ``shared=`` it is the shared limit of all
+        clients (this one holds a share of it), or this client's own while Redis is away."""
+        shared = self._shared
+        if shared is not None and self._endpoint.shared_active and shared.limit is not None:
+            return shared.limit
         return self._endpoint.governor.limit
 
     @property

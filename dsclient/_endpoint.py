@@ -7,10 +7,14 @@ load as last seen, with the one task that scrapes that load.
         tg.start_soon(endpoint.run_poller, http)
         ...                                  # calls take slots from endpoint.governor
 
-Only the controller sets the governor's limit. Discovery seeds it (the start, the mode, the known
-``max_num_seqs``); the poller feeds it the server's running and waiting counts; the governor
-feeds it every attempt's outcome. The poller scrapes only while the governor has traffic, at most
-once per ``scrape_interval``, and a call never waits for a scrape.
+Only the controller sets the governor's limit, except under a shared budget (``shared=``, see
+``dsclient._shared``): there the governor's limit is the block of leases this process holds, the
+leader's controller sets the shared limit, and the others' controllers wait (they take over from
+the shared limit when they become the leader, or from their own share when Redis goes away).
+Discovery seeds the controller (the start, the mode, the known ``max_num_seqs``); the poller
+feeds it the server's running and waiting counts; the governor feeds it every attempt's outcome.
+The poller scrapes only while the governor has traffic, at most once per ``scrape_interval``, and
+a call never waits for a scrape.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -32,6 +36,9 @@ from ._exceptions import DSClientError, decode_text
 from ._governor import Governor, Slot, compute_limit
 from ._load import Load, parse_load
 from ._streaming import read_body
+
+if TYPE_CHECKING:
+    from ._shared import SharedBudget, SyncResult
 
 __all__ = ["LEARNED_SOURCE", "METRICS_BODY_BYTES", "ControlOptions", "Endpoint", "fetch_load"]
 
@@ -125,6 +132,17 @@ class Endpoint:
         self._raised: list[Callable[[], None]] = []
         self._logged_at = -math.inf
         self._silenced = 0
+        #: The shared budget (``None``: this client's own limit). While ``_shared_active`` the
+        #: governor's limit is the block of leases held (1 until the first sync answers).
+        self.shared: SharedBudget | None = None
+        self._shared_active = False
+        self._shared_last: SyncResult | None = None
+
+    def use_shared(self, budget: SharedBudget) -> None:
+        """Put this endpoint under a shared budget: the limit is 1 until the first sync."""
+        self.shared = budget
+        self._shared_active = True
+        self.governor.set_limit(1, batch=self.controller.capacity)
 
     def __repr__(self) -> str:
         return (
@@ -174,7 +192,66 @@ class Endpoint:
         if load is not None:
             self.load, self.load_at = load, self._clock()
             self._learn(load)
-        self.governor.set_limit(start, batch=self.controller.capacity)
+        if self._shared_active:
+            held = self._shared_last.granted if self._shared_last is not None else 1
+            self.governor.set_limit(max(1, held), batch=self.controller.capacity)
+        else:
+            self.governor.set_limit(start, batch=self.controller.capacity)
+
+    def _reseed(self, start: int) -> None:
+        """A fresh controller in the same mode, from ``start`` (the shared limit when this
+        client becomes the leader; its own share when it falls back)."""
+        old, options = self.controller, self.options
+        if old.mode == "fixed" and options.limit is not None:
+            return  # an explicit limit is the same in every client
+        self.controller = LimitController(
+            start=max(1, start),
+            mode=old.mode,
+            capacity=old.capacity,
+            ceiling=options.max_limit,
+            queue_share=options.queue_share,
+            slow_start=options.slow_start,
+            latency_target=options.latency_target,
+            period=options.scrape_interval,
+        )
+
+    # -- the shared budget -----------------------------------------------------------------------
+    @property
+    def shared_active(self) -> bool:
+        """Whether the shared budget sets the limit now (``False``: this client's own loop)."""
+        return self._shared_active
+
+    @property
+    def shared_leader(self) -> bool:
+        """Whether this client runs the shared closed loop (scrapes, publishes the limit)."""
+        last = self._shared_last
+        return self._shared_active and last is not None and last.leader
+
+    def apply_shared(self, result: SyncResult, *, became_leader: bool) -> None:
+        """A sync answered: the governor's limit becomes the block held; a new leader's
+        controller starts from the shared limit; the learned capacity is shared."""
+        rejoined = not self._shared_active
+        self._shared_active = True
+        self._shared_last = result
+        known = self.controller.capacity
+        if result.capacity is not None and (known is None or result.capacity > known):
+            self.controller.set_capacity(result.capacity)
+        if became_leader or rejoined:
+            self._reseed(result.limit)
+        governor = self.governor
+        old = governor.limit
+        governor.set_limit(max(1, result.granted), batch=self.controller.capacity)
+        if governor.limit > old:
+            for callback in list(self._raised):
+                callback()
+
+    def leave_shared(self) -> None:
+        """Redis does not answer: run this client's own closed loop from the share it held."""
+        if not self._shared_active:
+            return
+        self._shared_active = False
+        self._reseed(self.governor.limit)
+        self.governor.set_limit(self.controller.limit, batch=self.controller.capacity)
 
     # -- signals ---------------------------------------------------------------------------------
     def wake(self) -> None:
@@ -190,6 +267,9 @@ class Endpoint:
         return lambda: self._raised.remove(callback) if callback in self._raised else None
 
     def _demand(self) -> bool:
+        last = self._shared_last
+        if self._shared_active and last is not None:
+            return last.held_back or self.governor.held_back  # any client held back
         # Only calls the limit holds back ask for more: long calls waiting on their lane's share
         # would not run under a higher limit, and growing for them took the limit to its
         # ceiling (64 against a batch of 8) in the online benchmark.
@@ -207,11 +287,22 @@ class Endpoint:
             now,
             running=load.running,
             waiting=load.waiting,
-            in_flight=self.governor.in_flight,
+            in_flight=self._in_flight(),
             demand=self._demand(),
             preemptions=load.preemptions,
         ):
             self._apply()
+
+    def _in_flight(self) -> int:
+        last = self._shared_last
+        if self._shared_active and last is not None:
+            # The leader's loop sees every client's requests; its own are the freshest.
+            others = last.total_in_flight - next(
+                (p.in_flight for p in last.peers if self.shared and p.id == self.shared.client_id),
+                0,
+            )
+            return others + self.governor.in_flight
+        return self.governor.in_flight
 
     def tick(self, now: float) -> None:
         """A period without a scrape (no queue signal): the latency rules."""
@@ -256,6 +347,11 @@ class Endpoint:
     def _apply(self) -> None:
         governor, controller = self.governor, self.controller
         old, new = governor.limit, controller.limit
+        if self._shared_active:
+            # The leader's controller moved the shared limit: the next sync publishes it and
+            # every client's block follows; nothing changes here before that.
+            logger.debug("dsclient: %s shared limit -> %d: %s", self.url, new, controller.reason)
+            return
         if new == old:
             return
         governor.set_limit(new, batch=self.controller.capacity)
@@ -289,6 +385,9 @@ class Endpoint:
                     await self._wake.wait()
             started = self._clock()
             mode = self.controller.mode
+            if self._shared_active and not self.shared_leader:
+                await anyio.sleep(interval)  # the leader runs the loop for everyone
+                continue
             if mode == "metrics":
                 model = self.info.model if self.info is not None else None
                 load = await fetch_load(http, self.url, model=model, timeout=max(1.0, interval * 4))

@@ -1,0 +1,500 @@
+"""A shared in-flight budget in Redis: many client processes on one server hold one limit.
+
+    async with dsclient.AsyncClient(url, shared="redis://10.0.0.5:6379/0") as client:
+        ...                    # every process with the same server URL and key shares client.limit
+
+**Leases.** The budget is a Redis sorted set of lease ids scored by their expiry. One Lua script
+(:data:`SYNC_SCRIPT`) trims expired leases and dead clients, counts what the others hold and
+grants this client its leases, all atomically and on Redis's own clock (``TIME`` inside the
+script): hosts with skewed clocks would otherwise expire each other's leases early or late. A
+lease lives :data:`LEASE_S` seconds and is renewed at every sync (every ``interval``, 0.2 s), so
+a process killed with ``kill -9`` gives its share back within the lease time.
+
+**No round trip per request.** A client holds a block of leases and its governor's limit is the
+size of that block: a request takes a local slot as before, and Redis is asked only by the
+background sync. Each sync publishes this client's demand (in flight + waiting), in flight and
+whether the limit holds it back, and reads everyone's; the next block is this client's fair share
+of the limit (:func:`fair_shares`: max-min fair, every live client at least one lease). A client
+grows only into leases nobody holds, and never holds fewer leases than requests in flight, so the
+sum of everyone's in flight never passes the shared limit for longer than a request that was
+already running when the limit fell. A client's first lease also waits for room (``async with``
+waits for it), and once it holds one it keeps at least one (the governor's limit cannot be 0), so
+N clients need a limit of at least N. The one gap: a client whose leases Redis lost (a restart)
+and that finds no room holds none, yet its governor lets one request through until the next sync.
+
+**One closed loop.** One client is the leader (a key with the lease's TTL, taken by a client with
+traffic): it runs the limit controller on the server's ``/metrics`` against the total in flight of
+all clients and publishes the limit and the learned capacity; the others read them. When the
+leader goes idle or dies, another busy client takes over, starting from the published limit.
+
+**Redis away.** A failed sync switches the client to its local closed loop (its own controller,
+from the share it held), logged once at WARNING (the URL without its password); it tries Redis
+again every second and rejoins when it answers. No request waits on Redis and none is dropped:
+the governor's limit only changes size.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
+from urllib.parse import urlsplit
+
+import anyio
+
+if TYPE_CHECKING:
+    from ._endpoint import Endpoint
+
+__all__ = [
+    "LEASE_S",
+    "SYNC_INTERVAL_S",
+    "SYNC_SCRIPT",
+    "Peer",
+    "SharedBudget",
+    "SharedState",
+    "SyncResult",
+    "fair_shares",
+    "parse_sync",
+    "redact_url",
+]
+
+logger = logging.getLogger("dsclient")
+
+#: Seconds a lease lives without renewal: what a killed client's share takes to come back.
+LEASE_S: Final = 3.0
+#: Seconds between two syncs with Redis (each renews every lease this client holds).
+SYNC_INTERVAL_S: Final = 0.2
+#: Seconds between two tries while Redis does not answer (the client runs its local loop).
+RETRY_S: Final = 1.0
+#: Seconds a redis-py call may take before the sync counts as failed.
+REDIS_TIMEOUT_S: Final = 1.0
+
+Mode = Literal["shared", "local"]
+
+#: KEYS: 1 leases (zset id:i -> expiry ms), 2 clients (zset id -> expiry ms), 3 state (hash id ->
+#: "demand inflight held"), 4 limit, 5 leader, 6 capacity.
+#: ARGV: 1 client id, 2 lease ms, 3 leases this client added last time, 4 target, 5 in flight,
+#: 6 state string, 7 proposed limit, 8 capacity ("" unknown), 9 "1" to leave.
+#: Returns {granted, limit, is_leader, capacity ("" unknown), id1, state1, id2, state2, ...}.
+SYNC_SCRIPT: Final = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local id = ARGV[1]
+local lease_ms = tonumber(ARGV[2])
+local prev = tonumber(ARGV[3])
+local target = tonumber(ARGV[4])
+local inflight = tonumber(ARGV[5])
+local dead = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
+for _, c in ipairs(dead) do redis.call('HDEL', KEYS[3], c) end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local mine = 0
+for i = 0, prev - 1 do
+  if redis.call('ZREM', KEYS[1], id .. ':' .. i) == 1 then mine = mine + 1 end
+end
+if ARGV[9] == '1' then
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('HDEL', KEYS[3], id)
+  if redis.call('GET', KEYS[5]) == id then redis.call('DEL', KEYS[5]) end
+  return {0, 0, 0, ''}
+end
+redis.call('ZADD', KEYS[2], now + lease_ms, id)
+redis.call('HSET', KEYS[3], id, ARGV[6])
+local leader = redis.call('GET', KEYS[5])
+local busy = tonumber(string.match(ARGV[6], '^%d+')) > 0
+if (not leader) and busy then leader = id end
+if leader == id then
+  if busy then redis.call('SET', KEYS[5], id, 'PX', lease_ms) else
+    redis.call('DEL', KEYS[5]); leader = false end
+end
+local limit = tonumber(redis.call('GET', KEYS[4]) or '0')
+if leader == id or limit < 1 then
+  limit = tonumber(ARGV[7])
+  redis.call('SET', KEYS[4], limit)
+  if ARGV[8] ~= '' then redis.call('SET', KEYS[6], ARGV[8]) end
+end
+local others = redis.call('ZCARD', KEYS[1])
+local want = math.max(target, inflight, 1)
+local grant = want
+if want > mine then
+  grant = math.max(mine, math.min(want, limit - others), inflight)
+end
+for i = 0, grant - 1 do redis.call('ZADD', KEYS[1], now + lease_ms, id .. ':' .. i) end
+local out = {grant, limit, leader == id and 1 or 0, redis.call('GET', KEYS[6]) or ''}
+local states = redis.call('HGETALL', KEYS[3])
+for i = 1, #states do out[#out + 1] = states[i] end
+return out
+"""
+
+
+class _Revealable(Protocol):
+    def reveal(self) -> str: ...
+
+
+def redact_url(url: str) -> str:
+    """The Redis URL without its user and password, for logs, reprs and errors.
+
+    redact_url("redis://:s3cret@cache:6379/0")  ->  "redis://***@cache:6379/0"
+    """
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        return "<unparsable redis url>"
+    auth = "***@" if (parts.username or parts.password) else ""
+    return f"{parts.scheme}://{auth}{host}{port}{parts.path}"
+
+
+def fair_shares(limit: int, demands: Sequence[int]) -> list[int]:
+    """Max-min fair shares of ``limit`` among clients with these demands, each at least 1.
+
+        fair_shares(12, [1, 10, 10])  ->  [1, 6, 5]   # the small demand is met, the rest split
+        fair_shares(12, [0, 0, 0])    ->  [1, 1, 1]   # idle clients keep one lease each
+
+    A client never gets more than its demand unless everyone's demand is met, and then the rest
+    is not handed out (a client grows when its demand does). Remainders go to the earlier
+    clients (the caller orders them, by id). Parameters: ``limit``, the shared limit;
+    ``demands``, each client's in flight + waiting.
+    """
+    n = len(demands)
+    if n == 0:
+        return []
+    extra_wanted = [max(1, d) - 1 for d in demands]
+    left = max(0, limit - n)
+    # Water-filling: the highest level L with sum(min(extra, L)) <= left.
+    lo, hi = 0, max(extra_wanted)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sum(min(e, mid) for e in extra_wanted) <= left:
+            lo = mid
+        else:
+            hi = mid - 1
+    shares = [1 + min(e, lo) for e in extra_wanted]
+    left -= sum(shares) - n
+    # What the level left over goes to unmet demands, in the caller's order.
+    for i in range(n):
+        if left <= 0:
+            break
+        if extra_wanted[i] > lo:
+            shares[i] += 1
+            left -= 1
+    return shares
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One live client as its last sync published it."""
+
+    id: str
+    demand: int
+    in_flight: int
+    held_back: bool
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What one sync returned: this client's block, the shared limit and everyone's state."""
+
+    granted: int
+    limit: int
+    leader: bool
+    capacity: int | None
+    peers: tuple[Peer, ...]
+
+    @property
+    def total_in_flight(self) -> int:
+        return sum(p.in_flight for p in self.peers)
+
+    @property
+    def held_back(self) -> bool:
+        return any(p.held_back for p in self.peers)
+
+    def target_for(self, client_id: str, demand: int) -> int:
+        """This client's fair share of :attr:`limit` given everyone's published demand, its own
+        replaced by ``demand`` (what it has now, not at the last sync)."""
+        peers = sorted(self.peers, key=lambda p: p.id)
+        ids = [p.id for p in peers]
+        demands = [p.demand for p in peers]
+        if client_id in ids:
+            demands[ids.index(client_id)] = demand
+        else:
+            ids.append(client_id)
+            demands.append(demand)
+        return fair_shares(self.limit, demands)[ids.index(client_id)]
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bytes):
+        value = value.decode()
+    return int(value)
+
+
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def parse_sync(raw: Sequence[Any]) -> SyncResult:
+    """Parse :data:`SYNC_SCRIPT`'s answer (a flat list; bytes or str) into a :class:`SyncResult`."""
+    capacity = _str(raw[3])
+    peers = []
+    for i in range(4, len(raw) - 1, 2):
+        fields = _str(raw[i + 1]).split()
+        demand, in_flight, held = (int(f) for f in fields[:3])
+        peers.append(Peer(_str(raw[i]), demand, in_flight, bool(held)))
+    return SyncResult(
+        granted=_int(raw[0]),
+        limit=_int(raw[1]),
+        leader=_int(raw[2]) == 1,
+        capacity=int(capacity) if capacity else None,
+        peers=tuple(peers),
+    )
+
+
+class SharedState:
+    """Pure: whether this client runs on the shared budget or on its own loop, and when to sync.
+
+        state = SharedState(clock=fake)
+        state.failed(exc)  -> True the first time (log it), then False until Redis is back
+        state.succeeded()  -> True when this rejoins after a fall back
+
+    Parameters:
+        interval: seconds between syncs while Redis answers.
+        retry: seconds between tries while it does not.
+        lease_s: the lease time; a block not renewed for this long is gone from Redis.
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        *,
+        interval: float = SYNC_INTERVAL_S,
+        retry: float = RETRY_S,
+        lease_s: float = LEASE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0 < interval < lease_s:
+            raise ValueError(f"interval must be > 0 and under lease_s ({lease_s}), got {interval}")
+        self.interval = interval
+        self.retry = retry
+        self.lease_s = lease_s
+        self._clock = clock
+        self.mode: Mode = "local"
+        self.synced_at = -math.inf
+        self.failures = 0
+        self._warned = False
+
+    def succeeded(self) -> bool:
+        """A sync answered; returns whether this client just (re)joined the shared budget."""
+        joined = self.mode != "shared"
+        self.mode, self.synced_at, self.failures = "shared", self._clock(), 0
+        rejoined = joined and self._warned
+        if rejoined:
+            self._warned = False
+        return rejoined
+
+    def failed(self) -> bool:
+        """A sync failed: this client runs on its own loop; returns whether to log it (once per
+        outage)."""
+        self.mode = "local"
+        self.failures += 1
+        if self._warned:
+            return False
+        self._warned = True
+        return True
+
+    def next_delay(self) -> float:
+        """Seconds until the next sync."""
+        return self.interval if self.mode == "shared" else self.retry
+
+    def block_alive(self) -> bool:
+        """Whether the leases granted at the last sync are still this client's in Redis."""
+        return self._clock() - self.synced_at < self.lease_s
+
+
+def _client_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _load_redis() -> Any:
+    try:
+        import redis.asyncio as aioredis
+    except ImportError as exc:  # pragma: no cover - the extra is installed in tests
+        raise ImportError(
+            "shared= needs redis-py (the redis package, 5 or newer): pip install 'dsclient[redis]'"
+        ) from exc
+    return aioredis
+
+
+class SharedBudget:
+    """The process's side of one shared budget: a block of leases, synced in the background.
+
+        budget = SharedBudget(secret_url, key="dsclient", server_url="http://127.0.0.1:8000")
+        await budget.run(endpoint)     # until cancelled; the endpoint's governor follows it
+        await budget.leave()           # gives the leases back at once
+
+    Parameters:
+        url: the Redis URL, wrapped so that no repr shows it (``reveal()`` gives it).
+        key: the key prefix (several budgets on one Redis).
+        server_url: the server's canonical URL; clients of the same server and key share.
+        lease_s: seconds a lease lives without renewal.
+        interval: seconds between syncs.
+        clock: monotonic seconds (the lease times themselves are Redis's).
+    """
+
+    def __init__(
+        self,
+        url: _Revealable,
+        *,
+        key: str,
+        server_url: str,
+        lease_s: float = LEASE_S,
+        interval: float = SYNC_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        aioredis = _load_redis()
+        self._url = url
+        self.display_url = redact_url(url.reveal())
+        self.key = key
+        self.server_url = server_url
+        self.client_id = _client_id()
+        self.state = SharedState(interval=interval, lease_s=lease_s, clock=clock)
+        self.lease_ms = int(lease_s * 1000)
+        base = f"{key}:{{{server_url}}}"
+        self.keys = [f"{base}:{name}" for name in ("leases", "clients", "state", "limit")]
+        self.keys += [f"{base}:leader", f"{base}:capacity"]
+        self._redis: Any = aioredis.Redis.from_url(
+            url.reveal(),
+            socket_timeout=REDIS_TIMEOUT_S,
+            socket_connect_timeout=REDIS_TIMEOUT_S,
+            health_check_interval=0,
+        )
+        self._script: Any = self._redis.register_script(SYNC_SCRIPT)
+        self.granted = 0
+        self.last: SyncResult | None = None
+        self._added = 0  # leases this client put in Redis at its last sync (ids 0 .. n-1)
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return (
+            f"SharedBudget(url={self.display_url!r}, key={self.key!r}, mode={self.state.mode!r}, "
+            f"granted={self.granted})"
+        )
+
+    @property
+    def active(self) -> bool:
+        """Whether the shared budget is in force (Redis answered at the last sync)."""
+        return self.state.mode == "shared"
+
+    @property
+    def limit(self) -> int | None:
+        """The shared limit as last read (``None`` before the first sync)."""
+        return self.last.limit if self.last is not None else None
+
+    @property
+    def leader(self) -> bool:
+        return self.active and self.last is not None and self.last.leader
+
+    def _scrub(self, exc: BaseException) -> str:
+        text = f"{type(exc).__name__}: {exc}"
+        secret = urlsplit(self._url.reveal()).password
+        return text.replace(secret, "***") if secret else text
+
+    async def sync(self, endpoint: Endpoint) -> SyncResult:
+        """One round trip: publish this client's state, renew and resize its block."""
+        governor = endpoint.governor
+        in_flight, waiting = governor.in_flight, governor.waiting
+        demand = in_flight + waiting
+        target = self.last.target_for(self.client_id, demand) if self.last else max(1, demand)
+        controller = endpoint.controller
+        learned = endpoint.controller.capacity
+        raw = await self._script(
+            keys=self.keys,
+            args=[
+                self.client_id,
+                self.lease_ms,
+                self._added,
+                target,
+                in_flight,
+                f"{demand} {in_flight} {int(governor.held_back)}",
+                max(1, controller.limit),
+                "" if learned is None else learned,
+                0,
+            ],
+        )
+        result = parse_sync(raw)
+        self._added = result.granted
+        return result
+
+    async def step(self, endpoint: Endpoint) -> None:
+        """One sync, applied to ``endpoint``; on failure the endpoint falls back to its own
+        loop (logged once per outage)."""
+        state = self.state
+        if self._closed:
+            return
+        try:
+            result = await self.sync(endpoint)
+        except Exception as exc:  # redis-py's errors, timeouts, OSError: Redis is away
+            if not state.block_alive():
+                self._added = 0  # Redis has expired them (or lost them in a restart)
+            if state.failed():
+                logger.warning(
+                    "dsclient: the shared budget at %s does not answer (%s); %s runs on its "
+                    "own limit until it is back",
+                    self.display_url,
+                    self._scrub(exc),
+                    endpoint.url,
+                )
+            endpoint.leave_shared()
+            return
+        previous, self.last = self.last, result
+        if state.succeeded():
+            logger.warning(
+                "dsclient: the shared budget at %s answers again; %s shares its limit",
+                self.display_url,
+                endpoint.url,
+            )
+        self.granted = result.granted
+        became_leader = result.leader and (previous is None or not previous.leader)
+        endpoint.apply_shared(result, became_leader=became_leader)
+
+    async def first_lease(self, endpoint: Endpoint) -> None:
+        """Sync until this client holds a lease (or Redis does not answer): the others give
+        room back as their requests end (at ``async with``, before the first call)."""
+        await self.step(endpoint)
+        while self.active and self.granted < 1 and not self._closed:
+            await anyio.sleep(self.state.interval)
+            await self.step(endpoint)
+
+    async def run(self, endpoint: Endpoint) -> None:
+        """Sync until cancelled (or closed), applying each answer to ``endpoint``."""
+        while not self._closed:
+            await self.step(endpoint)
+            await anyio.sleep(self.state.next_delay())
+
+    async def leave(self) -> None:
+        """Give every lease back and deregister (at close); quiet if Redis is away."""
+        self._closed = True
+        try:
+            with anyio.fail_after(REDIS_TIMEOUT_S):
+                await self._script(
+                    keys=self.keys,
+                    args=[self.client_id, self.lease_ms, self._added, 0, 0, "0 0 0", 1, "", 1],
+                )
+            self._added = 0
+        except Exception as exc:
+            logger.debug("dsclient: leaving the shared budget failed: %s", self._scrub(exc))
+
+    async def aclose(self) -> None:
+        """Leave and close the connection pool."""
+        await self.leave()
+        try:
+            await self._redis.aclose()
+        except Exception as exc:  # pragma: no cover - closing a dead pool
+            logger.debug("dsclient: closing the Redis pool failed: %s", self._scrub(exc))
