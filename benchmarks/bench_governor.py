@@ -213,6 +213,28 @@ async def dsclient_strategy(
         yield call, info
 
 
+def openai_call(client: Any, gate: asyncio.Semaphore | None) -> Call:
+    """One request through ``client`` (an ``openai.AsyncOpenAI``), behind ``gate`` if given."""
+
+    async def send(request: Request) -> None:
+        await client.completions.create(
+            model=MODEL,
+            prompt=request.prompt,
+            max_tokens=request.max_tokens,
+            extra_body={"ignore_eos": True},
+        )
+
+    async def call(request: Request) -> Outcome | None:
+        if gate is None:
+            await send(request)
+        else:
+            async with gate:
+                await send(request)
+        return None
+
+    return call
+
+
 @contextlib.asynccontextmanager
 async def openai_strategy(
     url: str, gate: asyncio.Semaphore | None
@@ -220,24 +242,7 @@ async def openai_strategy(
     import openai
 
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x") as client:
-
-        async def send(request: Request) -> None:
-            await client.completions.create(
-                model=MODEL,
-                prompt=request.prompt,
-                max_tokens=request.max_tokens,
-                extra_body={"ignore_eos": True},
-            )
-
-        async def call(request: Request) -> Outcome | None:
-            if gate is None:
-                await send(request)
-            else:
-                async with gate:
-                    await send(request)
-            return None
-
-        yield call, lambda: {"semaphore": gate._value if gate else None}
+        yield openai_call(client, gate), lambda: {"semaphore": gate._value if gate else None}
 
 
 def dsclient_options(name: str) -> dict[str, Any] | None:

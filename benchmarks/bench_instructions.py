@@ -2,6 +2,7 @@
 
     python -m benchmarks instructions                 # httpx, map, openai legs (~6 min)
     python -m benchmarks instructions --legs httpx,map --small 200 --large 1200
+    python -m benchmarks instructions --source openai # generate() vs client.openai() (~8 min)
 
 CPU seconds on this shared 2-core machine scatter by +-20 % from run to run, which is as large
 as the effect being measured. ``valgrind --tool=callgrind`` counts the instructions a process
@@ -9,6 +10,12 @@ executes, the same for the same binary and inputs whatever else the machine does
 ``bench_map`` (the in-process mock server) runs twice under callgrind, with ``--small`` and
 ``--large`` requests; the difference divided by the difference in requests is the cost of one
 request, free of start-up and import costs. Results: ``benchmarks/results/instructions.json``.
+
+``--source openai`` counts the cost legs of ``bench_openai`` instead (``generate``,
+``dsclient-openai``, ``openai-httpx``, ``openai``: 64 tasks on a client capped at 64, so no task
+waits); dsclient's own share of ``client.openai()`` is ``dsclient-openai`` less ``openai-httpx``
+(the same SDK on a plain ``httpx.AsyncClient`` over the same mock), reported against
+``generate``. Results: ``benchmarks/results/instructions_openai.json``.
 """
 
 from __future__ import annotations
@@ -24,16 +31,28 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "instructions.json"
-LEG_SCRIPT = (
-    "import sys; sys.path.insert(0, {bench!r}); import bench_map; "
-    "bench_map.run_leg(sys.argv[1], int(sys.argv[2]))"
-)
+#: source -> (the code one leg runs, default legs, the baseline leg ratios are taken to)
+SOURCES = {
+    "map": (
+        "import sys; sys.path.insert(0, {bench!r}); import bench_map; "
+        "bench_map.run_leg(sys.argv[1], int(sys.argv[2]))",
+        "httpx,map,openai",
+        "httpx",
+    ),
+    "openai": (
+        "import asyncio, sys; sys.path.insert(0, {root!r}); "
+        "from benchmarks.bench_openai import COST; "
+        "asyncio.run(COST[sys.argv[1]](int(sys.argv[2]), 64))",
+        "generate,dsclient-openai,openai-httpx",
+        "generate",
+    ),
+}
 
 
-def instructions(leg: str, n: int, workdir: Path) -> int:
+def instructions(leg: str, n: int, workdir: Path, source: str = "map") -> int:
     """Instructions executed by a fresh interpreter that runs ``leg`` for ``n`` requests."""
     out = workdir / f"callgrind.{leg}.{n}"
-    code = LEG_SCRIPT.format(bench=str(ROOT / "benchmarks"))
+    code = SOURCES[source][0].format(bench=str(ROOT / "benchmarks"), root=str(ROOT))
     done = subprocess.run(
         [
             "valgrind",
@@ -58,31 +77,40 @@ def instructions(leg: str, n: int, workdir: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--legs", default="httpx,map,openai", help="bench_map legs to count")
+    parser.add_argument("--source", choices=sorted(SOURCES), default="map")
+    parser.add_argument("--legs", help="legs to count (default: the source's own)")
     parser.add_argument("--small", type=int, default=200, help="requests in the short run")
     parser.add_argument("--large", type=int, default=1200, help="requests in the long run")
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         sys.exit("valgrind is not installed (Debian: apt-get install valgrind)")
+    _, default_legs, baseline = SOURCES[args.source]
     per_request: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for leg in args.legs.split(","):
-            small = instructions(leg, args.small, Path(tmp))
-            large = instructions(leg, args.large, Path(tmp))
+        for leg in (args.legs or default_legs).split(","):
+            small = instructions(leg, args.small, Path(tmp), args.source)
+            large = instructions(leg, args.large, Path(tmp), args.source)
             per_request[leg] = (large - small) / (args.large - args.small)
-            print(f"  {leg:8} {per_request[leg] / 1000:8.0f} k instructions / request", flush=True)
-    base = per_request.get("httpx")
+            print(f"  {leg:16} {per_request[leg] / 1000:8.0f} k instructions / request", flush=True)
+    base = per_request.get(baseline)
     ratios = {leg: round(v / base, 2) for leg, v in per_request.items()} if base else {}
-    report = {
+    report: dict[str, object] = {
+        "source": args.source,
         "small": args.small,
         "large": args.large,
         "instructions_per_request": {k: round(v) for k, v in per_request.items()},
-        "ratio_to_httpx": ratios,
+        f"ratio_to_{baseline}": ratios,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    if base and "dsclient-openai" in per_request and "openai-httpx" in per_request:
+        share = per_request["dsclient-openai"] - per_request["openai-httpx"]
+        report["dsclient_share_of_openai"] = round(share)
+        report["ratio_share_to_generate"] = round(share / base, 2)
+    name = "instructions.json" if args.source == "map" else f"instructions_{args.source}.json"
+    path = RESULTS.with_name(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    print(f"wrote {path.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

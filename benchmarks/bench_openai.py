@@ -46,7 +46,6 @@ from benchmarks.bench_client_cost import URL, Mock, _drive, prompt
 from benchmarks.bench_governor import (
     MAX_MODEL_LEN,
     MAX_NUM_SEQS,
-    MODEL,
     WARM_UP,
     Call,
     Outcome,
@@ -54,6 +53,8 @@ from benchmarks.bench_governor import (
     batch_workload,
     execute,
     online_workload,
+    openai_call,
+    openai_strategy,
     summarize,
     warm_up,
 )
@@ -163,8 +164,6 @@ def run_cost(args: argparse.Namespace) -> dict[str, Any]:
 # -- online ---------------------------------------------------------------------------------------
 @contextlib.asynccontextmanager
 async def online_strategy(name: str, url: str) -> AsyncIterator[Call]:
-    import openai
-
     import dsclient
 
     if name == "dsclient":
@@ -177,42 +176,13 @@ async def online_strategy(name: str, url: str) -> AsyncIterator[Call]:
                 return None
 
             yield call
-        return
-    if name == "dsclient-openai":
+    elif name == "dsclient-openai":
         async with dsclient.AsyncClient(url) as client:
-            sdk = client.openai()
-
-            async def call(request: Request) -> Outcome | None:
-                await sdk.completions.create(
-                    model=MODEL,
-                    prompt=request.prompt,
-                    max_tokens=request.max_tokens,
-                    extra_body={"ignore_eos": True},
-                )
-                return None
-
+            yield openai_call(client.openai(), None)
+    else:
+        gate = asyncio.Semaphore(SEMAPHORE) if name == "openai-sem" else None
+        async with openai_strategy(url, gate) as (call, _):
             yield call
-        return
-    gate = asyncio.Semaphore(SEMAPHORE) if name == "openai-sem" else None
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x") as plain:
-
-        async def send(request: Request) -> None:
-            await plain.completions.create(
-                model=MODEL,
-                prompt=request.prompt,
-                max_tokens=request.max_tokens,
-                extra_body={"ignore_eos": True},
-            )
-
-        async def call(request: Request) -> Outcome | None:
-            if gate is None:
-                await send(request)
-            else:
-                async with gate:
-                    await send(request)
-            return None
-
-        yield call
 
 
 async def run_online(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -26,7 +26,7 @@ class CallRecord:
     and ``prompt_tokens`` is ``None``.
     """
 
-    kind: Literal["completion", "chat", "stream"]
+    kind: Literal["completion", "chat", "embedding", "stream"]
     server: str
     lane: str | None
     group: str | None

@@ -217,10 +217,7 @@ class RequestPath:
             try:
                 response = await self._open(path, body)
             except BaseException as exc:
-                if isinstance(exc, DSClientError):
-                    slot.set_outcome(outcome_of(exc))
-                    self._unreachable(exc, call)
-                await slot.__aexit__(type(exc), exc, exc.__traceback__)
+                await self._release_failed(slot, exc, call)
                 raise
             self.reach.mark_up()
             return response, slot
@@ -231,23 +228,24 @@ class RequestPath:
 
     async def send_raw(
         self,
-        path: str,
-        content: bytes,
-        headers: list[tuple[str, str]],
+        request: httpx.Request,
         *,
         lane: Lane,
         urgency: int,
         group: str | None,
         stream: bool,
     ) -> Answer:
-        """POST a caller's bytes attempt by attempt, as :meth:`send_json` does, and give back the
-        server's answer instead of raising for its status (``dsclient/_transport.py`` hands it to
-        another SDK, which maps statuses to its own errors).
+        """Send a caller's request attempt by attempt, as :meth:`send_json` does, and give back
+        the server's answer instead of raising for its status (``dsclient/_transport.py`` hands
+        it to another SDK, which maps statuses to its own errors).
 
-        A 2xx body is read under the cap and its slot released; with ``stream`` the response
-        comes back open and the caller holds ``Answer.slot`` until it is done. A refusal that
-        may not be retried (or whose retries are spent) comes back as the last answer, its body
-        read (at most ``ERROR_BODY_BYTES``, the API key blanked out).
+        ``request`` is built once by the caller (URL, headers, body: see
+        :meth:`GovernedTransport <dsclient._transport.GovernedTransport>`) and sent as it is by
+        every attempt, straight to the shared client's transport (:meth:`_exchange`). A 2xx body
+        is read under the cap and its slot released; with ``stream`` the response comes back
+        open and the caller holds ``Answer.slot`` until it is done. A refusal that may not be
+        retried (or whose retries are spent) comes back as the last answer, its body read (at
+        most ``ERROR_BODY_BYTES``, the API key blanked out) and ``Answer.error`` set.
 
         Raises:
             DSClientError: what has no answer: a transport failure, the outage gate giving up,
@@ -256,23 +254,21 @@ class RequestPath:
         governor = self._endpoint.governor
         call = _Call()
         refused: list[tuple[DSClientError, Answer]] = []
+        label = request.url.path
 
         async def attempt() -> Answer:
             slot = governor.slot(lane=lane, urgency=urgency, group=group)
             await slot.__aenter__()
             call.queued_s += slot.queued_s
             try:
-                response, body = await self._exchange(path, content, headers, stream)
+                response, body = await self._exchange(request, stream)
                 if body is not None and response.status_code >= 400:
                     error = error_from_response(response, body)
                     self.redact_error(error)
                     refused[:] = [(error, Answer(response, self._redact_bytes(body), None))]
                     raise error
             except BaseException as exc:
-                if isinstance(exc, DSClientError):
-                    slot.set_outcome(outcome_of(exc))
-                    self._unreachable(exc, call)
-                await slot.__aexit__(type(exc), exc, exc.__traceback__)
+                await self._release_failed(slot, exc, call)
                 raise
             self.reach.mark_up()
             if body is None:
@@ -282,23 +278,46 @@ class RequestPath:
 
         self._endpoint.wake()
         try:
-            answer, attempts = await self._with_retries(attempt, path, call)
+            answer, attempts = await self._with_retries(attempt, label, call)
         except RequestRefused as exc:
             if not refused or refused[0][0] is not exc:
                 raise
             answer, attempts = refused[0][1], exc.attempts
+            answer.error = exc
         answer.attempts, answer.queued_s = attempts, call.queued_s
         return answer
 
+    async def _release_failed(self, slot: Slot, exc: BaseException, call: _Call) -> None:
+        """Give back the slot of an attempt that failed, with its outcome; a connection that
+        failed marks the server down (:meth:`_unreachable`)."""
+        if isinstance(exc, DSClientError):
+            slot.set_outcome(outcome_of(exc))
+            self._unreachable(exc, call)
+        await slot.__aexit__(type(exc), exc, exc.__traceback__)
+
     async def _exchange(
-        self, path: str, content: bytes, headers: list[tuple[str, str]], stream: bool
+        self, request: httpx.Request, stream: bool
     ) -> tuple[httpx.Response, bytes | None]:
-        """One POST of a caller's bytes: the answer and its body (``None``: an open stream)."""
-        request = self._http.build_request(
-            "POST", self._endpoint.url + path, content=content, headers=headers
-        )
+        """One send of a caller's request: the answer and its body (``None``: an open stream).
+
+        The request goes to the shared client's transport directly, not through
+        ``httpx.AsyncClient.send``: it is already complete (headers merged, body encoded), and
+        the client's per-send machinery (auth flow, redirects, two cookie-jar passes that copy
+        every header) cost more CPU than the whole send of :meth:`send_json` for the dozen
+        headers an SDK sends. The transport is the one the client would pick
+        (``_transport_for_url``: its mounts and proxies); an httpx without that method goes
+        through ``send``.
+        """
+        http = self._http
+        if http.is_closed:
+            raise RuntimeError("Cannot send a request, as the client has been closed.")
         try:
-            response = await self._http.send(request, stream=True)
+            pick = getattr(http, "_transport_for_url", None)
+            if pick is None:  # pragma: no cover - an httpx that renamed it
+                response = await http.send(request, stream=True)
+            else:
+                response = await pick(request.url).handle_async_request(request)
+                response.request = request
         except httpx.RequestError as exc:
             raise translate_request_error(exc) from exc
         if stream and response.status_code < 400:
@@ -446,10 +465,11 @@ class _Call:
 
 class Answer:
     """What :meth:`RequestPath.send_raw` gives back: the server's ``response``, its ``content``
-    (``None`` for an open stream, whose ``slot`` the caller then holds), the ``attempts`` made
-    and the seconds ``queued_s`` waiting for slots."""
+    (``None`` for an open stream, whose ``slot`` the caller then holds), the ``attempts`` made,
+    the seconds ``queued_s`` waiting for slots, and for a refusal handed back the ``error``
+    dsclient would have raised (observers count it)."""
 
-    __slots__ = ("attempts", "content", "queued_s", "response", "slot")
+    __slots__ = ("attempts", "content", "error", "queued_s", "response", "slot")
 
     def __init__(self, response: httpx.Response, content: bytes | None, slot: Slot | None) -> None:
         self.response = response
@@ -457,3 +477,4 @@ class Answer:
         self.slot = slot
         self.attempts = 1
         self.queued_s = 0.0
+        self.error: RequestRefused | None = None

@@ -62,9 +62,10 @@ from __future__ import annotations
 import builtins
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final, Literal
 
+import anyio
 import httpx
 
 from ._exceptions import (
@@ -78,6 +79,7 @@ from ._exceptions import (
     parse_json,
 )
 from ._governor import choose_lane, default_long_threshold
+from ._observe import CallRecord
 from ._streaming import MAX_BODY_BYTES
 
 if TYPE_CHECKING:
@@ -85,12 +87,14 @@ if TYPE_CHECKING:
 
     from ._client import AsyncClient
     from ._governor import Lane, Slot
+    from ._pipeline import Answer
 
 __all__ = [
     "INFERENCE_PATHS",
     "GovernedTransport",
     "SyncGovernedTransport",
     "parse_options",
+    "usage_of",
 ]
 
 logger = logging.getLogger("dsclient")
@@ -107,12 +111,17 @@ INFERENCE_PATHS: Final = {
 _URGENCY: Final = "x-dsclient-urgency"
 _GROUP: Final = "x-dsclient-group"
 _OVERFLOW: Final = "x-dsclient-overflow"
-#: Request headers never forwarded: the client's own options, and what httpx recomputes.
-_DROP_REQUEST: Final = frozenset(
-    {_URGENCY, _GROUP, _OVERFLOW, "host", "content-length", "transfer-encoding", "connection"}
-)
+#: The option headers (read, never forwarded), as the lower-case bytes httpx keeps.
+_OPTIONS_RAW: Final = frozenset({_URGENCY.encode(), _GROUP.encode(), _OVERFLOW.encode()})
+#: Request headers never forwarded: what is recomputed for the request actually sent.
+_DROP_REQUEST: Final = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection"})
+_RETRY_COUNT: Final = b"x-stainless-retry-count"
 #: Answer headers that no longer describe a body read (and decoded) here.
-_DROP_READ: Final = frozenset({"content-length", "content-encoding", "transfer-encoding"})
+_DROP_READ: Final = frozenset({b"content-length", b"content-encoding", b"transfer-encoding"})
+#: How much of a stream's end an observed stream keeps, to find its ``usage`` (vLLM's last
+#: chunk with ``stream_options={"include_usage": true}`` is about 300 bytes).
+_TAIL_BYTES: Final = 4096
+_DECODER: Final = json.JSONDecoder()
 
 
 # -- options (pure) -----------------------------------------------------------------------------
@@ -231,6 +240,33 @@ def overflow_message(*, prompt_tokens: int, requested: int, context: int, field:
     )
 
 
+def usage_of(body: bytes) -> tuple[int | None, int | None]:
+    """``(prompt_tokens, completion_tokens)`` from the last ``"usage"`` object of an answer (a
+    JSON body, or the end of an SSE stream), without parsing the rest of it.
+
+        usage_of(b'{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2}}')  # (5, 2)
+        usage_of(b'{"choices":[]}')                                                   # (None, None)
+
+    A ``"usage"`` inside a string cannot match: its quotes are escaped there. Anything that is
+    not an object of integers gives ``None`` for the count it lacks.
+    """
+    at = body.rfind(b'"usage"')
+    if at < 0:
+        return None, None
+    colon = body.find(b":", at + 7)
+    if colon < 0:
+        return None, None
+    try:
+        value, _ = _DECODER.raw_decode(body[colon + 1 :].decode("utf-8", "replace").lstrip())
+    except (ValueError, RecursionError):
+        return None, None
+    if not isinstance(value, dict):
+        return None, None
+    counts = [value.get("prompt_tokens"), value.get("completion_tokens")]
+    ok = [n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None for n in counts]
+    return ok[0], ok[1]
+
+
 # -- planning ---------------------------------------------------------------------------------
 class _Governed:
     """What one inference request will send: the body's bytes, its lane and options."""
@@ -251,7 +287,7 @@ async def _plan(
     client: AsyncClient,
     kind: str,
     content: bytes,
-    headers: httpx.Headers,
+    headers: Mapping[str, str],
     defaults: tuple[int, str | None, Overflow],
 ) -> _Governed | httpx.Response:
     """Plan one inference request, or answer it with the client's refusal."""
@@ -360,6 +396,15 @@ class GovernedTransport(httpx.AsyncBaseTransport):
         root = httpx.URL(client.url)
         self._origin = (root.scheme, root.host, root.port)
         self._prefix = root.path.rstrip("/")
+        # What every governed request sends besides the SDK's own headers, worked out once:
+        # the shared client's headers (its User-Agent, its key) where the SDK has none of the
+        # same name, as httpx's own merge does; the client's key replaces the SDK's.
+        http = client._http
+        self._host = root.netloc
+        self._inner = [(k, v, k.lower()) for k, v in http.headers.raw]
+        self._drop = _DROP_REQUEST | ({b"authorization"} if client._api_key is not None else set())
+        self._timeout = http.timeout.as_dict()
+        self._urls: dict[str, httpx.URL] = {}
 
     def __repr__(self) -> str:
         return f"GovernedTransport({self._client.url!r})"
@@ -369,56 +414,80 @@ class GovernedTransport(httpx.AsyncBaseTransport):
         path = self._relative(request.url)
         kind = INFERENCE_PATHS.get(path) if request.method == "POST" else None
         content = await request.aread()
-        headers = self._forwarded(request.headers)
-        if request.url.query:
-            path += "?" + request.url.query.decode("ascii")
+        forwarded, options, retried = self._split(request.headers)
+        query = request.url.query
         if kind is None:
-            return await self._pass_through(request, client.url + path, headers, content)
-        if request.headers.get("x-stainless-retry-count", "0") not in ("0", ""):
+            target = client.url + path + ("?" + query.decode("ascii") if query else "")
+            return await self._pass_through(request, target, forwarded, content)
+        if retried:
             self._warn_once(
                 "sdk-retries",
                 "dsclient: the SDK is retrying a request that dsclient already retried; "
                 "give it max_retries=0 (client.openai() does)",
             )
+        start = client._clock()
         ends_at, limit_s = _deadline_of(request)
+        planned: _Governed | None = None
         try:
             async with _scope(limit_s):
-                planned = await _plan(client, kind, content, request.headers, self._defaults)
-                if isinstance(planned, httpx.Response):
-                    return planned
+                plan = await _plan(client, kind, content, options, self._defaults)
+                if isinstance(plan, httpx.Response):
+                    if client._observers:
+                        self._observe(kind, None, None, plan, start)
+                    return plan
+                planned = plan
+                outgoing = self._outgoing(path, query, forwarded, planned.content)
                 sent = await client._path.send_raw(
-                    path,
-                    planned.content,
-                    headers,
+                    outgoing,
                     lane=planned.lane,
                     urgency=planned.urgency,
                     group=planned.group,
                     stream=planned.stream,
                 )
-        except builtins.TimeoutError as exc:
-            raise httpx.ReadTimeout(
-                f"dsclient: call did not finish within its timeout of {limit_s} s", request=request
-            ) from exc
-        except DSClientError as exc:
+        except Exception as exc:
+            failure: Exception = exc
+            if isinstance(exc, builtins.TimeoutError):
+                failure = TimeoutError(f"call did not finish within its timeout of {limit_s} s")
+            if client._observers:
+                self._observe(kind, planned, failure, None, start)
+            if failure is not exc:
+                raise httpx.ReadTimeout(f"dsclient: {failure}", request=request) from exc
             if isinstance(exc, Overloaded) and exc.status == 0:
                 message = f"dsclient: the client's queue is full: {exc}"
                 return _refusal(429, message, why="queue-full", param=None)
-            raise _as_httpx(exc, request) from exc
-        response, body, slot = sent.response, sent.content, sent.slot
-        extra = {
-            "x-dsclient-lane": planned.lane,
-            "x-dsclient-attempts": str(sent.attempts),
-            "x-dsclient-queued-s": f"{sent.queued_s:.4f}",
-        }
+            if isinstance(exc, DSClientError):
+                raise _as_httpx(exc, request) from exc
+            raise
+        response, body = sent.response, sent.content
+        extra = [
+            (b"x-dsclient-lane", planned.lane.encode()),
+            (b"x-dsclient-attempts", str(sent.attempts).encode()),
+            (b"x-dsclient-queued-s", f"{sent.queued_s:.4f}".encode()),
+        ]
         if body is not None:
-            out_headers = [(k, v) for k, v in response.headers.multi_items() if k not in _DROP_READ]
-            out_headers.extend(extra.items())
-            return httpx.Response(response.status_code, headers=out_headers, content=body)
+            if client._observers:
+                self._observe(kind, planned, sent.error, sent, start)
+            out = [(k, v) for k, v in response.headers.raw if k.lower() not in _DROP_READ]
+            out.extend(extra)
+            return httpx.Response(response.status_code, headers=out, content=body)
+        observe = None
+        limit = client._path.max_body_bytes
+        if client._observers:
+
+            def observe(error: BaseException | None, tail: bytes) -> None:
+                failed = _stream_error(error, limit) if isinstance(error, Exception) else None
+                self._observe(kind, planned, failed, sent, start, tail)
+
         stream = GovernedStream(
-            response, slot, limit=client._path.max_body_bytes, ends_at=ends_at, timeout_s=limit_s
+            response,
+            sent.slot,
+            limit=limit,
+            ends_at=ends_at,
+            timeout_s=limit_s,
+            observe=observe,
         )
-        out = list(response.headers.multi_items())
-        out.extend(extra.items())
+        out = list(response.headers.raw)
+        out.extend(extra)
         return httpx.Response(response.status_code, headers=out, stream=stream)
 
     def _relative(self, url: httpx.URL) -> str:
@@ -437,16 +506,108 @@ class GovernedTransport(httpx.AsyncBaseTransport):
             )
         return path
 
-    def _forwarded(self, headers: httpx.Headers) -> list[tuple[str, str]]:
-        """The SDK's headers less the client's own options; the client's key replaces the
-        SDK's when the client has one."""
-        drop = _DROP_REQUEST
-        if self._client._api_key is not None:
-            drop = drop | {"authorization"}
-        return [(k, v) for k, v in headers.multi_items() if k.lower() not in drop]
+    def _split(
+        self, headers: httpx.Headers
+    ) -> tuple[list[tuple[bytes, bytes]], dict[str, str], bool]:
+        """One pass over the SDK's headers: ``(forwarded, options, retried)``: the headers to
+        send on (less the client's options, what is recomputed, and the SDK's key when the
+        client has its own), the ``x-dsclient-*`` options, and whether the SDK is retrying."""
+        forwarded: list[tuple[bytes, bytes]] = []
+        options: dict[str, str] = {}
+        retried = False
+        drop = self._drop
+        for key, value in headers.raw:
+            lower = key.lower()
+            if lower in _OPTIONS_RAW:
+                options[lower.decode("ascii")] = value.decode("latin-1")
+            elif lower not in drop:
+                if lower == _RETRY_COUNT and value not in (b"0", b""):
+                    retried = True
+                forwarded.append((key, value))
+        return forwarded, options, retried
+
+    def _outgoing(
+        self, path: str, query: bytes, forwarded: list[tuple[bytes, bytes]], content: bytes
+    ) -> httpx.Request:
+        """The request every attempt sends: complete (``Host``, ``Content-Length``, the client's
+        headers merged under the SDK's, the client's connect timeout), so the request path hands
+        it to the connection pool as it is (:meth:`RequestPath._exchange`)."""
+        url = self._urls.get(path) if not query else None
+        if url is None:
+            target = self._client.url + path + ("?" + query.decode("ascii") if query else "")
+            url = httpx.URL(target)
+            if not query and len(self._urls) < len(INFERENCE_PATHS):
+                self._urls[path] = url
+        present = {k.lower() for k, _ in forwarded}
+        headers = [(b"Host", self._host)]
+        headers.extend((k, v) for k, v, lower in self._inner if lower not in present)
+        headers.extend(forwarded)
+        headers.append((b"Content-Length", str(len(content)).encode()))
+        outgoing = httpx.Request(
+            "POST",
+            url,
+            headers=headers,
+            stream=httpx.ByteStream(content),
+            extensions={"timeout": self._timeout},
+        )
+        outgoing.read()  # the body is in memory: keep it readable as request.content
+        return outgoing
+
+    def _observe(
+        self,
+        kind: str,
+        planned: _Governed | None,
+        error: Exception | None,
+        sent: Answer | httpx.Response | None,
+        start: float,
+        tail: bytes | None = None,
+    ) -> None:
+        """Tell the client's observers about one finished call, as :meth:`AsyncClient.generate`
+        does: ``sent`` is the answer (or the client's own refusal), ``tail`` a stream's end."""
+        client = self._client
+        prompt_tokens = completion_tokens = None
+        status = getattr(error, "status", None) or None
+        queued_s: float | None = None
+        attempts = getattr(error, "attempts", 1)
+        if isinstance(sent, httpx.Response):  # max_tokens refused before sending
+            error_name: str | None = ContextOverflow.__name__
+            status = sent.status_code
+        else:
+            error_name = type(error).__name__ if error is not None else None
+        if sent is not None and not isinstance(sent, httpx.Response):
+            attempts = sent.attempts
+            if sent.error is not None:
+                error_name = type(sent.error).__name__
+                status = sent.response.status_code
+            elif error_name is None:  # as generate(): a failed call has no queue time
+                queued_s = sent.queued_s
+            body = sent.content if tail is None else tail
+            if body is not None and sent.error is None:
+                prompt_tokens, completion_tokens = usage_of(body)
+        stream = planned is not None and planned.stream
+        record_kind: Any = "stream" if stream else kind
+        client._notify(
+            CallRecord(
+                kind=record_kind,
+                server=client.url,
+                lane=planned.lane if planned is not None else None,
+                group=planned.group if planned is not None else None,
+                error=error_name,
+                status=status,
+                latency_s=client._clock() - start,
+                queued_s=queued_s,
+                attempts=attempts if isinstance(attempts, int) else 1,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+            )
+        )
 
     async def _pass_through(
-        self, request: httpx.Request, target: str, headers: list[tuple[str, str]], content: bytes
+        self,
+        request: httpx.Request,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
+        content: bytes,
     ) -> httpx.Response:
         """Not inference: one send, no slot, no retry; the body streams under the line cap."""
         http = self._client._http
@@ -458,9 +619,7 @@ class GovernedTransport(httpx.AsyncBaseTransport):
             outgoing.extensions["timeout"] = timeout
         response = await http.send(outgoing, stream=True)
         stream = GovernedStream(response, None, limit=self._client._path.max_body_bytes)
-        return httpx.Response(
-            response.status_code, headers=response.headers.multi_items(), stream=stream
-        )
+        return httpx.Response(response.status_code, headers=response.headers.raw, stream=stream)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -473,8 +632,6 @@ class GovernedTransport(httpx.AsyncBaseTransport):
 
 def _deadline_of(request: httpx.Request) -> tuple[float | None, float | None]:
     """``(ends_at on the loop's clock, seconds)`` from the SDK's timeout (its ``read`` value)."""
-    import anyio
-
     timeout = request.extensions.get("timeout")
     seconds = timeout.get("read") if isinstance(timeout, Mapping) else None
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:
@@ -503,6 +660,23 @@ def _as_httpx(exc: DSClientError, request: httpx.Request) -> httpx.HTTPError:
     return httpx.RemoteProtocolError(f"dsclient: {exc}", request=request)
 
 
+def _stream_error(exc: Exception, limit: int) -> Exception:
+    """What a governed stream failed with, as dsclient names it for observers (``stream()``
+    reports its own errors): the httpx exception the SDK sees carries the dsclient one, or
+    stands for it."""
+    if isinstance(exc, DSClientError):
+        return exc
+    if isinstance(exc.__cause__, DSClientError):
+        return exc.__cause__
+    if isinstance(exc, httpx.TimeoutException):
+        return TimeoutError(str(exc))
+    if isinstance(exc, httpx.RemoteProtocolError) and "max_response_bytes" in str(exc):
+        return ResponseTooLarge("one line of the stream", limit=limit)
+    if isinstance(exc, httpx.TransportError):
+        return TransportError(str(exc))
+    return exc
+
+
 # -- streams ----------------------------------------------------------------------------------
 class GovernedStream(httpx.AsyncByteStream):
     """A streamed answer that holds its slot until read to the end or closed.
@@ -510,6 +684,8 @@ class GovernedStream(httpx.AsyncByteStream):
     Yields the server's raw bytes (the SDK decodes them), never a line longer than ``limit``
     bytes (then ``httpx.RemoteProtocolError``); each read waits at most for what is left of the
     call's timeout (then ``httpx.ReadTimeout``). ``slot`` ``None``: an ungoverned pass-through.
+    ``observe``, when given, is called once at the end with the error (``None``: read to its end
+    or closed by the consumer) and the stream's last bytes (where its ``usage`` is).
     """
 
     def __init__(
@@ -520,6 +696,7 @@ class GovernedStream(httpx.AsyncByteStream):
         limit: int = MAX_BODY_BYTES,
         ends_at: float | None = None,
         timeout_s: float | None = None,
+        observe: Callable[[BaseException | None, bytes], None] | None = None,
     ) -> None:
         self._response = response
         self._slot = slot
@@ -527,10 +704,10 @@ class GovernedStream(httpx.AsyncByteStream):
         self._ends_at = ends_at
         self._timeout_s = timeout_s
         self._iterated = False
+        self._observe = observe
+        self._tail = b""
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        import anyio
-
         line = 0  # bytes since the last line break
         if self._iterated:  # as httpx's own streams: once only (openai drains a second time)
             raise httpx.StreamConsumed()
@@ -559,6 +736,8 @@ class GovernedStream(httpx.AsyncByteStream):
                         f"dsclient: one line of the stream over {self._limit} bytes "
                         "(max_response_bytes); the rest was not read"
                     )
+                if self._observe is not None:
+                    self._tail = (self._tail + chunk)[-_TAIL_BYTES:]
                 yield chunk
         except BaseException as exc:
             error = exc
@@ -567,18 +746,21 @@ class GovernedStream(httpx.AsyncByteStream):
             await self._release(error)
 
     async def _release(self, error: BaseException | None) -> None:
-        import anyio
-
         with anyio.CancelScope(shield=True):
             await self._response.aclose()
         slot, self._slot = self._slot, None
         if slot is not None:
             if isinstance(error, GeneratorExit):  # the consumer stopped reading: not a failure
                 error = None
-            if error is None:
-                await slot.__aexit__(None, None, None)
-            else:
-                await slot.__aexit__(type(error), error, error.__traceback__)
+            observe, self._observe = self._observe, None
+            try:
+                if error is None:
+                    await slot.__aexit__(None, None, None)
+                else:
+                    await slot.__aexit__(type(error), error, error.__traceback__)
+            finally:
+                if observe is not None:
+                    observe(error, self._tail)
 
     async def aclose(self) -> None:
         await self._release(None)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import subprocess
 import sys
 import textwrap
 
 import httpx
+import openai
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -123,6 +125,41 @@ async def test_collector_counts_calls_and_reads_the_governor_at_scrape_time():
     # The fake server has no /metrics: what the server says about itself is absent, not 0.
     assert not names(samples) & {"dsclient_server_running", "dsclient_server_waiting"}
     assert all(dict(labels)["server"] == URL for _, labels in samples)
+
+
+async def three_calls_through_openai(client: AsyncClient) -> None:
+    """:func:`three_calls` through ``client.openai()``."""
+    sdk = client.openai()
+    await sdk.completions.create(model="tiny", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        await sdk.completions.create(model="tiny", prompt="y", max_tokens=2)
+    raw = await sdk.completions.with_raw_response.create(model="tiny", prompt="z", max_tokens=2)
+    assert raw.headers["x-dsclient-attempts"] == "2"
+
+
+async def test_calls_through_client_openai_are_counted_as_generate_calls_are():
+    heard: dict[str, list[CallRecord]] = {}
+    samples = {}
+    for name, calls in (("generate", three_calls), ("openai", three_calls_through_openai)):
+        async with make_client(three_calls_server()) as client:
+            records: list[CallRecord] = []
+            client._observers.append(records.append)
+            registry = CollectorRegistry()
+            registry.register(dsclient.metrics.Collector(client))
+            await calls(client)
+            samples[name] = scrape(registry)
+        # Times differ from run to run; whether a queue time was recorded does not.
+        heard[name] = [
+            dataclasses.replace(r, latency_s=0.0, queued_s=None if r.queued_s is None else 0.0)
+            for r in records
+        ]
+    assert heard["openai"] == heard["generate"]
+    assert len(heard["openai"]) == 3
+    ok = value(samples["openai"], "dsclient_requests_total", lane="short", outcome="ok", status="")
+    assert ok == 2
+    assert value(samples["openai"], "dsclient_retries_total") == 1
+    assert value(samples["openai"], "dsclient_tokens_total", kind="prompt") == 7
+    assert value(samples["openai"], "dsclient_tokens_total", kind="completion") == 7
 
 
 async def test_server_gauges_show_the_load_as_last_scraped():

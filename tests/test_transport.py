@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from dsclient import AsyncClient, Client, Retry
-from dsclient._transport import overflow_message, parse_options
+from dsclient._transport import overflow_message, parse_options, usage_of
 
 from .fakes import RecordedSleep, chat_body, completion_body
 
@@ -551,3 +551,163 @@ async def test_langchain_takes_the_httpx_client():
         answers = await llm.abatch(["a", "b", "c", "d", "e", "f"])
         assert [a.content for a in answers] == ["hi there"] * 6
         assert stub.peak == 2
+
+
+# -- observers (dsclient.metrics) ---------------------------------------------------------------
+def observed(client: AsyncClient) -> list[Any]:
+    records: list[Any] = []
+    client._observers.append(records.append)
+    return records
+
+
+async def test_calls_through_the_sdk_reach_the_clients_observers():
+    stub = Stub()
+    async with make_client(stub, retry=Retry(attempts=3)) as client:
+        records = observed(client)
+        sdk = client.openai(group="batch")
+        await sdk.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4)
+        await sdk.embeddings.create(model="tiny", input="hello")
+        stub.script = [httpx.Response(503, json={"error": {"message": "busy"}})]
+        with pytest.raises(openai.InternalServerError):
+            await sdk.completions.create(model="tiny", prompt="x", max_tokens=2)
+        stub.script = []
+        with pytest.raises(openai.BadRequestError):  # refused before sending
+            await sdk.completions.create(model="tiny", prompt="word " * 1200, max_tokens=1900)
+        await client.httpx().get("/v1/models")  # not a call: not observed
+    chat, embedding, busy, refused = records
+    assert (chat.kind, chat.lane, chat.group, chat.error, chat.status) == (
+        "chat", "short", "batch", None, None
+    )
+    assert (chat.prompt_tokens, chat.completion_tokens, chat.attempts) == (5, 3, 1)
+    assert chat.queued_s is not None and chat.latency_s >= 0
+    assert (embedding.kind, embedding.prompt_tokens, embedding.completion_tokens) == (
+        "embedding", 2, None
+    )
+    assert (busy.error, busy.status, busy.attempts, busy.queued_s) == ("Overloaded", 503, 3, None)
+    assert (refused.error, refused.status, refused.lane, refused.attempts) == (
+        "ContextOverflow", 400, None, 1
+    )
+
+
+async def test_a_stream_is_observed_when_it_ends_with_the_usage_it_carried():
+    stub = Stub()
+    usage = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+    sse = (
+        b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"tiny",'
+        b'"choices":[{"index":0,"delta":{"content":"\\"usage\\": {}"},"finish_reason":null}]}\n\n'
+        b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"tiny",'
+        b'"choices":[],"usage":' + json.dumps(usage).encode() + b"}\n\ndata: [DONE]\n\n"
+    )
+    async with make_client(stub) as client:
+        records = observed(client)
+        sdk = client.openai()
+        stream = await sdk.chat.completions.create(
+            model="tiny", messages=MSGS, max_tokens=8, stream=True
+        )
+        assert records == []  # not before it ends
+        texts = [c.choices[0].delta.content async for c in stream]
+        assert texts == ["t0", "t1", "t2", "t3", "t4"]
+        stub.script = [
+            httpx.Response(200, headers={"content-type": "text/event-stream"}, content=sse)
+        ]
+        stream = await sdk.chat.completions.create(
+            model="tiny",
+            messages=MSGS,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        [c async for c in stream]
+        stub.script = []
+        stub.gate = anyio.Event()  # stalls after two chunks: closed early by the caller
+        stream = await sdk.chat.completions.create(
+            model="tiny", messages=MSGS, max_tokens=8, stream=True
+        )
+        await stream.__anext__()
+        await stream.close()
+    plain, counted, closed = records
+    assert (plain.kind, plain.error, plain.prompt_tokens, plain.completion_tokens) == (
+        "stream", None, None, None
+    )
+    assert (counted.prompt_tokens, counted.completion_tokens) == (7, 5)
+    assert (closed.kind, closed.error) == ("stream", None)
+
+
+async def test_an_observer_that_raises_does_not_fail_the_call_or_keep_the_slot():
+    def broken(record: Any) -> None:
+        raise RuntimeError("observer bug")
+
+    stub = Stub()
+    async with make_client(stub, limit=1) as client:
+        client._observers.append(broken)
+        sdk = client.openai()
+        await sdk.completions.create(model="tiny", prompt="x", max_tokens=2)
+        stream = await sdk.chat.completions.create(
+            model="tiny", messages=MSGS, max_tokens=8, stream=True
+        )
+        [c async for c in stream]
+        assert client.in_flight == 0
+
+
+def test_usage_is_found_at_the_end_without_parsing_the_rest():
+    body = json.dumps(
+        {"choices": [{"text": '"usage": {"prompt_tokens": 99}'}], "usage": {"prompt_tokens": 4}}
+    ).encode()
+    assert usage_of(body) == (4, None)
+    assert usage_of(b'{"usage": null}') == (None, None)
+    assert usage_of(b'{"usage": {"prompt_tokens": true, "completion_tokens": 3}}') == (None, 3)
+    assert usage_of(b'{"usage": {"prompt_tokens": 1') == (None, None)  # cut off
+    assert usage_of(b"no json at all") == (None, None)
+
+
+# -- timeouts -----------------------------------------------------------------------------------
+async def test_the_sdks_timeout_bounds_a_call_the_server_stalls():
+    stub = Stub(hold=30.0)
+    async with make_client(stub) as client:
+        records = observed(client)
+        with anyio.fail_after(5):
+            with pytest.raises(openai.APITimeoutError):
+                await client.openai().completions.create(
+                    model="tiny", prompt="x", max_tokens=2, timeout=0.2
+                )
+        assert client.in_flight == 0
+    assert records[0].error == "TimeoutError"
+
+
+async def test_the_sdks_timeout_bounds_the_retries_and_their_backoff():
+    stub = Stub()
+    stub.script = [httpx.Response(500, text="boom")]
+    # Real sleeps: Retry's backoff (base 2 s) would take longer than the timeout.
+    async with make_client(stub, retry=Retry(attempts=5, base=2.0), sleep=anyio.sleep) as client:
+        with anyio.fail_after(5):
+            with pytest.raises(openai.APITimeoutError):
+                await client.openai().completions.create(
+                    model="tiny", prompt="x", max_tokens=2, timeout=0.3
+                )
+        assert client.in_flight == 0
+        assert len(stub.requests) < 5
+
+
+async def test_the_sdks_timeout_bounds_reading_a_stalled_stream():
+    stub = Stub()
+    stub.gate = anyio.Event()  # never set: the server stalls after two chunks
+    async with make_client(stub) as client:
+        stream = await client.openai().chat.completions.create(
+            model="tiny", messages=MSGS, max_tokens=8, stream=True, timeout=0.3
+        )
+        with anyio.fail_after(5):
+            with pytest.raises((httpx.ReadTimeout, openai.APITimeoutError)):
+                [c async for c in stream]
+        assert client.in_flight == 0
+
+
+async def test_a_stream_the_server_refuses_is_the_sdks_own_error():
+    stub = Stub()
+    stub.script = [httpx.Response(429, json={"error": {"message": "slow down"}})]
+    async with make_client(stub, retry=Retry(attempts=1)) as client:
+        with pytest.raises(openai.RateLimitError) as info:
+            await client.openai().chat.completions.create(
+                model="tiny", messages=MSGS, max_tokens=8, stream=True
+            )
+        assert info.value.status_code == 429
+        assert client.in_flight == 0
