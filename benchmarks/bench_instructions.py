@@ -2,7 +2,7 @@
 
     python -m benchmarks instructions                 # httpx, map, openai legs (~6 min)
     python -m benchmarks instructions --legs httpx,map --small 200 --large 1200
-    python -m benchmarks instructions --source openai # generate() vs client.openai() (~8 min)
+    python -m benchmarks instructions --source openai # generate() vs client.openai() (~20 min)
 
 CPU seconds on this shared 2-core machine scatter by +-20 % from run to run, which is as large
 as the effect being measured. ``valgrind --tool=callgrind`` counts the instructions a process
@@ -12,10 +12,11 @@ executes, the same for the same binary and inputs whatever else the machine does
 request, free of start-up and import costs. Results: ``benchmarks/results/instructions.json``.
 
 ``--source openai`` counts the cost legs of ``bench_openai`` instead (``generate``,
-``dsclient-openai``, ``openai-httpx``, ``openai``: 64 tasks on a client capped at 64, so no task
-waits); dsclient's own share of ``client.openai()`` is ``dsclient-openai`` less ``openai-httpx``
-(the same SDK on a plain ``httpx.AsyncClient`` over the same mock), reported against
-``generate``. Results: ``benchmarks/results/instructions_openai.json``.
+``dsclient-openai``, ``openai-httpx``, and the first two with a metrics collector attached,
+``generate-metrics`` and ``dsclient-openai-metrics``: 64 tasks on a client capped at 64, so no
+task waits); dsclient's own share of ``client.openai()`` is ``dsclient-openai`` less
+``openai-httpx`` (the same SDK on a plain ``httpx.AsyncClient`` over the same mock), reported
+against ``generate``. Results: ``benchmarks/results/instructions_openai.json``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ SOURCES = {
         "import asyncio, sys; sys.path.insert(0, {root!r}); "
         "from benchmarks.bench_openai import COST; "
         "asyncio.run(COST[sys.argv[1]](int(sys.argv[2]), 64))",
-        "generate,dsclient-openai,openai-httpx",
+        "generate,dsclient-openai,openai-httpx,generate-metrics,dsclient-openai-metrics",
         "generate",
     ),
 }
@@ -101,10 +102,10 @@ def main() -> None:
         "instructions_per_request": {k: round(v) for k, v in per_request.items()},
         f"ratio_to_{baseline}": ratios,
     }
-    if base and "dsclient-openai" in per_request and "openai-httpx" in per_request:
-        share = per_request["dsclient-openai"] - per_request["openai-httpx"]
-        report["dsclient_share_of_openai"] = round(share)
-        report["ratio_share_to_generate"] = round(share / base, 2)
+    if args.source == "openai":
+        from benchmarks.bench_openai import shares
+
+        report.update(shares(per_request))
     name = "instructions.json" if args.source == "map" else f"instructions_{args.source}.json"
     path = RESULTS.with_name(name)
     path.parent.mkdir(parents=True, exist_ok=True)

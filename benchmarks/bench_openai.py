@@ -29,12 +29,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,19 @@ ONLINE = ("openai", "openai-sem", "dsclient-openai", "dsclient")
 
 
 # -- cost -----------------------------------------------------------------------------------------
-async def cost_generate(n: int, tasks: int) -> float:
+@contextlib.contextmanager
+def _observed(client: Any, metrics: bool) -> Iterator[None]:
+    """With ``metrics``, a Prometheus collector counts every call (the observer path)."""
+    if not metrics:
+        yield
+        return
+    import dsclient.metrics
+
+    with dsclient.metrics.Collector(client):
+        yield
+
+
+async def cost_generate(n: int, tasks: int, metrics: bool = False) -> float:
     import httpx
 
     import dsclient
@@ -79,10 +92,11 @@ async def cost_generate(n: int, tasks: int) -> float:
             return (await client.generate(prompt(i), max_tokens=MAX_TOKENS)).text
 
         await one(-1)
-        return await _drive(n, tasks, one)
+        with _observed(client, metrics):
+            return await _drive(n, tasks, one)
 
 
-async def cost_dsclient_openai(n: int, tasks: int) -> float:
+async def cost_dsclient_openai(n: int, tasks: int, metrics: bool = False) -> float:
     import httpx
 
     import dsclient
@@ -98,7 +112,8 @@ async def cost_dsclient_openai(n: int, tasks: int) -> float:
             return c.choices[0].text
 
         await one(-1)
-        return await _drive(n, tasks, one)
+        with _observed(client, metrics):
+            return await _drive(n, tasks, one)
 
 
 async def _cost_openai(n: int, tasks: int, legacy: bool) -> float:
@@ -139,6 +154,8 @@ COST = {
     "dsclient-openai": cost_dsclient_openai,
     "openai": cost_openai,
     "openai-httpx": cost_openai_httpx,
+    "generate-metrics": functools.partial(cost_generate, metrics=True),
+    "dsclient-openai-metrics": functools.partial(cost_dsclient_openai, metrics=True),
 }
 
 
@@ -152,13 +169,19 @@ def run_cost(args: argparse.Namespace) -> dict[str, Any]:
         if round_ > 0:
             say(f"cost round {round_}: " + ", ".join(f"{k} {v[-1]:.0f} us" for k, v in per.items()))
     us = {name: median(values) for name, values in per.items()}
-    return {
-        "us_per_request": us,
-        "rounds_us": per,
-        "ratio_openai_to_generate": us["dsclient-openai"] / us["generate"],
-        "dsclient_share_us": us["dsclient-openai"] - us["openai-httpx"],
-        "ratio_share_to_generate": (us["dsclient-openai"] - us["openai-httpx"]) / us["generate"],
-    }
+    return {"us_per_request": us, "rounds_us": per, **shares(us)}
+
+
+def shares(cost: dict[str, float]) -> dict[str, float]:
+    """dsclient's share of ``client.openai()`` (its cost less the same SDK on a plain
+    ``httpx.AsyncClient``) against ``generate()``, without and with a metrics collector."""
+    out = {}
+    for suffix in ("", "-metrics"):
+        if f"dsclient-openai{suffix}" in cost and "openai-httpx" in cost:
+            share = cost[f"dsclient-openai{suffix}"] - cost["openai-httpx"]
+            out[f"dsclient_share{suffix}"] = round(share, 1)
+            out[f"ratio_share_to_generate{suffix}"] = round(share / cost[f"generate{suffix}"], 2)
+    return out
 
 
 # -- online ---------------------------------------------------------------------------------------
@@ -230,8 +253,10 @@ def tables(payload: dict[str, Any]) -> str:
         for name, value in us.items():
             out.append(f"| {name} | {value:.0f} | {value / us['generate']:.2f}x |")
         out.append(
-            f"\ndsclient's share of client.openai(): {cost['dsclient_share_us']:.0f} us "
-            f"({cost['ratio_share_to_generate']:.2f}x generate())\n"
+            f"\ndsclient's share of client.openai(): {cost['dsclient_share']:.0f} us "
+            f"({cost['ratio_share_to_generate']:.2f}x generate()); with a metrics collector "
+            f"{cost['dsclient_share-metrics']:.0f} us "
+            f"({cost['ratio_share_to_generate-metrics']:.2f}x generate()'s)\n"
         )
     rows = payload.get("online")
     if rows:

@@ -469,7 +469,9 @@ class GovernedTransport(httpx.AsyncBaseTransport):
                 self._observe(kind, planned, sent.error, sent, start)
             out = [(k, v) for k, v in response.headers.raw if k.lower() not in _DROP_READ]
             out.extend(extra)
-            return httpx.Response(response.status_code, headers=out, content=body)
+            out.append((b"Content-Length", str(len(body)).encode()))
+            # stream=, not content=: httpx would work out the same header again, scanning all.
+            return httpx.Response(response.status_code, headers=out, stream=httpx.ByteStream(body))
         observe = None
         limit = client._path.max_body_bytes
         if client._observers:
