@@ -567,25 +567,24 @@ class GovernedTransport(httpx.AsyncBaseTransport):
         """Tell the client's observers about one finished call, as :meth:`AsyncClient.generate`
         does: ``sent`` is the answer (or the client's own refusal), ``tail`` a stream's end."""
         client = self._client
-        prompt_tokens = completion_tokens = None
+        error_name = type(error).__name__ if error is not None else None
         status = getattr(error, "status", None) or None
-        queued_s: float | None = None
         attempts = getattr(error, "attempts", 1)
+        queued_s: float | None = None
+        prompt_tokens: int | None = None
+        completion_tokens: int | None = None
         if isinstance(sent, httpx.Response):  # max_tokens refused before sending
-            error_name: str | None = ContextOverflow.__name__
-            status = sent.status_code
-        else:
-            error_name = type(error).__name__ if error is not None else None
-        if sent is not None and not isinstance(sent, httpx.Response):
+            error_name, status = ContextOverflow.__name__, sent.status_code
+        elif sent is not None:
             attempts = sent.attempts
-            if sent.error is not None:
-                error_name = type(sent.error).__name__
-                status = sent.response.status_code
-            elif error_name is None:  # as generate(): a failed call has no queue time
-                queued_s = sent.queued_s
-            body = sent.content if tail is None else tail
-            if body is not None and sent.error is None:
-                prompt_tokens, completion_tokens = usage_of(body)
+            if sent.error is not None:  # the server's refusal, handed back as it came
+                error_name, status = type(sent.error).__name__, sent.response.status_code
+            else:
+                body = sent.content if tail is None else tail
+                if body is not None:
+                    prompt_tokens, completion_tokens = usage_of(body)
+                if error_name is None:  # as generate(): a failed call has no queue time
+                    queued_s = sent.queued_s
         stream = planned is not None and planned.stream
         record_kind: Any = "stream" if stream else kind
         client._notify(
