@@ -10,6 +10,7 @@
     python -m benchmarks map                  # map() overhead and memory (mock transport)
     python -m benchmarks openai               # client.openai() vs openai as users run it (~6 min)
     python -m benchmarks instructions         # the same legs in callgrind instructions (~6 min)
+    python -m benchmarks replicas             # starting 2 vLLM replicas: in turn vs at once
     python -m benchmarks governor --help      # each benchmark's own options
 
 ``nox -s bench -- governor`` (or ``make bench``) runs the same in nox's venv. Raw results go to
@@ -59,6 +60,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "instructions": (
         "benchmarks.bench_instructions",
         "map() and openai cost per request in callgrind instructions, against bare httpx",
+    ),
+    "replicas": (
+        "benchmarks.bench_replicas",
+        "start-up of N tiny-vLLM replicas through the launcher: one after another vs at once",
     ),
 }
 
