@@ -10,6 +10,7 @@
     python -m benchmarks map                  # map() overhead and memory (mock transport)
     python -m benchmarks openai               # client.openai() vs openai as users run it (~6 min)
     python -m benchmarks instructions         # the same legs in callgrind instructions (~6 min)
+    python -m benchmarks shared               # 4 processes, one budget in Redis (real, ~6 min)
     python -m benchmarks replicas             # starting 2 vLLM replicas: in turn vs at once
     python -m benchmarks governor --help      # each benchmark's own options
 
@@ -56,6 +57,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "openai": (
         "benchmarks.bench_openai",
         "client.openai() vs AsyncOpenAI plain / behind a semaphore: online p99, makespan, CPU",
+    ),
+    "shared": (
+        "benchmarks.bench_shared",
+        "four processes through a shared budget in Redis vs one process vs four uncoordinated",
     ),
     "instructions": (
         "benchmarks.bench_instructions",

@@ -462,6 +462,7 @@ class AsyncClient:
         )
         self._observers: list[Observer] = []
         self._discover_lock = anyio.Lock()
+        self._join_lock = anyio.Lock()
         # An incomplete discovery (no answer from /v1/models) is asked again, not before this
         # time (on self._clock), with a backoff that grows per failure (_rediscover_backoff).
         self._rediscover_at = -math.inf
@@ -736,6 +737,12 @@ class AsyncClient:
             if not info.complete and self._model is None:
                 info = await self._wait_for_listing()
         if self._poller_scope is None and self._poller_task is None:
+            shared = self._shared
+            if shared is not None and shared.last is None and not shared.state.failures:
+                # Used without `async with` (or through the sync Client): the first lease now.
+                async with self._join_lock:
+                    if shared.last is None and not shared.state.failures:
+                        await shared.first_lease(self._endpoint)
             self._ensure_poller()
         return info
 

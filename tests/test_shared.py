@@ -403,3 +403,27 @@ async def test_the_password_never_shows(
 
 def test_lease_time_is_a_few_seconds() -> None:
     assert 1.0 <= LEASE_S <= 10.0 and math.isfinite(LEASE_S)
+
+
+@pytest.mark.integration
+def test_the_sync_client_takes_shared_too(redis_url: str) -> None:
+    from dsclient import Client
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            data = [{"id": "tiny", "object": "model", "max_model_len": 2048}]
+            return httpx.Response(200, json={"object": "list", "data": data})
+        if request.url.path == "/v1/completions":
+            return httpx.Response(200, json=completion_body())
+        return httpx.Response(404)
+
+    with Client(
+        "http://fake:1",
+        limit=3,
+        shared=redis_url,
+        shared_key="sync",
+        transport=httpx.MockTransport(handler),
+    ) as client:
+        assert client.generate("hi", max_tokens=2).text == "hello"
+        assert client.limit == 3
+        assert "shared='redis://127.0.0.1:" in repr(client)

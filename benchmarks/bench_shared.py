@@ -1,0 +1,346 @@
+"""Four processes, one server: a shared budget in Redis against one process doing the same work.
+
+    python -m benchmarks shared                      # 2 runs x 3 legs, launches vLLM and Redis
+    python -m benchmarks shared --requests 240 --runs 1
+    python -m benchmarks shared --url http://127.0.0.1:8000 --redis redis://127.0.0.1:6379/0
+    python -m benchmarks shared --cost               # CPU per request, shared= vs not (~1 min)
+
+The tiny random Llama is launched through dsclient's launcher with ``max_num_seqs`` 24 (known to
+the clients from the launch record, so the single-client target queue is ``ceil(0.5 x 24)`` = 12),
+and a redis-server is started on a free loopback port (``tests/redis_server.py``). Every request
+is ~20 words in and 64 tokens out with ``ignore_eos``. Legs, interleaved within each run:
+
+* ``one``: one process maps ``--requests`` (480) through ``AsyncClient(url)`` (its own loop);
+* ``four-shared``: four processes map a quarter each through ``AsyncClient(url, shared=redis)``
+  (one budget: one leader's loop, leased blocks);
+* ``four-own``: the same four without ``shared=`` (four loops on one queue: the uncoordinated
+  case the simulation puts at 5-8x the target).
+
+All processes of a leg start their map at the same wall-clock time. Reported per leg: the makespan
+(first start to last end), its ratio to ``one`` of the same run (goal for four-shared: <= 1.1),
+the server's waiting queue (p90 / mean / max of ``vllm:num_requests_waiting`` polled every 0.2 s
+while anything ran; goal for four-shared: p90 <= 12), the engine's mean batch, failures, and the
+machine's load (``/proc/loadavg``) before and after each leg. Raw results:
+``benchmarks/results/shared.json``.
+
+``--cost`` measures the client's CPU per request instead (``time.process_time`` over ``--n``
+requests on 64 tasks, the client-cost benchmark's in-process mock server, ``--rounds`` interleaved
+rounds after an uncounted one, medians): bare httpx, dsclient at a limit of 64, and the same with
+``shared=``. The mock answers without yielding to the event loop, so the background sync does not
+run while requests are timed: its CPU is measured apart (``sync_cpu_us``, one sync; there are 5 a
+second) and given as a share of the client's CPU at 100 requests a second. Raw results:
+``benchmarks/results/shared_cost.json``. Run it under ``flock /tmp/dsclient-vllm.lock`` on a shared
+machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import (
+    ROOT,
+    engine_sampler,
+    machine,
+    say,
+    spread,
+    tiny_vllm,
+    words,
+    write_results,
+)
+
+MAX_NUM_SEQS = 24
+TARGET = math.ceil(0.5 * MAX_NUM_SEQS)  # the single client's target queue (queue_share 0.5)
+TOKENS_OUT = 64
+PROMPT_WORDS = 20
+MAKESPAN_GOAL = 1.1
+LEGS = ("one", "four-shared", "four-own")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks shared", description=__doc__)
+    p.add_argument("--url", help="a running vLLM (default: launch the tiny one)")
+    p.add_argument("--redis", help="a running Redis (default: start redis-server)")
+    p.add_argument("--requests", type=int, default=480, help="requests per leg (all processes)")
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--seed", type=int, default=17)
+    p.add_argument("--pause", type=float, default=3.0, help="seconds between legs")
+    p.add_argument(
+        "--cost", action="store_true", help="CPU per request only (mock server, real Redis)"
+    )
+    p.add_argument("--rounds", type=int, default=5, help="--cost: interleaved rounds")
+    # worker mode (one client process)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--n", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--shared", default="", help=argparse.SUPPRESS)
+    p.add_argument("--key", default="dsclient", help=argparse.SUPPRESS)
+    p.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def prompts(seed: int, n: int) -> list[str]:
+    rng = random.Random(seed)
+    return [words(rng, PROMPT_WORDS) for _ in range(n)]
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
+# -- one client process ---------------------------------------------------------------------------
+async def worker(args: argparse.Namespace) -> dict[str, Any]:
+    import dsclient
+    from benchmarks._common import sample_every
+
+    shared = args.shared or None
+    async with dsclient.AsyncClient(args.url, shared=shared, shared_key=args.key) as client:
+        texts = prompts(args.seed, args.n)
+        await asyncio.sleep(max(0.0, args.start_at - time.time()))
+        late = time.time() - args.start_at
+        async with sample_every(lambda: client.limit) as limits:
+            begun = time.time()
+            results = await client.map(
+                texts, max_tokens=TOKENS_OUT, ignore_eos=True, progress=False
+            )
+            ended = time.time()
+        blocks = client._endpoint.governor.limit
+    ok = sum(1 for r in results if r.ok)
+    return {
+        "items": len(results),
+        "ok": ok,
+        "failed": len(results) - ok,
+        "begun": begun,
+        "ended": ended,
+        "late_s": round(late, 3),
+        "makespan_s": round(ended - begun, 3),
+        "limit_samples": spread(limits),
+        "final_block": blocks,
+    }
+
+
+# -- CPU per request (in-process mock server, real Redis) -----------------------------------------
+async def cost_leg(name: str, n: int, tasks: int, redis_url: str) -> dict[str, Any]:
+    """CPU per request of ``httpx`` (bare), ``dsclient`` (limit 64, own loop) or
+    ``dsclient-shared`` (the same with ``shared=``: a block of 64 leases, synced every 0.2 s in
+    the background, whose CPU counts too), on the client-cost benchmark's mock server."""
+    import httpx
+
+    import dsclient
+    from benchmarks.bench_client_cost import URL, Mock, _drive, prompt, strategy_httpx
+
+    if name == "httpx":
+        return await strategy_httpx(n, tasks)
+    mock = Mock(httpx)
+    shared = redis_url if name == "dsclient-shared" else None
+    async with dsclient.AsyncClient(
+        URL, transport=httpx.MockTransport(mock), max_num_seqs=92, shared=shared
+    ) as client:
+
+        async def one(i: int) -> str:
+            return (await client.generate(prompt(i), max_tokens=16)).text
+
+        await _drive(2 * tasks * 10, tasks, one)  # untimed: the block grows to the demand
+        cpu = await _drive(n, tasks, one)
+        block = client._endpoint.governor.limit
+    return {"cpu_s": cpu, "block": block, "limit": client.limit}
+
+
+async def sync_cost(redis_url: str, steps: int = 300) -> float:
+    """CPU (this process's) of one background sync: the Lua script's round trip and parsing."""
+    import httpx
+
+    import dsclient
+    from benchmarks.bench_client_cost import URL, Mock
+
+    async with dsclient.AsyncClient(
+        URL, transport=httpx.MockTransport(Mock(httpx)), max_num_seqs=92, shared=redis_url
+    ) as client:
+        budget, endpoint = client._shared, client._endpoint
+        assert budget is not None
+        cpu = time.process_time()
+        for _ in range(steps):
+            await budget.step(endpoint)
+        return (time.process_time() - cpu) / steps * 1e6
+
+
+async def cost(redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
+    names = ["httpx", "dsclient", "dsclient-shared"]
+    per: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(args.rounds + 1):  # round 0 warms caches and is not counted
+        for name in names:
+            got = await cost_leg(name, args.n, 64, redis_url)
+            if round_:
+                per[name].append(got["cpu_s"] / args.n * 1e6)
+                say(f"round {round_} {name}: {per[name][-1]:.1f} us CPU/request {got}")
+    med = {name: sorted(v)[len(v) // 2] for name, v in per.items()}
+    sync_us = await sync_cost(redis_url)
+    return {
+        "sync_cpu_us": sync_us,
+        "sync_cpu_share_at_100_rps": round(sync_us * 5 / (100 * med["dsclient"]), 4),
+        "us_per_request": per,
+        "median_us": med,
+        "shared_over_own": round(med["dsclient-shared"] / med["dsclient"], 3),
+        "own_over_httpx": round(med["dsclient"] / med["httpx"], 3),
+        "shared_over_httpx": round(med["dsclient-shared"] / med["httpx"], 3),
+    }
+
+
+# -- legs -----------------------------------------------------------------------------------------
+async def leg(url: str, name: str, n: int, redis_url: str, seed: int, run: int) -> dict[str, Any]:
+    count = 1 if name == "one" else 4
+    sizes = [n // count + (1 if i < n % count else 0) for i in range(count)]
+    shared = redis_url if name == "four-shared" else ""
+    start_at = time.time() + 6.0  # time to import dsclient, discover, take a first lease
+    before = loadavg()
+    async with engine_sampler(url) as engine:
+        procs = []
+        for i, size in enumerate(sizes):
+            argv = [
+                sys.executable, "-m", "benchmarks.bench_shared", "--worker", "--url", url,
+                "--n", str(size), "--seed", str(seed + i), "--shared", shared,
+                "--key", f"bench-{run}", "--start-at", repr(start_at),
+            ]  # fmt: skip
+            procs.append(
+                await asyncio.create_subprocess_exec(
+                    *argv, cwd=ROOT, stdout=asyncio.subprocess.PIPE
+                )
+            )
+        outputs = await asyncio.gather(*(p.communicate() for p in procs))
+    workers = []
+    for proc, (stdout, _) in zip(procs, outputs, strict=True):
+        if proc.returncode != 0:
+            raise SystemExit(f"a {name} worker failed with status {proc.returncode}")
+        workers.append(json.loads(stdout.decode().strip().splitlines()[-1]))
+    makespan = max(w["ended"] for w in workers) - min(w["begun"] for w in workers)
+    return {
+        "run": run,
+        "leg": name,
+        "processes": count,
+        "makespan_s": round(makespan, 3),
+        "ok": sum(w["ok"] for w in workers),
+        "failed": sum(w["failed"] for w in workers),
+        "queue_p90": engine.get("waiting_p90"),
+        "queue_mean": engine.get("waiting_mean"),
+        "queue_max": engine.get("waiting_max"),
+        "running_mean": engine.get("running_mean"),
+        "load_before": before,
+        "load_after": loadavg(),
+        "workers": workers,
+    }
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for run in sorted({r["run"] for r in rows}):
+        by = {r["leg"]: r for r in rows if r["run"] == run}
+        one = by["one"]["makespan_s"]
+        for name in LEGS:
+            row = by[name]
+            out.append(
+                {
+                    "run": run,
+                    "leg": name,
+                    "makespan_s": row["makespan_s"],
+                    "ratio_to_one": round(row["makespan_s"] / one, 3),
+                    "queue_p90": row["queue_p90"],
+                    "queue_mean": row["queue_mean"],
+                    "queue_max": row["queue_max"],
+                    "running_mean": row["running_mean"],
+                    "failed": row["failed"],
+                    "load": f"{row['load_before']} -> {row['load_after']}",
+                }
+            )
+    return out
+
+
+def report(summary: list[dict[str, Any]]) -> str:
+    lines = [
+        f"target queue {TARGET} (max_num_seqs {MAX_NUM_SEQS}); goals for four-shared: makespan "
+        f"<= {MAKESPAN_GOAL}x one, queue p90 <= {TARGET}",
+        "",
+        "| run | leg | makespan s | x one | queue p90 | mean | max | batch mean | failed | load |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summary:
+        lines.append(
+            f"| {r['run']} | {r['leg']} | {r['makespan_s']:.1f} | {r['ratio_to_one']:.2f} | "
+            f"{r['queue_p90']} | {r['queue_mean']} | {r['queue_max']} | {r['running_mean']} | "
+            f"{r['failed']} | {r['load']} |"
+        )
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def redis_at(url: str | None) -> Iterator[str]:
+    if url:
+        yield url
+        return
+    sys.path.insert(0, str(ROOT))
+    from tests.redis_server import RedisServer
+
+    with RedisServer() as server:
+        say(f"redis-server at {server.url}")
+        yield server.url
+
+
+async def run_all(url: str, redis_url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    say("warming up with one leg of 48 requests ...")
+    await leg(url, "one", 48, redis_url, args.seed - 1, 0)
+    rows = []
+    for run in range(1, args.runs + 1):
+        for name in LEGS:
+            say(f"run {run} {name}: {args.requests} requests ...")
+            row = await leg(url, name, args.requests, redis_url, args.seed + 1000 * run, run)
+            brief = {k: v for k, v in row.items() if k != "workers"}
+            say("  " + json.dumps(brief))
+            rows.append(row)
+            await asyncio.sleep(args.pause)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.worker:
+        print(json.dumps(asyncio.run(worker(args))), flush=True)
+        return
+    began = machine()
+    if args.cost:
+        n = args.n or 5000
+        args.n = n
+        with redis_at(args.redis) as redis_url:
+            found = asyncio.run(cost(redis_url, args))
+        payload = {"machine": began, "args": vars(args), **found}
+        path = write_results("shared_cost", payload)
+        print(json.dumps({k: v for k, v in found.items() if k != "us_per_request"}, indent=2))
+        say(f"raw results: {path}")
+        return
+    with (
+        redis_at(args.redis) as redis_url,
+        tiny_vllm(args.url, max_num_seqs=MAX_NUM_SEQS, max_model_len=2048) as url,
+    ):
+        rows = asyncio.run(run_all(url, redis_url, args))
+    summary = summarize(rows)
+    payload = {"machine": began, "ended": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args)}
+    payload.update(target=TARGET, summary=summary, rows=rows)
+    path = write_results("shared", payload)
+    print(report(summary))
+    say(f"raw results: {path}")
+
+
+if __name__ == "__main__":
+    main()
