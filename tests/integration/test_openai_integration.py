@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from dsclient import AsyncClient, Client
+from dsclient._observe import CallRecord
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -42,6 +43,8 @@ class PeakWatch:
 
 async def test_openai_chat_completions_stream_and_raw(vllm_server):
     async with AsyncClient(vllm_server) as client:
+        records: list[CallRecord] = []  # what dsclient.metrics counts
+        client._observers.append(records.append)
         sdk = client.openai()
         chat = await sdk.chat.completions.create(
             model="tiny",
@@ -89,6 +92,15 @@ async def test_openai_chat_completions_stream_and_raw(vllm_server):
         assert client.in_flight == 0
         stats = client.stats()
         assert stats.lanes["short"].done == 4 and stats.lanes["long"].done == 1
+    kinds = ["chat", "completion", "completion", "stream", "stream"]
+    assert [r.kind for r in records] == kinds
+    assert [r.lane for r in records] == ["short", "short", "long", "short", "short"]
+    assert all(r.error is None and r.attempts == 1 and r.latency_s > 0 for r in records)
+    # Tokens from the answers' usage; a stream's from its last chunk, when it asked for one.
+    counted = [r.completion_tokens for r in records]
+    assert counted[:2] == [6, 5] and counted[3:] == [None, 12]
+    assert counted[2] is not None and 1 <= counted[2] <= 64  # no ignore_eos: may stop early
+    assert all(r.prompt_tokens for i, r in enumerate(records) if i != 3)
 
 
 async def test_openai_errors_are_its_own_with_the_servers_status(vllm_server):
