@@ -76,6 +76,13 @@ def test_target_for_replaces_this_clients_demand_with_the_fresh_one() -> None:
     assert result.target_for("a", 10) == 4
     assert result.target_for("a", 1) == 1  # a is now idle: its share falls at once
     assert result.target_for("c", 10) == 2  # a newcomer counts itself in (3 + 3 + 2)
+    # Growth per sync is at most an equal split: the others' demands are a sync old.
+    quiet = (Peer("a", 0, 0, False), Peer("b", 0, 0, False), Peer("c", 0, 0, False))
+    start = SyncResult(granted=1, limit=16, leader=False, capacity=8, peers=quiet)
+    assert start.target_for("c", 100) == 14  # the others look idle ...
+    assert start.target_for("c", 100, held=1) == 1 + 6  # ... but it grows by 16 / 3 -> 6 per sync
+    assert start.target_for("c", 100, held=7) == 13
+    assert start.target_for("c", 3, held=1) == 3
     assert result.total_in_flight == 8 and result.held_back
 
 
