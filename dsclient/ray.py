@@ -241,20 +241,57 @@ class Generate:
         self._options = options
         self._client: AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Future[AsyncClient] | None = None
+        self._stop: asyncio.Event | None = None
+        self._owner: asyncio.Task[None] | None = None
 
     @property
     def client(self) -> AsyncClient | None:
-        """The actor's client once the first batch made it (``None`` before)."""
+        """The actor's client once the first batch opened it (``None`` before)."""
         return self._client
 
-    def _get_client(self) -> AsyncClient:
-        # Made on the first batch, on the loop Ray Data runs this actor's batches on; the
-        # constructor runs elsewhere. No await between the check and the assignment, so the
-        # batches running at once on that loop share one client.
-        if self._client is None:
-            self._client = AsyncClient(self._url, **self._options)
-            self._loop = asyncio.get_running_loop()
-        return self._client
+    async def _get_client(self) -> AsyncClient:
+        """The actor's client, opened (``async with``) by one task of its own on first use.
+
+        Ray Data runs an async class's batches as separate tasks on one loop per actor, and
+        builds the class elsewhere; an ``async with`` client (its poller, and with ``shared=``
+        its first lease, which waits for room in the budget) must open and close in one task,
+        so a task of its own holds it open until :meth:`aclose`. No await between the check
+        and the assignment: the batches running at once share the one client.
+        """
+        if self._ready is None:
+            # Made here, not in __init__, so a mistake in the options raises on the first batch
+            # (the constructor runs in Ray's actor set-up, outside this loop).
+            client = AsyncClient(self._url, **self._options)
+            loop = asyncio.get_running_loop()
+            self._loop = loop
+            self._ready = loop.create_future()
+            self._stop = asyncio.Event()
+            self._owner = loop.create_task(self._hold(client, self._ready, self._stop))
+        ready = self._ready
+        try:
+            # shield: a cancelled batch must not cancel the future the other batches wait on.
+            return await asyncio.shield(ready)
+        except Exception:
+            if self._ready is ready:
+                self._ready = None  # the next batch opens a new client
+            raise
+
+    async def _hold(
+        self, client: AsyncClient, ready: asyncio.Future[AsyncClient], stop: asyncio.Event
+    ) -> None:
+        try:
+            async with client:
+                self._client = client
+                ready.set_result(client)
+                await stop.wait()
+        except Exception as exc:
+            if not ready.done():
+                ready.set_exception(exc)  # opening failed: the batches waiting get the error
+            else:
+                logger.warning("dsclient.ray: closing the actor's client failed: %s", exc)
+        finally:
+            self._client = None
 
     async def __call__(self, batch: Any) -> AsyncIterator[pa.Table]:
         """Answer one batch: the input columns, then the output columns, one row per input row."""
@@ -283,38 +320,46 @@ class Generate:
         yield table
 
     async def _run(self, items: list[Any]) -> Sequence[Result | Failure]:
-        client = self._get_client()
         try:
+            client = await self._get_client()
             return await client.map(items, progress=False, on_error="return", **self._call)
-        except (TypeError, ValueError):
-            raise  # a mistake in the job's options: say so at once, for every batch alike
+        except (TypeError, ValueError, ImportError):
+            # A mistake in the job (a bad option, redis-py missing for shared=, several models
+            # and none chosen): say so at once rather than fail every row alike.
+            raise
         except Exception as exc:
             # map() returns per-row failures; one that raises lost the whole batch (the server
             # was never reachable, say). Every row of it becomes an error row.
             logger.warning("dsclient.ray: a batch of %d rows failed: %s", len(items), exc)
             return [Failure(index=i, error=exc) for i in range(len(items))]
 
-    def close(self) -> None:
-        """Close the actor's client (Ray Data calls ``__del__`` when the actor exits cleanly).
+    async def aclose(self) -> None:
+        """Close the actor's client, on the loop it runs on.
 
         With ``shared=``, closing hands the actor's share of the budget back at once rather than
         when its leases expire.
         """
-        client, loop, self._client = self._client, self._loop, None
-        if client is None or loop is None or loop.is_closed():
+        owner, stop, self._owner, self._ready = self._owner, self._stop, None, None
+        if owner is None or stop is None:
+            return
+        stop.set()
+        await owner
+
+    def close(self) -> None:
+        """:meth:`aclose` from outside the actor's loop (Ray Data's ``__del__`` at actor exit)."""
+        loop = self._loop
+        if self._owner is None or loop is None or loop.is_closed() or not loop.is_running():
             return
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
-        if running is loop:  # called from a batch: close in the background
-            loop.create_task(client.aclose())
+        if running is loop:  # on the loop itself: it cannot be waited for here
+            loop.create_task(self.aclose())
             return
-        if not loop.is_running():
-            return  # the loop has stopped: nothing left to close it on
-        future = asyncio.run_coroutine_threadsafe(client.aclose(), loop)
+        future = asyncio.run_coroutine_threadsafe(self.aclose(), loop)
         try:
-            future.result(timeout=5.0)
+            future.result(timeout=10.0)
         except Exception as exc:  # never let shutting an actor down fail on this
             logger.debug("dsclient.ray: closing the client failed: %s", exc)
 

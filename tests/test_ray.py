@@ -237,7 +237,8 @@ async def test_a_batch_comes_back_with_every_row_and_failures_as_rows() -> None:
     sent = [b["prompt"] for b in server.bodies]
     assert sorted(sent) == sorted(["one", TOO_LONG, "three"])
     assert all(b["max_tokens"] == 8 and b["temperature"] == 0.0 for b in server.bodies)
-    udf.close()
+    await udf.aclose()
+    assert udf.client is None
 
 
 @pytest.mark.anyio
@@ -261,7 +262,7 @@ async def test_numpy_and_pandas_batches_and_chat_messages() -> None:
     first = udf.client
     await _one(udf, pa.table({"messages": [[{"role": "user", "content": "again"}]]}))
     assert udf.client is first
-    await udf.client.aclose()  # type: ignore[union-attr]
+    await udf.aclose()
 
 
 @pytest.mark.anyio
@@ -315,3 +316,28 @@ def test_chat_result_rows() -> None:
         text="hi", finish_reason="stop", usage=Usage(prompt_tokens=5), latency_s=1.0
     )
     assert outcome_table([result]).column("answer").to_pylist() == ["hi"]
+
+
+@pytest.mark.anyio
+async def test_batches_at_once_share_one_client_opened_once() -> None:
+    import anyio
+
+    server = FakeServer(script=[_answer])
+    udf = _generate(server)
+    clients = []
+
+    async def one(i: int) -> None:
+        out = await _one(udf, pa.table({"prompt": [f"p{i}-{k}" for k in range(5)]}))
+        assert out.column("answer").to_pylist() == [f"re: p{i}-{k}" for k in range(5)]
+        clients.append(udf.client)
+
+    async with anyio.create_task_group() as group:
+        for i in range(4):
+            group.start_soon(one, i)
+    assert len(clients) == 4 and len({id(c) for c in clients}) == 1
+    await udf.aclose()
+    assert udf.client is None
+    # After closing, a later batch opens a new client rather than failing.
+    await _one(udf, pa.table({"prompt": ["again"]}))
+    assert udf.client is not None and udf.client is not clients[0]
+    await udf.aclose()
