@@ -87,7 +87,8 @@ class ServerState:
         models: the served model names; a server listing none is never chosen for a model.
         limit: the client's limit for it (closed-loop); ``in_flight < limit`` means room.
         in_flight: the client's requests at that server now.
-        running: sequences in the server's batch (from ``/metrics``), or ``None``.
+        running: sequences in the server's batch (from ``/metrics``), or ``None``; carried for
+            the caller's statistics: the score reads the queue and the KV cache, as llm-d's.
         waiting: requests in the server's own queue (from ``/metrics``), or ``None``.
         kv_usage: share of its KV cache in use, ``[0, 1]``, or ``None``.
         metrics_age: seconds since those gauges were read; ``None`` when the server publishes
