@@ -337,9 +337,9 @@ async def test_a_silent_clients_share_comes_back_within_the_lease_time(redis_url
         while budget_b.granted < 8:
             await anyio.sleep(0.05)
             await budget_b.step(b)  # type: ignore[arg-type]
-            assert anyio.current_time() - silent_at < LEASE_S + 1.0, "the share never came back"
+            assert anyio.current_time() - silent_at < LEASE_S + 2.0, "the share never came back"
         took = anyio.current_time() - silent_at
-        assert LEASE_S - 0.3 <= took <= LEASE_S + 0.5, took
+        assert LEASE_S - 0.3 <= took <= LEASE_S + 1.0, took
     finally:
         await budget_a.aclose()
         await budget_b.aclose()

@@ -150,10 +150,11 @@ def test_a_process_killed_with_sigkill_gives_its_share_back_within_the_lease_tim
         if gone_after is not None and sum(holders[w.id] for w in survivors) == 6:
             regained_after = time.monotonic() - killed_at
             break
-        assert time.monotonic() - killed_at < LEASE_S + 2.0, f"share not back: {holders}"
+        assert time.monotonic() - killed_at < LEASE_S + 3.0, f"share not back: {holders}"
         time.sleep(0.05)
-    assert gone_after <= LEASE_S + 0.5, gone_after
-    assert regained_after <= LEASE_S + 1.0, regained_after
+    # The lease time, plus a survivor's sync (0.2 s) and slack for a loaded CI machine.
+    assert gone_after <= LEASE_S + 1.0, gone_after
+    assert regained_after <= LEASE_S + 1.5, regained_after
     results = [worker.result() for worker in survivors]
     assert [r["ok"] for r in results] == [120, 120], results
 
