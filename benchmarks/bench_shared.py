@@ -4,6 +4,7 @@
     python -m benchmarks shared --requests 240 --runs 1
     python -m benchmarks shared --url http://127.0.0.1:8000 --redis redis://127.0.0.1:6379/0
     python -m benchmarks shared --cost               # CPU per request, shared= vs not (~1 min)
+    python -m benchmarks shared --cost --callgrind   # the same in instructions (~5 min)
 
 The tiny random Llama is launched through dsclient's launcher with ``max_num_seqs`` 24 (known to
 the clients from the launch record, so the single-client target queue is ``ceil(0.5 x 24)`` = 12),
@@ -21,7 +22,8 @@ All processes of a leg start their map at the same wall-clock time. Reported per
 the server's waiting queue (p90 / mean / max of ``vllm:num_requests_waiting`` polled every 0.2 s
 while anything ran; goal for four-shared: p90 <= 12), the engine's mean batch, failures, and the
 machine's load (``/proc/loadavg``) before and after each leg. Raw results:
-``benchmarks/results/shared.json``.
+``benchmarks/results/shared.json``. Run it under ``flock /tmp/dsclient-vllm.lock`` on a shared
+machine.
 
 ``--cost`` measures the client's CPU per request instead (``time.process_time`` over ``--n``
 requests on 64 tasks, the client-cost benchmark's in-process mock server, ``--rounds`` interleaved
@@ -29,8 +31,10 @@ rounds after an uncounted one, medians): bare httpx, dsclient at a limit of 64, 
 ``shared=``. The mock answers without yielding to the event loop, so the background sync does not
 run while requests are timed: its CPU is measured apart (``sync_cpu_us``, one sync; there are 5 a
 second) and given as a share of the client's CPU at 100 requests a second. Raw results:
-``benchmarks/results/shared_cost.json``. Run it under ``flock /tmp/dsclient-vllm.lock`` on a shared
-machine.
+``benchmarks/results/shared_cost.json``. ``--cost --callgrind`` counts instructions instead
+(``valgrind --tool=callgrind``; per request = the difference between 1200 and 200 requests):
+repeatable on a busy machine, where CPU seconds scatter by 20 %. Raw results:
+``benchmarks/results/shared_instructions.json``.
 """
 
 from __future__ import annotations
@@ -81,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cost", action="store_true", help="CPU per request only (mock server, real Redis)"
     )
     p.add_argument("--rounds", type=int, default=5, help="--cost: interleaved rounds")
+    p.add_argument(
+        "--callgrind", action="store_true", help="--cost: in callgrind instructions instead"
+    )
     # worker mode (one client process)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--n", type=int, default=0, help=argparse.SUPPRESS)
@@ -197,6 +204,47 @@ async def cost(redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
         "shared_over_own": round(med["dsclient-shared"] / med["dsclient"], 3),
         "own_over_httpx": round(med["dsclient"] / med["httpx"], 3),
         "shared_over_httpx": round(med["dsclient-shared"] / med["httpx"], 3),
+    }
+
+
+def callgrind(name: str, n: int, redis_url: str, workdir: Path) -> int:
+    """Instructions a fresh interpreter executes running :func:`cost_leg` for ``n`` requests."""
+    import re
+    import subprocess
+
+    code = (
+        f"import asyncio, sys; sys.path.insert(0, {str(ROOT)!r}); "
+        "from benchmarks.bench_shared import cost_leg; "
+        "asyncio.run(cost_leg(sys.argv[1], int(sys.argv[2]), 64, sys.argv[3]))"
+    )
+    out = workdir / f"callgrind.{name}.{n}"
+    done = subprocess.run(
+        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-c",
+         code, name, str(n), redis_url],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    )  # fmt: skip
+    match = re.search(r"Collected : (\d+)", done.stderr)
+    if match is None:
+        raise RuntimeError(f"callgrind printed no total:\n{done.stderr[-2000:]}")
+    return int(match.group(1))
+
+
+def instructions(redis_url: str, small: int, large: int) -> dict[str, Any]:
+    """Instructions per request (the difference between ``large`` and ``small`` requests, so
+    start-up, discovery and the first lease cancel out) of each cost leg."""
+    import tempfile
+
+    per: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("httpx", "dsclient", "dsclient-shared"):
+            counts = [callgrind(name, n, redis_url, Path(tmp)) for n in (small, large)]
+            per[name] = (counts[1] - counts[0]) / (large - small)
+            say(f"{name}: {per[name]:.0f} instructions per request")
+    return {
+        "instructions_per_request": per,
+        "shared_over_own": round(per["dsclient-shared"] / per["dsclient"], 3),
+        "own_over_httpx": round(per["dsclient"] / per["httpx"], 3),
+        "shared_over_httpx": round(per["dsclient-shared"] / per["httpx"], 3),
     }
 
 
@@ -323,9 +371,12 @@ def main(argv: list[str] | None = None) -> None:
         n = args.n or 5000
         args.n = n
         with redis_at(args.redis) as redis_url:
-            found = asyncio.run(cost(redis_url, args))
+            if args.callgrind:
+                found = instructions(redis_url, 200, 1200)
+            else:
+                found = asyncio.run(cost(redis_url, args))
         payload = {"machine": began, "args": vars(args), **found}
-        path = write_results("shared_cost", payload)
+        path = write_results("shared_instructions" if args.callgrind else "shared_cost", payload)
         print(json.dumps({k: v for k, v in found.items() if k != "us_per_request"}, indent=2))
         say(f"raw results: {path}")
         return

@@ -72,6 +72,8 @@ LEASE_S: Final = 3.0
 SYNC_INTERVAL_S: Final = 0.2
 #: Seconds between two tries while Redis does not answer (the client runs its local loop).
 RETRY_S: Final = 1.0
+#: Seconds after the last sync of any client at which the budget's keys expire.
+IDLE_S: Final = 60.0
 #: Seconds a redis-py call may take before the sync counts as failed.
 REDIS_TIMEOUT_S: Final = 1.0
 
@@ -82,7 +84,11 @@ Mode = Literal["shared", "local"]
 #: ARGV: 1 client id, 2 lease ms, 3 leases this client added last time, 4 target, 5 in flight,
 #: 6 state string, 7 proposed limit, 8 capacity ("" unknown), 9 "1" to leave.
 #: Returns {granted, limit, is_leader, capacity ("" unknown), id1, state1, id2, state2, ...}.
+#: Every key expires a minute after the last sync of any client (:data:`IDLE_S`): a budget nobody
+#: uses leaves nothing behind, and the next job starts from its own discovery, not from a limit
+#: learned on yesterday's server.
 SYNC_SCRIPT: Final = """
+local IDLE_MS = {idle_ms}
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local id = ARGV[1]
@@ -126,11 +132,12 @@ if want > mine then
   grant = math.max(mine, math.min(want, limit - others), inflight)
 end
 for i = 0, grant - 1 do redis.call('ZADD', KEYS[1], now + lease_ms, id .. ':' .. i) end
+for _, k in ipairs({1, 2, 3, 4, 6}) do redis.call('PEXPIRE', KEYS[k], IDLE_MS) end
 local out = {grant, limit, leader == id and 1 or 0, redis.call('GET', KEYS[6]) or ''}
 local states = redis.call('HGETALL', KEYS[3])
 for i = 1, #states do out[#out + 1] = states[i] end
 return out
-"""
+""".replace("{idle_ms}", str(int(IDLE_S * 1000)))
 
 
 class _Revealable(Protocol):

@@ -321,6 +321,9 @@ async def test_closing_gives_the_leases_back_at_once(redis_url: str) -> None:
     raw = redis.Redis.from_url(redis_url)
     assert raw.zcard("dsclient:{http://fake:1}:leases") == 0
     assert raw.zcard("dsclient:{http://fake:1}:clients") == 0
+    # What stays (the limit) expires a minute after the last sync: nothing is left for good.
+    assert raw.get("dsclient:{http://fake:1}:limit") == b"6"
+    assert 0 < raw.pttl("dsclient:{http://fake:1}:limit") <= 60_000
 
 
 @pytest.mark.integration
