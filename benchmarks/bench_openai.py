@@ -33,6 +33,7 @@ import functools
 import json
 import math
 import os
+import random
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -160,16 +161,33 @@ COST = {
 
 
 def run_cost(args: argparse.Namespace) -> dict[str, Any]:
-    per: dict[str, list[float]] = {name: [] for name in COST}
+    """Each leg of ``--cost-legs`` once a round, in a shuffled order (a leg's place in the
+    round must not bias it), after an uncounted warm-up round."""
+    names = args.cost_legs.split(",")
+    rng = random.Random(args.seed)
+    per: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(args.rounds + 1):
-        for name, fn in COST.items():
-            cpu = asyncio.run(fn(args.n, 64))
+        order = rng.sample(names, len(names))
+        for name in order:
+            cpu = asyncio.run(COST[name](args.n, 64))
             if round_ > 0:  # the first round warms imports and caches
                 per[name].append(cpu / args.n * 1e6)
         if round_ > 0:
             say(f"cost round {round_}: " + ", ".join(f"{k} {v[-1]:.0f} us" for k, v in per.items()))
     us = {name: median(values) for name, values in per.items()}
-    return {"us_per_request": us, "rounds_us": per, **shares(us)}
+    # The share is a difference of two large, noisy numbers: its ratio is also taken within
+    # each round (the legs of one round share the machine's mood), and the median given.
+    rounds = [shares({k: v[i] for k, v in per.items()}) for i in range(args.rounds)]
+    within = (
+        {
+            f"{key}_median_of_rounds": round(median([r[key] for r in rounds]), 2)
+            for key in rounds[0]
+            if key.startswith("ratio")
+        }
+        if rounds
+        else {}
+    )
+    return {"us_per_request": us, "rounds_us": per, **shares(us), **within}
 
 
 def shares(cost: dict[str, float]) -> dict[str, float]:
@@ -252,12 +270,16 @@ def tables(payload: dict[str, Any]) -> str:
         out.append("| client CPU per request (mock server) | us | vs generate() |\n|---|---|---|")
         for name, value in us.items():
             out.append(f"| {name} | {value:.0f} | {value / us['generate']:.2f}x |")
-        out.append(
-            f"\ndsclient's share of client.openai(): {cost['dsclient_share']:.0f} us "
-            f"({cost['ratio_share_to_generate']:.2f}x generate()); with a metrics collector "
-            f"{cost['dsclient_share-metrics']:.0f} us "
-            f"({cost['ratio_share_to_generate-metrics']:.2f}x generate()'s)\n"
-        )
+        for suffix, what in (("", ""), ("-metrics", ", with a metrics collector")):
+            if f"dsclient_share{suffix}" in cost:
+                out.append(
+                    f"\ndsclient's share of client.openai(){what}: "
+                    f"{cost[f'dsclient_share{suffix}']:.0f} us, "
+                    f"{cost[f'ratio_share_to_generate{suffix}']:.2f}x generate()'s (ratio of "
+                    f"medians); median of the rounds' own ratios "
+                    f"{cost[f'ratio_share_to_generate{suffix}_median_of_rounds']:.2f}x"
+                )
+        out.append("")
     rows = payload.get("online")
     if rows:
         out.append(
@@ -280,6 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parts", default="cost,online")
     parser.add_argument("--n", type=int, default=3000, help="requests per cost measurement")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cost-legs", default=",".join(COST), help="cost legs to run")
     parser.add_argument("--runs", type=int, default=2, help="online runs of each strategy")
     parser.add_argument("--strategies", default=",".join(ONLINE))
     parser.add_argument("--seed", type=int, default=20240611)

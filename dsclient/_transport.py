@@ -55,6 +55,13 @@ it asked for the client's ``default_max_tokens`` and sent without one.
 call: waiting for a slot, every attempt and backoff, and for a stream every read until its end.
 
 **Streams** (``"stream": true``) keep their slot until the body is read to its end or closed.
+
+**Observers** (``dsclient.metrics``) hear of every governed call as of a :meth:`generate` call:
+one :class:`~dsclient._observe.CallRecord` with its outcome (the server's refusal by its
+dsclient error name and status), attempts, lane, group, latency, time queued, and the tokens of
+the answer's ``usage`` (a stream's from its last chunk, which vLLM sends with
+``stream_options={"include_usage": true}``); ``kind`` is ``"embedding"`` for embeddings and
+``"stream"`` for streams. A stream is recorded when it ends or is closed.
 """
 
 from __future__ import annotations

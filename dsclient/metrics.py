@@ -38,6 +38,9 @@ family                                   type       what
 ``status`` the HTTP status of a refusal, empty when the server sent none (success included);
 ``lane`` is empty for a call that failed before it was planned. Server gauges are absent while
 unknown. For a stream, completion tokens count the text deltas (vLLM sends one a token).
+Calls through ``client.openai()`` and ``client.httpx()`` are counted like the client's own; their
+tokens come from the answer's ``usage`` (for a stream, only when it asked for one with
+``stream_options={"include_usage": true}``).
 """
 
 from __future__ import annotations
@@ -477,7 +480,8 @@ def trace(client: AsyncClient | Client, tracer: Any = None) -> Callable[[], None
         ...
         remove()
 
-    The span is ``dsclient.completion``, ``dsclient.chat`` or ``dsclient.stream`` (kind CLIENT),
+    The span is ``dsclient.completion``, ``dsclient.chat``, ``dsclient.stream`` or (through
+    ``client.openai()`` / ``client.httpx()``) ``dsclient.embedding`` (kind CLIENT),
     from the call's start to its end, a child of whatever span is current in the calling task.
     Attributes: ``dsclient.lane``, ``dsclient.queue_s``, ``dsclient.attempts``,
     ``dsclient.group``, ``server.address``, ``server.port``, ``gen_ai.usage.input_tokens`` /
