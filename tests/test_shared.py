@@ -437,3 +437,31 @@ def test_the_sync_client_takes_shared_too(redis_url: str) -> None:
         assert client.generate("hi", max_tokens=2).text == "hello"
         assert client.limit == 3
         assert "shared='redis://127.0.0.1:" in repr(client)
+
+
+# -- the endpoint's side (pure: results handed in) ------------------------------------------------
+
+
+def test_a_new_leader_takes_over_the_shared_limit_without_slow_start() -> None:
+    from dsclient._endpoint import ControlOptions, Endpoint
+
+    endpoint = Endpoint("http://fake:1", ControlOptions(), {}, start=16)
+    endpoint.use_shared(_budget_stub())
+    assert endpoint.governor.limit == 1  # nothing sent before the first lease
+    first = endpoint.controller
+    mine = SyncResult(granted=4, limit=16, leader=True, capacity=24, peers=())
+    endpoint.apply_shared(mine, became_leader=True)
+    assert endpoint.controller is first  # the budget's first leader published its own limit
+    assert endpoint.governor.limit == 4 and endpoint.controller.capacity == 24
+    grown = SyncResult(granted=6, limit=45, leader=True, capacity=24, peers=())
+    endpoint.apply_shared(grown, became_leader=True)  # took over from another process
+    assert endpoint.controller is not first and endpoint.controller.limit == 45
+    assert endpoint.controller.slow_start < 1.05  # grows by one a period, not x2
+    assert endpoint.governor.limit == 6
+    endpoint.leave_shared()  # Redis away: its own loop, from the share it held
+    assert not endpoint.shared_active and endpoint.controller.limit == 6
+    assert endpoint.governor.limit == 6
+
+
+def _budget_stub() -> SharedBudget:
+    return SharedBudget(_Secret("redis://127.0.0.1:1/0"), key="t", server_url="http://fake:1")
