@@ -126,6 +126,7 @@ async def worker(args: argparse.Namespace) -> dict[str, Any]:
             )
             ended = time.time()
         blocks = client._endpoint.governor.limit
+        terms = client._shared.terms if client._shared is not None else None
     ok = sum(1 for r in results if r.ok)
     return {
         "items": len(results),
@@ -137,6 +138,7 @@ async def worker(args: argparse.Namespace) -> dict[str, Any]:
         "makespan_s": round(ended - begun, 3),
         "limit_samples": spread(limits),
         "final_block": blocks,
+        "leader_terms": terms,
     }
 
 

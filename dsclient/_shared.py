@@ -396,6 +396,8 @@ class SharedBudget:
         self.last: SyncResult | None = None
         self._added = 0  # leases this client put in Redis at its last sync (ids 0 .. n-1)
         self._closed = False
+        #: How many times this process became the leader (for benchmarks and tests).
+        self.terms = 0
 
     def __repr__(self) -> str:
         return (
@@ -479,6 +481,7 @@ class SharedBudget:
             )
         self.granted = result.granted
         became_leader = result.leader and (previous is None or not previous.leader)
+        self.terms += became_leader
         endpoint.apply_shared(result, became_leader=became_leader)
 
     async def first_lease(self, endpoint: Endpoint) -> None:
