@@ -501,6 +501,8 @@ async def test_the_clients_key_replaces_the_sdks_and_shows_nowhere():
 def test_the_sync_client_gives_openai_and_httpx_clients():
     stub = Stub()
     with Client(URL, transport=stub.transport, adaptive=False) as client:
+        records: list[Any] = []
+        client._async._observers.append(records.append)
         sdk = client.openai()
         assert isinstance(sdk, openai.OpenAI) and sdk.max_retries == 0
         r = sdk.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4)
@@ -519,6 +521,12 @@ def test_the_sync_client_gives_openai_and_httpx_clients():
         assert http.get("/v1/models").json()["data"][0]["id"] == "tiny"
         assert http.post("/v1/completions", json={"prompt": "x"}).json()["choices"][0]["text"]
         assert client.stats().lanes["short"].done == 3
+    assert [(r.kind, r.error, r.status) for r in records] == [
+        ("chat", None, None),
+        ("stream", None, None),
+        ("completion", "RequestRefused", 422),
+        ("completion", None, None),
+    ]
 
 
 def test_the_sync_stream_closed_early_gives_the_slot_back():
