@@ -197,7 +197,7 @@ class Endpoint:
             self.load, self.load_at = load, self._clock()
             self._learn(load)
         if self._shared_active:
-            held = self._shared_last.granted if self._shared_last is not None else 1
+            held = self.shared.allowed if self.shared and self._shared_last is not None else 1
             self.governor.set_limit(max(1, held), batch=self.controller.capacity)
         else:
             self.governor.set_limit(start, batch=self.controller.capacity)
@@ -235,9 +235,12 @@ class Endpoint:
         last = self._shared_last
         return self._shared_active and last is not None and last.leader
 
-    def apply_shared(self, result: SyncResult, *, became_leader: bool) -> None:
-        """A sync answered: the governor's limit becomes the block held; a new leader's
-        controller starts from the shared limit; the learned capacity is shared."""
+    def apply_shared(
+        self, result: SyncResult, *, became_leader: bool, allowed: int | None = None
+    ) -> None:
+        """A sync answered: the governor's limit becomes ``allowed`` (the block held, or less
+        while the block is over this client's share); a new leader's controller starts from the
+        shared limit; the learned capacity is shared."""
         rejoined = not self._shared_active
         self._shared_active = True
         self._shared_last = result
@@ -248,7 +251,8 @@ class Endpoint:
             self._reseed(result.limit)  # the first leader of a budget published its own
         governor = self.governor
         old = governor.limit
-        governor.set_limit(max(1, result.granted), batch=self.controller.capacity)
+        limit = result.granted if allowed is None else allowed
+        governor.set_limit(max(1, limit), batch=self.controller.capacity)
         if governor.limit > old:
             for callback in list(self._raised):
                 callback()

@@ -15,12 +15,14 @@ size of that block: a request takes a local slot as before, and Redis is asked o
 background sync. Each sync publishes this client's demand (in flight + waiting), in flight and
 whether the limit holds it back, and reads everyone's; the next block is this client's fair share
 of the limit (:func:`fair_shares`: max-min fair, every live client at least one lease). A client
-grows only into leases nobody holds, and never holds fewer leases than requests in flight, so the
-sum of everyone's in flight never passes the shared limit for longer than a request that was
-already running when the limit fell. A client's first lease also waits for room (``async with``
-waits for it), and once it holds one it keeps at least one (the governor's limit cannot be 0), so
-N clients need a limit of at least N. The one gap: a client whose leases Redis lost (a restart)
-and that finds no room holds none, yet its governor lets one request through until the next sync.
+grows only into leases nobody holds, and never holds fewer leases than requests in flight, while
+its governor admits only up to its share: when the limit falls, the leases over the share go back
+as the requests holding them end, and the sum of everyone's in flight never passes the shared
+limit for longer than a request that was already running when it fell. A client's first lease
+waits for room (``async with`` waits for it), and once it holds one it keeps at least one (the
+governor's limit cannot be 0), so N clients need a limit of at least N. The one gap: a client
+whose leases Redis lost (a restart) and that finds no room holds none, yet its governor lets one
+request through until the next sync.
 
 **One closed loop.** One client is the leader (a key with the lease's TTL, taken by a client with
 traffic): it runs the limit controller on the server's ``/metrics`` against the total in flight of
@@ -393,6 +395,7 @@ class SharedBudget:
         )
         self._script: Any = self._redis.register_script(SYNC_SCRIPT)
         self.granted = 0
+        self.allowed = 0  # what the governor may admit: min(leases held, this client's share)
         self.last: SyncResult | None = None
         self._added = 0  # leases this client put in Redis at its last sync (ids 0 .. n-1)
         self._closed = False
@@ -449,6 +452,11 @@ class SharedBudget:
         )
         result = parse_sync(raw)
         self._added = result.granted
+        # Leases held are never fewer than the requests in flight, but the governor admits only
+        # up to the share: freed slots must not be refilled while the block is over it, or a
+        # block above its share never shrinks (a shared limit cut from 64 held the server's
+        # queue at 40 against a target of 12 until this was split).
+        self.allowed = max(0, min(result.granted, target))
         return result
 
     async def step(self, endpoint: Endpoint) -> None:
@@ -482,7 +490,7 @@ class SharedBudget:
         self.granted = result.granted
         became_leader = result.leader and (previous is None or not previous.leader)
         self.terms += became_leader
-        endpoint.apply_shared(result, became_leader=became_leader)
+        endpoint.apply_shared(result, became_leader=became_leader, allowed=self.allowed)
 
     async def first_lease(self, endpoint: Endpoint) -> None:
         """Sync until this client holds a lease (or Redis does not answer): the others give

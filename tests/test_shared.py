@@ -191,8 +191,9 @@ class StubEndpoint:
         self.applied: list[SyncResult] = []
         self.left = 0
 
-    def apply_shared(self, result: SyncResult, *, became_leader: bool) -> None:
+    def apply_shared(self, result: SyncResult, *, became_leader: bool, allowed: int) -> None:
         self.applied.append(result)
+        self.allowed = allowed
 
     def leave_shared(self) -> None:
         self.left += 1
@@ -277,8 +278,11 @@ async def test_a_client_never_holds_fewer_leases_than_requests_in_flight(redis_u
         await budgets[0].step(busy)  # type: ignore[arg-type]
         await budgets[1].step(newcomer)  # type: ignore[arg-type]
         await budgets[0].step(busy)  # type: ignore[arg-type]
-        # busy's fair share is now 2, but 4 of its requests run: it keeps 4 leases until they end
+        await budgets[0].step(busy)  # the share is computed from the last sync's demands
+        # busy's fair share is now 2, but 4 of its requests run: it keeps 4 leases until they
+        # end, and admits none meanwhile (its governor's limit is its share, 2)
         assert budgets[0].granted == 4 and budgets[1].granted == 0
+        assert budgets[0].allowed == 2 and busy.allowed == 2
         busy.governor.in_flight = 2
         await budgets[0].step(busy)  # type: ignore[arg-type]
         await budgets[1].step(newcomer)  # type: ignore[arg-type]
