@@ -10,6 +10,7 @@
     python -m benchmarks map                  # map() overhead and memory (mock transport)
     python -m benchmarks openai               # client.openai() vs openai as users run it (~6 min)
     python -m benchmarks instructions         # the same legs in callgrind instructions (~6 min)
+    python -m benchmarks ray                  # Ray Data: dsclient.ray vs ray.data.llm (~6 min)
     python -m benchmarks shared               # 4 processes, one budget in Redis (real, ~6 min)
     python -m benchmarks replicas             # starting 2 vLLM replicas: in turn vs at once
     python -m benchmarks governor --help      # each benchmark's own options
@@ -65,6 +66,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "instructions": (
         "benchmarks.bench_instructions",
         "map() and openai cost per request in callgrind instructions, against bare httpx",
+    ),
+    "ray": (
+        "benchmarks.bench_ray",
+        "a Ray Data job: dsclient.ray (alone, shared Redis budget) vs ray.data.llm HTTP processor",
     ),
     "replicas": (
         "benchmarks.bench_replicas",

@@ -1,0 +1,272 @@
+"""One batch job on Ray Data, two ways: dsclient's callable class against Ray's own HTTP processor.
+
+    python -m benchmarks ray                          # launches the tiny vLLM; two runs (~6 min)
+    python -m benchmarks ray --url http://127.0.0.1:8000 --runs 1 --rows 200 --qps 10,40
+
+The job: ``--rows`` (400) prompts of ~16 words, plus ``--overlong`` (4) prompts longer than the
+context, each answered with 32 tokens (``ignore_eos``) by the tiny random Llama on vLLM
+(``max_num_seqs`` 8, launched by dsclient's launcher unless ``--url`` is given), through
+``map_batches`` on a local Ray (``ray.init(num_cpus=2)``) with a pool of ``--actors`` (2) actors
+and batches of ``--batch-size`` (64). Legs, run one after the other in each run, in an order that
+rotates between runs:
+
+* ``dsclient``: :func:`dsclient.ray.map_dataset` (one ``AsyncClient`` per actor, its closed loop
+  on the server's ``/metrics``);
+* ``dsclient-shared``: the same with ``shared=`` a real redis-server started for the run (one
+  budget for both actors); left out when ``redis-server`` is not on PATH;
+* ``ray-http-qpsN`` for each N of ``--qps`` (10,40): ``ray.data.llm``'s
+  ``HttpRequestProcessorConfig`` (Ray's documented way to call an OpenAI-compatible server from
+  Ray Data) with ``qps=N`` per actor, ``max_retries=3`` and ``base_retry_wait_time_in_s=1``
+  (``1 x 2^n`` s, no jitter, no ``Retry-After``), ``concurrency=--actors``. It sends every request
+  of a batch at the fixed rate and then waits for them all; it has no limit on requests in flight.
+
+Per leg: makespan (from submitting the job to the last row, Ray's actor start-up included, alike
+for every leg), failures (rows with an error; a job that raised is reported as such), and the
+server's own load polled from ``/metrics`` every 0.2 s: ``vllm:num_requests_waiting`` (its queue:
+mean, p90, max) and ``vllm:num_requests_running`` (its batch). The machine's load (``uptime``)
+is recorded before and after each run. Raw results: ``benchmarks/results/ray.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import (
+    ROOT,
+    engine_sampler,
+    machine,
+    say,
+    tiny_vllm,
+    words,
+    write_results,
+)
+
+MAX_TOKENS = 32
+MODEL = "tiny"
+
+
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+
+def _rows(n: int, overlong: int, rng: random.Random) -> list[dict[str, Any]]:
+    rows = [{"id": i, "prompt": words(rng, 16)} for i in range(n)]
+    for k in range(overlong):  # spread through the job; each far over the 2048-token context
+        rows.insert((k + 1) * n // (overlong + 1), {"id": n + k, "prompt": words(rng, 3000)})
+    return rows
+
+
+@contextmanager
+def _redis() -> Iterator[str | None]:
+    """A real redis-server for the shared leg, or ``None`` when it is not installed."""
+    try:
+        from tests.redis_server import RedisServer
+
+        server = RedisServer()
+    except (ImportError, RuntimeError) as exc:
+        say(f"no shared leg: {exc}")
+        yield None
+        return
+    with server:
+        yield server.url
+
+
+def _dsclient_leg(
+    url: str, rows: list[dict[str, Any]], args: Any, **options: Any
+) -> Callable[[], Any]:
+    def run() -> list[dict[str, Any]]:
+        import ray
+
+        from dsclient.ray import map_dataset
+
+        ds = ray.data.from_items(rows)
+        out = map_dataset(
+            ds,
+            url,
+            actors=args.actors,
+            batch_size=args.batch_size,
+            max_tokens=MAX_TOKENS,
+            ignore_eos=True,
+            columns={"queued_s": None},
+            **options,
+        )
+        return [{"id": r["id"], "error": r["error"]} for r in out.take_all()]
+
+    return run
+
+
+def _ray_http_leg(url: str, rows: list[dict[str, Any]], args: Any, qps: int) -> Callable[[], Any]:
+    def run() -> list[dict[str, Any]]:
+        import ray
+        from ray.data.llm import HttpRequestProcessorConfig, build_processor
+
+        config = HttpRequestProcessorConfig(
+            url=f"{url}/v1/completions",
+            qps=qps,
+            max_retries=3,
+            base_retry_wait_time_in_s=1,
+            concurrency=args.actors,
+            batch_size=args.batch_size,
+            # As many CPUs per actor as dsclient's legs ask for (Ray's default is 1).
+            http_request_stage={"num_cpus": 0.5},
+        )
+
+        # Closures, so that Ray pickles them by value (workers need not import this module).
+        def pre(row: dict[str, Any]) -> dict[str, Any]:
+            return {
+                "payload": {
+                    "model": MODEL,
+                    "prompt": row["prompt"],
+                    "max_tokens": MAX_TOKENS,
+                    "ignore_eos": True,
+                }
+            }
+
+        def post(row: dict[str, Any]) -> dict[str, Any]:
+            answer = row["http_response"]
+            error = answer.get("error") if isinstance(answer, dict) else "no answer"
+            if isinstance(error, dict):
+                error = error.get("message", str(error))
+            return {"id": row["id"], "error": error or None}
+
+        processor = build_processor(config, preprocess=pre, postprocess=post)
+        return list(processor(ray.data.from_items(rows)).take_all())
+
+    return run
+
+
+async def _leg(name: str, url: str, run: Callable[[], Any], n: int) -> dict[str, Any]:
+    say(f"  {name} ...")
+    async with engine_sampler(url, every=0.2) as engine:
+        started = time.perf_counter()
+        try:
+            rows = await asyncio.to_thread(run)
+        except Exception as exc:  # Ray's processor raises once a row runs out of retries
+            rows, job_error = None, f"{type(exc).__name__}: {str(exc)[:300]}"
+        else:
+            job_error = None
+        makespan = time.perf_counter() - started
+    found: dict[str, Any] = {"leg": name, "makespan_s": round(makespan, 2), **engine}
+    if rows is None:
+        found.update(job_failed=job_error, rows=0, failures=None)
+    else:
+        ids = sorted(r["id"] for r in rows)
+        found.update(
+            rows=len(rows),
+            every_row_once=ids == list(range(n)),
+            failures=sum(1 for r in rows if r["error"] is not None),
+            errors=sorted({str(r["error"])[:80] for r in rows if r["error"] is not None})[:3],
+        )
+    say(
+        f"    {found['makespan_s']} s, failures {found.get('failures')}, queue p90 "
+        f"{found.get('waiting_p90')} (max {found.get('waiting_max')}), running mean "
+        f"{found.get('running_mean')}" + (f", JOB FAILED: {job_error}" if job_error else "")
+    )
+    return found
+
+
+async def _run_once(url: str, args: Any, redis_url: str | None, index: int) -> dict[str, Any]:
+    rng = random.Random(1000 + index)
+    rows = _rows(args.rows, args.overlong, rng)
+    n = len(rows)
+    legs: list[tuple[str, Callable[[], Any]]] = [("dsclient", _dsclient_leg(url, rows, args))]
+    if redis_url is not None:
+        legs.append(
+            (
+                "dsclient-shared",
+                _dsclient_leg(url, rows, args, shared=redis_url, shared_key=f"bench-{index}"),
+            )
+        )
+    legs += [(f"ray-http-qps{q}", _ray_http_leg(url, rows, args, q)) for q in args.qps]
+    shift = index % len(legs)  # rotate the order between runs
+    legs = legs[shift:] + legs[:shift]
+    before = _uptime()
+    results = [await _leg(name, url, run, n) for name, run in legs]
+    after = _uptime()
+    base = next(r for r in results if r["leg"] == "dsclient")
+    for r in results:
+        if r["makespan_s"] and base["makespan_s"]:
+            r["makespan_vs_dsclient"] = round(r["makespan_s"] / base["makespan_s"], 2)
+    return {"run": index + 1, "uptime_before": before, "uptime_after": after, "legs": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks ray", description=__doc__)
+    parser.add_argument("--url", help="a running vLLM serving 'tiny' (default: launch one)")
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=400)
+    parser.add_argument("--overlong", type=int, default=4)
+    parser.add_argument("--actors", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument(
+        "--qps",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[10, 40],
+        help="Ray HTTP processor legs: qps per actor, comma-separated (default 10,40)",
+    )
+    parser.add_argument("--no-shared", action="store_true", help="leave out the Redis leg")
+    args = parser.parse_args()
+
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray's workers import dsclient from the venv; this checkout's `tests` (for redis_server)
+    # is only needed in this process.
+    sys.path.insert(0, str(ROOT))
+    with (
+        tiny_vllm(args.url, max_num_seqs=8, max_model_len=2048) as url,
+        _redis() if not args.no_shared else _none() as redis_url,
+    ):
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            runs = [asyncio.run(_run_once(url, args, redis_url, i)) for i in range(args.runs)]
+        finally:
+            ray.shutdown()
+    payload = {
+        "benchmark": "ray",
+        "machine": machine(),
+        "ray": ray.__version__,
+        "settings": {
+            "rows": args.rows,
+            "overlong": args.overlong,
+            "actors": args.actors,
+            "batch_size": args.batch_size,
+            "qps_per_actor": args.qps,
+            "max_tokens": MAX_TOKENS,
+            "max_num_seqs": 8,
+        },
+        "runs": runs,
+    }
+    path = write_results("ray", payload)
+    say(f"results: {path}")
+    for run in runs:
+        say(f"run {run['run']}: {run['uptime_before']}")
+        for leg in run["legs"]:
+            say(
+                f"  {leg['leg']:18} {leg['makespan_s']:7.1f} s  x{leg.get('makespan_vs_dsclient')}"
+                f"  failures {leg.get('failures')}  queue p90 {leg.get('waiting_p90')}"
+                f"  max {leg.get('waiting_max')}  running {leg.get('running_mean')}"
+                + (f"  JOB FAILED {leg['job_failed']}" if leg.get("job_failed") else "")
+            )
+
+
+@contextmanager
+def _none() -> Iterator[None]:
+    yield None
+
+
+if __name__ == "__main__":
+    main()
