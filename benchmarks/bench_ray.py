@@ -17,7 +17,8 @@ rotates between runs:
 * ``ray-http-qpsN`` for each N of ``--qps`` (10,40): ``ray.data.llm``'s
   ``HttpRequestProcessorConfig`` (Ray's documented way to call an OpenAI-compatible server from
   Ray Data) with ``qps=N`` per actor, ``max_retries=3`` and ``base_retry_wait_time_in_s=1``
-  (``1 x 2^n`` s, no jitter, no ``Retry-After``), ``concurrency=--actors``. It sends every request
+  (``1 x 2^n`` s, no jitter, no ``Retry-After``), ``concurrency=(actors, actors)`` (a fixed
+  pool; a plain ``concurrency=2`` is an autoscaling pool of 1 to 2 actors). It sends every request
   of a batch at the fixed rate and then waits for them all; it has no limit on requests in flight.
 
 Per leg: makespan (from submitting the job to the last row, Ray's actor start-up included, alike
@@ -118,7 +119,9 @@ def _ray_http_leg(url: str, rows: list[dict[str, Any]], args: Any, qps: int) -> 
             qps=qps,
             max_retries=3,
             base_retry_wait_time_in_s=1,
-            concurrency=args.actors,
+            # (n, n): a fixed pool of n actors, as dsclient's legs have; a plain n would be an
+            # autoscaling pool of 1 to n (ray/llm/_internal/batch/processor/utils.py).
+            concurrency=(args.actors, args.actors),
             batch_size=args.batch_size,
             # As many CPUs per actor as dsclient's legs ask for (Ray's default is 1).
             http_request_stage={"num_cpus": 0.5},
