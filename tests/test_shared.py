@@ -469,3 +469,21 @@ def test_a_new_leader_takes_over_the_shared_limit_without_slow_start() -> None:
 
 def _budget_stub() -> SharedBudget:
     return SharedBudget(_Secret("redis://127.0.0.1:1/0"), key="t", server_url="http://fake:1")
+
+
+def test_the_leader_counts_a_rise_of_the_shared_limit_as_in_flight_while_anyone_waits() -> None:
+    from dsclient._endpoint import ControlOptions, Endpoint
+
+    endpoint = Endpoint("http://fake:1", ControlOptions(), {}, start=16)
+    budget = _budget_stub()
+    endpoint.use_shared(budget)
+    peers = (Peer(budget.client_id, 9, 0, True), Peer("other", 9, 5, True))
+    endpoint.apply_shared(
+        SyncResult(granted=4, limit=16, leader=True, capacity=24, peers=peers), became_leader=True
+    )
+    assert endpoint._in_flight() == 16  # 5 sent; the other 11 of the limit follow a sync later
+    quiet = (Peer(budget.client_id, 0, 0, False), Peer("other", 5, 5, False))
+    endpoint.apply_shared(
+        SyncResult(granted=4, limit=16, leader=True, capacity=24, peers=quiet), became_leader=False
+    )
+    assert endpoint._in_flight() == 5  # nobody waits: only what was sent
