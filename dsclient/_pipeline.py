@@ -304,10 +304,11 @@ class RequestPath:
         ``build_request`` and ``send``: it is already complete (headers merged, body encoded),
         and for the dozen headers an SDK sends, the client's merge and per-send machinery (auth
         flow, redirects, cookie-jar passes that look up every header by name) cost about 1.1 M
-        instructions a request, more than a whole :meth:`send_json` call (callgrind,
+        instructions a request, more than a whole ``generate()`` call (callgrind,
         ``python -m benchmarks instructions --source openai``). The transport is the one the
         client would pick (``_transport_for_url``: its mounts and proxies); an httpx without
-        that method goes through ``send``.
+        that method goes through ``send``. The request names its server: a router that moves
+        attempts between servers must build one per server.
         """
         http = self._http
         if http.is_closed:
