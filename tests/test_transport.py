@@ -242,6 +242,31 @@ async def test_options_are_stripped_before_sending_and_the_rest_passes_untouched
     assert not any(k.lower().startswith("x-dsclient") for k in stub.requests[-1].headers)
 
 
+async def test_the_request_sent_merges_the_clients_headers_under_the_sdks_as_httpx_would():
+    stub = Stub()
+    stub.script = [httpx.Response(500, text="boom"), httpx.Response(200, json=completion_body())]
+    async with make_client(
+        stub, headers={"x-team": "search", "User-Agent": "mine/1"}, retry=Retry(attempts=2)
+    ) as client:
+        sdk = client.openai(default_headers={"x-team": "ads"})
+        await sdk.completions.create(
+            model="tiny", prompt="x", max_tokens=2, extra_headers={"x-other": "1"}
+        )
+    first, second = stub.requests  # the retry sends the same request again
+    for request in (first, second):
+        headers = request.headers
+        assert headers["host"] == "127.0.0.1:8000"
+        assert headers["x-team"] == "ads"  # the SDK's value wins, as in httpx's own merge
+        assert headers["user-agent"].startswith("AsyncOpenAI/")
+        assert headers["x-other"] == "1"
+        assert headers["content-length"] == str(len(request.content))
+        assert headers["authorization"] == "Bearer EMPTY"  # the client has no key of its own
+        assert len(headers.get_list("x-team")) == 1
+        assert str(request.url) == URL + "/v1/completions"
+    assert first.content == second.content
+    assert json.loads(first.content) == {"model": "tiny", "prompt": "x", "max_tokens": 2}
+
+
 async def test_urgency_from_a_header_goes_first():
     stub = Stub(hold=0.05)
     order: list[str] = []
