@@ -7,15 +7,19 @@ Each round starts ``--replicas`` servers of the tiny model with ``launch(..., re
 concurrent_start=...)`` and times ``start()`` until every one answers ``/health`` (the launcher's
 own wait), then stops them. The orders alternate (sequential first in odd rounds, concurrent
 first in even ones) and the machine's load (``/proc/loadavg``) is recorded before each start.
-Results go to ``benchmarks/results/replicas.json``; the launcher's default follows from them
-(docs/launcher.md, "Replicas"). Hold the machine's vLLM lock while it runs:
+``--cold`` gives every start an empty vLLM cache (a first start: vLLM compiles the model; one
+after another, the second replica would find the first one's compiled graphs in a shared cache).
+Results go to ``benchmarks/results/replicas.json`` (``replicas-cold.json``); the launcher's
+default follows from them (docs/launcher.md, "Replicas"). Hold the vLLM lock while it runs:
 ``flock /tmp/dsclient-vllm.lock python -m benchmarks replicas``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -73,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600.0, help="startup_timeout, seconds")
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="each start with an empty vLLM cache (VLLM_CACHE_ROOT in a fresh temporary folder):"
+        " vLLM compiles the model again, as on a first start",
+    )
     args = parser.parse_args(argv)
 
     from dsclient.launcher import make_tiny_model, resolve_server_python
@@ -84,15 +94,17 @@ def main(argv: list[str] | None = None) -> int:
         say(f"round {r + 1} of {args.rounds}")
         orders = (False, True) if r % 2 == 0 else (True, False)
         for concurrent in orders:
+            if args.cold:
+                os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="vllm-cold-cache-")
             runs.append(
                 {
                     "round": r + 1,
                     **one_start(model, install.python, args.replicas, concurrent, args.timeout),
                 }
             )
-    path = write_results(
-        "replicas", {"machine": machine(), "replicas": args.replicas, "runs": runs}
-    )
+    name = "replicas-cold" if args.cold else "replicas"
+    payload = {"machine": machine(), "replicas": args.replicas, "cold": args.cold, "runs": runs}
+    path = write_results(name, payload)
     say(f"results: {path}")
     for run in runs:
         took = f"{run['seconds']:.0f} s" if run["seconds"] is not None else run["error"]

@@ -79,6 +79,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             " exiting stops them all"
         ),
     )
+    p.add_argument(
+        "--sequential-start",
+        action="store_true",
+        help="with --replicas: start them one after another (default: all at once, faster here)",
+    )
     p.add_argument("--served-model-name", help="name clients use (default: the folder's name)")
     p.add_argument("--dtype", help="weights dtype: auto, float32, bfloat16, float16, ...")
     p.add_argument("--kv-cache-dtype", help="KV cache dtype: auto, fp8, fp8_e4m3, fp8_e5m2, ...")
@@ -238,6 +243,7 @@ def _serve_replicas(args: argparse.Namespace, options: dict[str, Any]) -> int:
         startup_timeout=args.startup_timeout,
         progress=_err,
         replicas=args.replicas,
+        concurrent_start=not args.sequential_start,
         **options,
     )
     for note in group.notes:

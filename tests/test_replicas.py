@@ -14,6 +14,7 @@ import anyio
 import httpx
 import pytest
 
+from dsclient import launcher
 from dsclient._records import read_record
 from dsclient.cli import main
 from dsclient.launcher import LaunchError, Server, ServerGroup, ServerStartError, _install, launch
@@ -55,7 +56,7 @@ def cpus(layout_hw: tuple[Hardware, ...]) -> list[tuple[int, ...]]:
     return [h.cpu_ids for h in layout_hw]
 
 
-def test_two_cpus_per_replica_or_more_gives_each_its_own_and_starts_concurrently():
+def test_two_cpus_per_replica_or_more_gives_each_its_own():
     layout = split_hardware(Hardware(cpu_ids=tuple(range(9)), mem_gib=24), 2)
     assert cpus(layout.per_replica) == [(0, 1, 2, 3), (4, 5, 6, 7)]
     assert layout.engine_core_cpus == (None, None) and layout.concurrent_start
@@ -66,7 +67,6 @@ def test_two_cpus_per_replica_or_more_gives_each_its_own_and_starts_concurrently
 def test_between_n_and_2n_cpus_the_engines_are_split_and_the_api_servers_share_one():
     layout = split_hardware(Hardware(cpu_ids=(0, 1, 2, 3, 4), mem_gib=24), 3)
     assert cpus(layout.per_replica) == [(0, 4), (1, 4), (2, 4)]
-    assert not layout.concurrent_start
     assert "the API servers share CPU 4" in layout.notes[0]
 
 
@@ -74,7 +74,7 @@ def test_as_many_cpus_as_replicas_gives_one_engine_cpu_each_with_its_engine_core
     layout = split_hardware(Hardware(cpu_ids=(0, 1), mem_gib=24), 2)
     assert cpus(layout.per_replica) == [(0,), (1,)]
     assert layout.engine_core_cpus == ((0,), (1,))
-    assert not layout.concurrent_start and "one after another" in layout.notes[-1]
+    assert layout.concurrent_start and "start: all at once" in layout.notes[-1]
 
 
 def test_fewer_cpus_than_replicas_is_refused_with_the_counts():
@@ -178,7 +178,7 @@ def test_each_replica_gets_its_port_cpus_log_and_the_same_model(
     assert first.pid is None and second.pid is None  # planned only
 
 
-def test_two_replicas_on_two_cpus_start_one_after_another(fake_vllm_dist, model_dir):
+def test_two_replicas_on_two_cpus_one_engine_cpu_each(fake_vllm_dist, model_dir):
     group = launch(
         model_dir,
         python=sys.executable,
@@ -186,7 +186,7 @@ def test_two_replicas_on_two_cpus_start_one_after_another(fake_vllm_dist, model_
         port=adjacent_free_ports(),
         replicas=2,
     )
-    assert not group.concurrent_start
+    assert group.concurrent_start
     assert [s.plan.env["VLLM_CPU_OMP_THREADS_BIND"] for s in group] == ["0", "1"]
     assert [s.plan.engine_core_cpus for s in group] == [(0,), (1,)]
 
@@ -209,7 +209,7 @@ def test_cli_dry_run_prints_every_replica(fake_vllm_dist, model_dir, capsys):
     assert f"# replica 1 of 2: http://127.0.0.1:{port}" in out
     assert f"# replica 2 of 2: http://127.0.0.1:{port + 1}" in out
     assert "VLLM_CPU_OMP_THREADS_BIND=0 " in out and "VLLM_CPU_OMP_THREADS_BIND=2 " in out
-    assert "start: concurrent" in out
+    assert "start: all at once" in out
 
 
 def test_cli_refuses_zero_replicas_and_too_many(fake_vllm_dist, model_dir, capsys):
@@ -337,3 +337,32 @@ def test_a_group_needs_distinct_servers(fake_script, tmp_path):
         ServerGroup([group.servers[0], group.servers[0]])
     with pytest.raises(ValueError, match="at least one"):
         ServerGroup([])
+
+
+@pytest.mark.parametrize("flag", [[], ["--sequential-start"]])
+def test_cli_serve_replicas_prints_every_url_and_stops_them_all(
+    fake_script, tmp_path, monkeypatch, capsys, flag
+):
+    group = fake_group(fake_script, tmp_path, [(), ()])
+    asked: dict[str, object] = {}
+
+    def fake_launch(*args: object, **kwargs: object) -> ServerGroup:
+        asked.update(kwargs)
+        group.concurrent_start = bool(kwargs["concurrent_start"])
+        return group
+
+    def wait(poll: float = 0.5) -> tuple[Server, int]:
+        raise KeyboardInterrupt  # Ctrl-C once both are up
+
+    monkeypatch.setattr(group, "wait", wait)
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    old_term, old_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        assert main(["serve", "/m/tiny", "--replicas", "2", *flag]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
+    assert asked["replicas"] == 2 and asked["concurrent_start"] is (not flag)
+    out = capsys.readouterr().out
+    assert out == "".join(f"dsclient: serving tiny at {url}\n" for url in group.urls)
+    assert all(s.pid is not None and wait_dead(s.pid) for s in group)

@@ -1,6 +1,6 @@
 """N replicas of one model on one machine: :func:`plan_replicas` (pure: ports, CPUs or GPUs per
-replica) and :class:`ServerGroup`, which starts them (one after another unless the machine has
-room for concurrent start-ups) and stops every one of them on exit or on any failure.
+replica) and :class:`ServerGroup`, which starts them (all at once by default, which was faster
+here, see :func:`split_hardware`) and stops every one of them on exit or on any failure.
 
 Use is shown in :func:`launch_replicas` and :mod:`dsclient.launcher`.
 """
@@ -58,7 +58,7 @@ class ReplicaLayout:
             its GPUs).
         engine_core_cpus: where each replica's EngineCore goes (``None``: as planned).
         env: extra environment per replica (``CUDA_VISIBLE_DEVICES`` on GPUs).
-        concurrent_start: whether the machine has room to start them all at once.
+        concurrent_start: whether to start them all at once (the default: see the module).
         notes: what was decided, and why.
     """
 
@@ -76,15 +76,19 @@ def split_hardware(hardware: Hardware, replicas: int) -> ReplicaLayout:
     API server, see :func:`dsclient.launcher._profiles.build_command`):
 
     * ``P >= 2N``: each replica gets ``P // N`` CPUs of its own (its engine on all but the
-      last, its API server on the last); they start concurrently.
+      last, its API server on the last).
     * ``N < P < 2N``: each engine gets ``(P - 1) // N`` CPUs of its own; the last CPU is shared
-      by the API servers; they start one after another.
-    * ``P == N``: one CPU per engine (its EngineCore moved there too), API servers unpinned;
-      one after another.
+      by the API servers.
+    * ``P == N``: one CPU per engine (its EngineCore moved there too), API servers unpinned.
     * ``P < N``: refused: two engines bound to one CPU would each run at half speed at best.
 
     Memory is split evenly (each replica's KV cache is sized within its share). On GPUs each
     replica gets ``G // N`` cards through ``CUDA_VISIBLE_DEVICES``; ``G < N`` is refused.
+
+    Start order: all at once. Two tiny-model replicas on the 2-CPU reference machine (load 3-6
+    from other work, vLLM's compile cache warm) were healthy after 47-52 s started together and
+    71-80 s one after another (``python -m benchmarks replicas``, 3 runs each): much of a
+    vLLM start-up is waiting on its own processes, not computing.
     """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
@@ -109,13 +113,12 @@ def split_hardware(hardware: Hardware, replicas: int) -> ReplicaLayout:
             + ")"
         )
         per_hw = tuple(dataclasses.replace(hardware, gpu_count=per, mem_gib=mem) for _ in range(n))
-        concurrent = p >= 2 * n
-        notes.append(_start_note(concurrent, p, n))
+        notes.append(_START_NOTE)
         return ReplicaLayout(
             per_replica=per_hw,
             engine_core_cpus=(None,) * n,
             env=envs,
-            concurrent_start=concurrent,
+            concurrent_start=True,
             notes=tuple(notes),
         )
     if p < n:
@@ -160,25 +163,20 @@ def split_hardware(hardware: Hardware, replicas: int) -> ReplicaLayout:
             + "), each EngineCore moved to its engine's CPU; the API servers have no CPU of"
             " their own and run beside the engines"
         )
-    concurrent = p >= 2 * n
-    notes.append(_start_note(concurrent, p, n))
+    notes.append(_START_NOTE)
     return ReplicaLayout(
         per_replica=tuple(per_hw_list),
         engine_core_cpus=tuple(cores),
         env=tuple({} for _ in range(n)),
-        concurrent_start=concurrent,
+        concurrent_start=True,
         notes=tuple(notes),
     )
 
 
-def _start_note(concurrent: bool, cpus: int, n: int) -> str:
-    if concurrent:
-        return f"start: concurrent ({cpus} CPUs, at least 2 per replica)"
-    return (
-        f"start: one after another ({cpus} CPUs, fewer than 2 per replica: vLLM's start-up"
-        " (imports, model load, warm-up) is CPU-bound, and concurrent start-ups on a small"
-        " machine take longer than sequential ones)"
-    )
+_START_NOTE = (
+    "start: all at once (two replicas on 2 CPUs were healthy in 47-52 s together, 71-80 s one"
+    " after another; concurrent_start=False starts them in turn)"
+)
 
 
 def choose_ports(
@@ -452,8 +450,8 @@ def launch_replicas(
         replicas: how many servers (>= 1).
         port: the first replica's port, the next ones follow (``port + 1``, ...); default
             8000, 8001, ... when all are free, else free ones.
-        concurrent_start: start them all at once (default: only with 2 CPUs per replica or
-            more, see :func:`split_hardware`).
+        concurrent_start: start them all at once (default) or, with ``False``, one after
+            another (see :func:`split_hardware` for what was measured).
         log_path: a file name each replica's log derives from (``vllm-8001.log``); default
             ``~/.cache/dsclient/logs/vllm-<port>-<time>.log``.
         vllm: the installed vLLM (default: found from ``python``).
