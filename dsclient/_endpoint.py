@@ -207,8 +207,8 @@ class Endpoint:
         client becomes the leader; its own share when it falls back).
 
         It grows by one a period, not by slow start's factor, until the server queues: the
-        limit it starts from was already grown (a new leader that restarted slow start took a
-        shared limit of 45 to 64 and the server's queue p90 to 38 against a target of 12)."""
+        limit it starts from was already grown, and doubling it again overshoots the way a cold
+        start does (one of the benchmark's leaders took over a limit of 45; it reached 64)."""
         old, options = self.controller, self.options
         if old.mode == "fixed" and options.limit is not None:
             return  # an explicit limit is the same in every client
