@@ -22,7 +22,8 @@ The rules, in order (each one tested in ``tests/test_routing.py``):
    probe failed, take no requests. All of them out: :class:`Wait` until the earliest probe.
 3. **Room.** A server takes a request only while ``in_flight < limit`` (the client's closed-loop
    limit for it). None has room: :class:`Wait`; the call waits on the client, never in one
-   server's queue while another has room.
+   server's queue while another has room. A retry names the servers it failed on
+   (``RouteRequest.avoid``): they are used only when no other server is in rotation.
 4. **Idle first.** When some candidate is idle (nothing in flight, nothing queued, fresh
    metrics), a candidate with a queue at the server is never chosen.
 5. **Balance escape** (vllm-router's / SGLang's cache-aware policy): when the busiest and the
@@ -127,11 +128,15 @@ class RouteRequest:
         prefix: the text whose beginning identifies a cached prefix (hashed into blocks).
         blocks: chained hashes of the request's token blocks (e.g. vLLM's block hashes); when
             given, ``prefix`` is not used.
+        avoid: servers this attempt should not go to (where its previous attempt failed): they
+            are chosen only when no other server for the model is in rotation; when the others
+            are merely full, the attempt waits for them.
     """
 
     model: str | None = None
     prefix: str | None = None
     blocks: tuple[Hashable, ...] | None = None
+    avoid: frozenset[str] = frozenset()
 
     def block_keys(self, block_chars: int) -> tuple[Hashable, ...]:
         """The request's block hashes: ``blocks`` as given, else ``prefix`` hashed."""
@@ -550,7 +555,9 @@ class Router:
         if not admitted:
             due = [self.breaker(s.url).probe_at for s in serving]
             return Wait(reason="ejected", probe_at=min(t for t in due if t is not None))
-        candidates = [s for s in admitted if s.in_flight < s.limit]
+        # A retry goes elsewhere: to the avoided servers only when no other is in rotation.
+        others = [s for s in admitted if s.url not in request.avoid]
+        candidates = [s for s in (others or admitted) if s.in_flight < s.limit]
         if not candidates:
             return Wait(reason="full")
         blocks = request.block_keys(self.policy.block_chars)

@@ -370,3 +370,30 @@ def test_bad_values_name_the_field():
         RoutingPolicy(eject_after=0)
     with pytest.raises(ValueError, match="eject_after"):
         CircuitBreaker(eject_after=0)
+
+
+# --- retries go elsewhere -----------------------------------------------------------------------
+
+
+def test_a_retry_avoids_the_server_it_failed_on():
+    r, _ = router()
+    servers = [state(A), state(B, in_flight=6, kv_usage=0.6)]  # A is the better server
+    assert routed(r.choose(servers, RouteRequest(model="tiny"))).url == A
+    retry = RouteRequest(model="tiny", avoid=frozenset({A}))
+    assert routed(r.choose(servers, retry)).url == B
+
+
+def test_a_retry_waits_for_a_full_other_server_rather_than_going_back():
+    r, _ = router()
+    servers = [state(A), state(B, in_flight=8)]
+    retry = RouteRequest(model="tiny", avoid=frozenset({A}))
+    assert r.choose(servers, retry) == Wait(reason="full")
+
+
+def test_a_retry_goes_back_when_no_other_server_is_in_rotation():
+    r, _ = router()
+    r.record_failure(B, "connect")
+    servers = [state(A), state(B)]
+    retry = RouteRequest(model="tiny", avoid=frozenset({A}))
+    assert routed(r.choose(servers, retry)).url == A
+    assert routed(r.choose([state(A)], retry)).url == A

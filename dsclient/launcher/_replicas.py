@@ -87,8 +87,9 @@ def split_hardware(hardware: Hardware, replicas: int) -> ReplicaLayout:
 
     Start order: all at once. Two tiny-model replicas on the 2-CPU reference machine (load 3-6
     from other work, vLLM's compile cache warm) were healthy after 47-52 s started together and
-    71-80 s one after another (``python -m benchmarks replicas``, 3 runs each): much of a
-    vLLM start-up is waiting on its own processes, not computing.
+    71-80 s one after another (``python -m benchmarks replicas``, 3 runs each), and with an
+    empty compile cache 65 s against 93 s (``--cold``): much of a vLLM start-up is waiting on
+    its own processes, not computing.
     """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
