@@ -99,12 +99,15 @@ def to_item(value: Any) -> Any:
 
     Ray Data hands list columns over as numpy arrays (of dicts, for messages) and numbers as
     numpy scalars; ``map()`` wants a ``str`` prompt, a list of message dicts or a request dict.
+    Null fields of a dict are dropped: Arrow fills a struct column's missing fields with nulls.
     Anything else goes through as it is, and ``map()`` reports it as that row's error.
     """
     if isinstance(value, str):
         return value
     if isinstance(value, Mapping):
-        return {key: to_item(item) for key, item in value.items()}
+        # Arrow gives a struct column every field of every row, null where a row had none:
+        # a null field is an absent one (a message's "name", a request's "temperature").
+        return {key: to_item(item) for key, item in value.items() if item is not None}
     if isinstance(value, (list, tuple)) or type(value).__module__ == "numpy":
         tolist = getattr(value, "tolist", None)
         plain = tolist() if tolist is not None else value

@@ -82,6 +82,8 @@ def test_to_item_turns_what_ray_hands_over_into_plain_python() -> None:
     nested = {"prompt": "p", "stop": np.array(["a", "b"]), "n": np.int32(2)}
     assert to_item(nested) == {"prompt": "p", "stop": ["a", "b"], "n": 2}
     assert to_item(None) is None  # map() reports it as the row's error
+    # A struct column gives each row every field, null where the row had none.
+    assert to_item({"role": "user", "content": "Hi", "name": None}) == {"role": "user", "content": "Hi"}
     assert to_item(("a", np.float64(0.5))) == ["a", 0.5]
 
 
@@ -340,4 +342,17 @@ async def test_batches_at_once_share_one_client_opened_once() -> None:
     # After closing, a later batch opens a new client rather than failing.
     await _one(udf, pa.table({"prompt": ["again"]}))
     assert udf.client is not None and udf.client is not clients[0]
+    await udf.aclose()
+
+
+@pytest.mark.anyio
+async def test_request_dict_cells_send_only_the_fields_each_row_has() -> None:
+    server = FakeServer(script=[_answer])
+    udf = _generate(server, column="request", max_tokens=4)
+    requests = [{"prompt": "a", "max_tokens": 2}, {"prompt": "b", "temperature": 0.5}]
+    out = await _one(udf, pa.table({"request": requests}))  # one struct column: nulls filled in
+    assert out.column("answer").to_pylist() == ["re: a", "re: b"]
+    bodies = sorted(server.bodies, key=lambda b: b["prompt"])
+    assert bodies[0]["max_tokens"] == 2 and "temperature" not in bodies[0]
+    assert bodies[1]["max_tokens"] == 4 and bodies[1]["temperature"] == 0.5
     await udf.aclose()
