@@ -85,7 +85,7 @@ def split_hardware(hardware: Hardware, replicas: int) -> ReplicaLayout:
     Memory is split evenly (each replica's KV cache is sized within its share). On GPUs each
     replica gets ``G // N`` cards through ``CUDA_VISIBLE_DEVICES``; ``G < N`` is refused.
 
-    Start order: all at once. Two tiny-model replicas on the 2-CPU reference machine (load 3-6
+    Start order: all at once. Two tiny-model replicas on the 2-CPU reference machine (load 2.8-6.4
     from other work, vLLM's compile cache warm) were healthy after 47-52 s started together and
     71-80 s one after another (``python -m benchmarks replicas``, 3 runs each), and with an
     empty compile cache 65 s against 93 s (``--cold``): much of a vLLM start-up is waiting on
