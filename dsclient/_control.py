@@ -475,13 +475,22 @@ class LimitController:
         if (
             not self._saturated
             and self._batch_seen is None
-            and (self._capacity is None or running < self._capacity)
+            and (
+                self._capacity is None
+                or (running < self._capacity and self.limit < self._capacity + target)
+            )
         ):
             # Slow start, until the server has queued: paced by what the server shows.
             if not landed and now - self._last_grow < _SLOW_START_WAIT * self.period:
                 return False
             self._last_grow = now
             grown = math.ceil(self.limit * self.slow_start)
+            if self._capacity is not None:
+                # Slow start never passes a full batch and the target queue: what the server
+                # has not shown yet is not room (past it, growth is by the room it shows). Four
+                # processes sharing a limit doubled it from 32 to 64 while the server showed 20
+                # of a batch of 24 (the rest a sync behind): its queue reached 40 against 12.
+                grown = min(grown, self._capacity + target)
             why = f"server has room (running {running}, waiting {waiting})"
         else:
             if not landed:

@@ -180,6 +180,19 @@ def test_slow_start_waits_for_requests_in_transit_to_land() -> None:
     assert control.limit == 27
 
 
+def test_slow_start_never_passes_a_full_batch_and_the_target_queue() -> None:
+    """A known batch of 24 (target 12): slow start stops at 36 whatever the factor, while the
+    server shows room; past it, growth is by the room shown. (Four processes sharing a limit
+    doubled it from 32 to 64 while the server showed 20 of 24, the rest a sync behind.)"""
+    control = LimitController(start=32, mode="metrics", capacity=24)  # queue_share 0.5
+    assert control.on_load(0.0, running=20, waiting=0, in_flight=32, demand=True)
+    assert control.limit == 36
+    assert "has room" in control.reason  # that was slow start
+    # Past it, growth is additive, by the room the server shows (here half of 12), not x2.
+    assert control.on_load(0.5, running=20, waiting=0, in_flight=36, demand=True)
+    assert control.limit == 42 and "aim" in control.reason
+
+
 def test_slow_start_stops_once_the_batch_is_full() -> None:
     control = metrics(10, capacity=8)
     # running == capacity, no queue yet: additive, by half the room (target 2 - waiting 0).
@@ -343,7 +356,7 @@ def test_growth_at_most_once_per_period() -> None:
 
 
 def test_growth_never_passes_the_explicit_ceiling() -> None:
-    control = metrics(5, capacity=8, ceiling=12)
+    control = metrics(5, capacity=None, ceiling=12)  # unknown: slow start is not bounded
     for step in range(20):
         control.on_load(step * PERIOD, running=5, waiting=0, in_flight=control.limit, demand=True)
         assert control.limit <= 12
@@ -600,15 +613,15 @@ def test_latency_target_tolerates_up_to_120_percent() -> None:
 
 
 def test_latency_target_blocks_growth_while_p99_is_over_the_target() -> None:
-    control = metrics(10, capacity=8, latency_target=1.0)
+    control = metrics(6, capacity=8, latency_target=1.0)
     for _ in range(5):
         control.on_outcome(0.0, "ok", 1.1)  # over the target, under 120% of it
-    assert not control.on_load(0.0, running=3, waiting=0, in_flight=10, demand=True)
-    assert control.limit == 10
+    assert not control.on_load(0.0, running=3, waiting=0, in_flight=6, demand=True)
+    assert control.limit == 6
     for _ in range(200):  # the window forgets the slow ones
         control.on_outcome(0.0, "ok", 0.5)
-    assert control.on_load(PERIOD, running=3, waiting=0, in_flight=10, demand=True)
-    assert control.limit == 15
+    assert control.on_load(PERIOD, running=3, waiting=0, in_flight=6, demand=True)
+    assert control.limit == 9
 
 
 def test_latency_target_ignores_failed_attempts() -> None:
