@@ -21,7 +21,8 @@ about 12) ran a batch of 240 fastest; a target of a quarter (8) kept the batch 2
 
 ==========  =====================================================================================
 metrics     the server reports running and waiting. Grow while the client has calls waiting and
-            the server's queue is at or under target (fast while it has never queued, then by half
+            the server's queue is at or under target (fast while it has never queued, up to a
+            known batch plus the target queue at most, then by half
             the room under the *aim*, less the requests the last steps sent that the gauges do
             not show yet). The aim is the target, lowered while more than a tenth of the
             scrapes show the queue over the target (a quantile tracker: the queue's p90 is held
