@@ -10,6 +10,7 @@ from ._batch import BatchResults
 from ._client import USE_DEFAULT, AsyncClient, Stream
 from ._control import ControlStats
 from ._discovery import ServerInfo
+from ._endpoint import ServerView
 from ._exceptions import (
     ConnectionError,
     ContextOverflow,
@@ -24,7 +25,9 @@ from ._exceptions import (
 )
 from ._governor import GovernorStats, LaneStats
 from ._health import Reachability
+from ._load import Load
 from ._models import ChatResult, CompletionResult, Failure, Result, Usage
+from ._observe import CallRecord
 from ._retry import Retry, compute_backoff
 from ._sync import Client, SyncStream
 
@@ -34,6 +37,7 @@ __all__ = [
     "USE_DEFAULT",
     "AsyncClient",
     "BatchResults",
+    "CallRecord",
     "ChatResult",
     "Client",
     "CompletionResult",
@@ -44,6 +48,7 @@ __all__ = [
     "Failure",
     "GovernorStats",
     "LaneStats",
+    "Load",
     "MalformedResponse",
     "Overloaded",
     "Reachability",
@@ -53,6 +58,7 @@ __all__ = [
     "Retry",
     "ServerError",
     "ServerInfo",
+    "ServerView",
     "Stream",
     "SyncStream",
     "TimeoutError",

@@ -29,7 +29,7 @@ import httpx
 import sniffio
 
 from ._discovery import DEFAULT_MAX_NUM_SEQS, ServerInfo, discover
-from ._endpoint import ControlOptions, Endpoint, fetch_load
+from ._endpoint import ControlOptions, Endpoint, ServerView, fetch_load
 from ._exceptions import (
     ConnectionError,
     DSClientError,
@@ -588,6 +588,33 @@ class AsyncClient:
         """Whether the server answers: ``down``, ``outages``, ``last_outage_s`` (see
         ``docs/robustness.md``). While it is down, calls wait here for it."""
         return self._path.reach
+
+    @property
+    def servers(self) -> tuple[ServerView, ...]:
+        """Each server as seen now: URL, :class:`ServerInfo`, limit, in flight, load as last
+        scraped and its age, health and per-lane stats (:class:`~dsclient.ServerView`)."""
+        health = "down" if self._path.reach.down else "up"
+        return (self._endpoint.view(health),)
+
+    def on_limit_raise(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback()`` (no arguments, on the event loop) whenever the in-flight limit
+        rises, e.g. to start more workers; returns a function that removes it."""
+        return self._endpoint.on_raise(callback)
+
+    def add_observer(self, observer: Observer) -> Callable[[], None]:
+        """Call ``observer(record)`` with a :class:`~dsclient.CallRecord` for every finished
+        call (see :mod:`dsclient._observe`); returns a function that removes it. An observer
+        that raises is logged and ignored."""
+        self._observers.append(observer)
+
+        def remove() -> None:
+            # By identity: list.remove compares with ==, which an observer may define.
+            for i, known in enumerate(self._observers):
+                if known is observer:
+                    del self._observers[i]
+                    return
+
+        return remove
 
     def stats(self) -> GovernorStats:
         """Per-lane in flight, waiting, done, failed and latency percentiles, and ``control``:

@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import httpx
@@ -33,14 +33,22 @@ import httpx
 from ._control import SLOW_START, CapacityLearner, ControlStats, LimitController, Mode
 from ._discovery import ServerInfo
 from ._exceptions import DSClientError, decode_text
-from ._governor import Governor, Slot, compute_limit
+from ._governor import Governor, GovernorStats, Slot, compute_limit
 from ._load import Load, parse_load
 from ._streaming import read_body
 
 if TYPE_CHECKING:
     from ._shared import SharedBudget, SyncResult
 
-__all__ = ["LEARNED_SOURCE", "METRICS_BODY_BYTES", "ControlOptions", "Endpoint", "fetch_load"]
+__all__ = [
+    "LEARNED_SOURCE",
+    "METRICS_BODY_BYTES",
+    "ControlOptions",
+    "Endpoint",
+    "Health",
+    "ServerView",
+    "fetch_load",
+]
 
 logger = logging.getLogger("dsclient")
 
@@ -56,6 +64,41 @@ _TAKEOVER_SLOW_START = 1.01
 
 #: Limit changes are logged at INFO at most this often (each at DEBUG).
 _LOG_EVERY_S = 2.0
+
+
+#: ``"up"``: in rotation; ``"down"``: it stopped answering (or failed until ejected), and is
+#: probed until it answers again.
+Health = Literal["up", "down"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerView:
+    """One server as the client sees it now (a snapshot: ``client.servers``).
+
+    ``ServerView(url="http://127.0.0.1:8000", limit=12, in_flight=9, health="up", ...)``
+
+    Parameters:
+        url: the server's root URL (without ``/v1``).
+        info: what discovery found (``None`` before it ran).
+        limit: the client's in-flight limit for this server now.
+        in_flight: the client's requests at this server now.
+        waiting: calls waiting on the client for a slot at this server.
+        load: the server's own gauges as last scraped (``None``: none yet, or none published).
+        load_age_s: seconds since that scrape (``None``: never scraped).
+        health: ``"up"`` or ``"down"`` (see :data:`Health`).
+        stats: per-lane counts and latencies of the attempts sent to it, and its limit's
+            control state.
+    """
+
+    url: str
+    info: ServerInfo | None
+    limit: int
+    in_flight: int
+    waiting: int
+    load: Load | None
+    load_age_s: float | None
+    health: Health
+    stats: GovernorStats
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -422,3 +465,19 @@ class Endpoint:
 
     def control_stats(self) -> ControlStats:
         return self.controller.stats(learned=self.learner.value)
+
+    def view(self, health: Health) -> ServerView:
+        """A snapshot of this server for ``client.servers``."""
+        governor = self.governor
+        load_at = self.load_at
+        return ServerView(
+            url=self.url,
+            info=self.info,
+            limit=governor.limit,
+            in_flight=governor.in_flight,
+            waiting=governor.waiting,
+            load=self.load,
+            load_age_s=None if load_at is None else max(0.0, self._clock() - load_at),
+            health=health,
+            stats=governor.stats(control=self.control_stats()),
+        )

@@ -654,3 +654,44 @@ async def test_observers_hear_every_call_and_cannot_break_it():
     assert ok.ok and ok.kind == "completion" and ok.lane == "short" and ok.attempts == 1
     assert (ok.prompt_tokens, ok.completion_tokens) == (3, 2)
     assert not failed.ok and failed.error == "RequestRefused" and failed.status == 400
+
+
+async def test_public_surface_servers_limit_raise_and_observers() -> None:
+    """``client.servers``, ``on_limit_raise`` and ``add_observer``: the surface the batch runner,
+    the metrics and the CLI use instead of the client's privates."""
+    import httpx
+
+    import dsclient
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "max_model_len": 2048}]})
+        if request.url.path == "/v1/completions":
+            return httpx.Response(
+                200,
+                json={
+                    "choices": [{"text": "ok", "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1},
+                },
+            )
+        return httpx.Response(404)
+
+    seen: list[dsclient.CallRecord] = []
+    async with dsclient.AsyncClient(
+        "http://s:1", transport=httpx.MockTransport(handler), max_num_seqs=10
+    ) as client:
+        (view,) = client.servers
+        assert isinstance(view, dsclient.ServerView)
+        assert view.url == "http://s:1" and view.health == "up" and view.limit == client.limit
+        assert view.info is not None and view.info.model == "m"
+        remove = client.add_observer(seen.append)
+        await client.generate("hi", max_tokens=2)
+        remove()
+        await client.generate("hi", max_tokens=2)
+        assert len(seen) == 1 and seen[0].server == "http://s:1"
+        raised: list[int] = []
+        drop = client.on_limit_raise(lambda: raised.append(client.limit))
+        client._endpoint.controller.limit = client.limit + 3  # what a controller move does
+        client._endpoint._apply()
+        drop()
+        assert raised == [view.limit + 3]

@@ -5,6 +5,9 @@ import dsclient
 EXPECTED = {
     "USE_DEFAULT",
     "BatchResults",
+    "CallRecord",
+    "Load",
+    "ServerView",
     "AsyncClient",
     "ChatResult",
     "Client",
