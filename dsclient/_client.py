@@ -593,8 +593,7 @@ class AsyncClient:
     def servers(self) -> tuple[ServerView, ...]:
         """Each server as seen now: URL, :class:`ServerInfo`, limit, in flight, load as last
         scraped and its age, health and per-lane stats (:class:`~dsclient.ServerView`)."""
-        health = "down" if self._path.reach.down else "up"
-        return (self._endpoint.view(health),)
+        return (self._endpoint.view("down" if self._path.reach.down else "up"),)
 
     def on_limit_raise(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call ``callback()`` (no arguments, on the event loop) whenever the in-flight limit
