@@ -29,6 +29,8 @@ from typing import Any
 
 import httpx
 
+from ._retry_after import parse_retry_after_header
+
 __all__ = [
     "ERROR_BODY_BYTES",
     "ConnectionError",
@@ -343,13 +345,6 @@ def context_overflow_from_response(status: int, body: str) -> ContextOverflow | 
 
 def _as_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def parse_retry_after_header(headers: httpx.Headers) -> float | None:
-    """Seconds the server asked us to wait, from ``retry-after-ms`` or ``Retry-After``."""
-    from ._retry import parse_retry_after  # local import: _retry is pure and imports nothing back
-
-    return parse_retry_after(headers.get("retry-after-ms"), headers.get("retry-after"))
 
 
 def error_from_response(response: httpx.Response, body: bytes | None = None) -> RequestRefused:

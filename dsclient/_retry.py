@@ -6,7 +6,6 @@ Everything here is pure (no network, no sleeping); the request path
 
 from __future__ import annotations
 
-import email.utils
 import math
 import random
 import time
@@ -20,6 +19,7 @@ from ._exceptions import (
     RequestRefused,
     TimeoutError,
 )
+from ._retry_after import parse_retry_after
 
 __all__ = [
     "RETRYABLE_STATUSES",
@@ -138,35 +138,6 @@ def compute_backoff(
     # 2**attempt overflows float for absurd attempts; clamp the exponent first.
     ceiling = min(cap, base * math.pow(2.0, min(attempt - 1, 60)))
     return (rng or random).uniform(0.0, ceiling)
-
-
-def parse_retry_after(
-    retry_after_ms: str | None, retry_after: str | None, *, now: float | None = None
-) -> float | None:
-    """Seconds to wait from ``retry-after-ms`` (milliseconds) or ``Retry-After`` (seconds or an
-    HTTP date); ``None`` when neither is present or parseable."""
-    if retry_after_ms:
-        try:
-            ms = float(retry_after_ms)
-        except ValueError:
-            ms = math.nan
-        if math.isfinite(ms) and ms >= 0:
-            return ms / 1000.0
-    if not retry_after:
-        return None
-    value = retry_after.strip()
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-            seconds = when.timestamp() - (time.time() if now is None else now)
-        # OverflowError: a year or zone offset of 20 digits ("Mon, 01 Jan 99999999999999999999
-        # 00:00:00 GMT") overflowed a C long inside the date parser (found by tests/test_fuzz.py).
-        except (TypeError, ValueError, IndexError, OverflowError, AttributeError):
-            return None
-        return max(0.0, seconds) if math.isfinite(seconds) else None
-    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def is_retryable(exc: BaseException) -> bool:
