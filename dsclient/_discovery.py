@@ -43,6 +43,7 @@ import httpx
 
 from ._exceptions import DSClientError, ResponseTooLarge, parse_json
 from ._streaming import read_body
+from ._urls import root_url
 
 __all__ = [
     "DEFAULT_MAX_NUM_SEQS",
@@ -550,11 +551,6 @@ async def _get_json(http: httpx.AsyncClient, url: str, seconds: float) -> tuple[
     return None, False
 
 
-def _root(url: str) -> str:
-    url = url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
-
-
 async def discover(
     http: httpx.AsyncClient,
     url: str,
@@ -590,7 +586,7 @@ async def discover(
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if value is not None and value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    root = _root(url)
+    root = root_url(url)
     answers: dict[str, Any] = {}
     answered: dict[str, bool] = {}
 

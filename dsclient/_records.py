@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from ._urls import root_url
+
 __all__ = [
     "LaunchRecord",
     "normalize_url",
@@ -118,21 +120,23 @@ def state_dir() -> Path:
 
 
 def normalize_url(url: str) -> str:
-    """``http://localhost:8000/v1/`` -> ``http://127.0.0.1:8000``; the key records are kept by."""
+    """``http://localhost:8000/v1/`` -> ``http://127.0.0.1:8000``; the key records are kept by.
+
+    :func:`dsclient._urls.root_url`'s rule (``ValueError`` for what is no http(s) URL), then
+    stricter, since a record must be found under any spelling of its server's address: ``http://``
+    added when no scheme is given, every loopback name is ``127.0.0.1``, the port is always
+    written, user info dropped.
+    """
     text = url.strip()
     if "://" not in text:
         text = "http://" + text
-    parts = urlsplit(text)
-    scheme = (parts.scheme or "http").lower()
-    host = (parts.hostname or "").lower()
+    parts = urlsplit(root_url(text))
+    host = parts.hostname or ""
     if host in _LOOPBACK:
         host = "127.0.0.1"
-    port = parts.port or (443 if scheme == "https" else 80)
-    path = parts.path.rstrip("/")
-    if path.endswith("/v1"):
-        path = path[: -len("/v1")]
+    port = parts.port or (443 if parts.scheme == "https" else 80)
     host_part = f"[{host}]" if ":" in host else host
-    return f"{scheme}://{host_part}:{port}{path.rstrip('/')}"
+    return f"{parts.scheme}://{host_part}:{port}{parts.path}"
 
 
 def record_path(url: str) -> Path:

@@ -12,7 +12,7 @@ observes does not even build the per-call record (see :mod:`dsclient._observe`).
 Where the numbers come from: counters and histograms are counted by an observer from each
 finished call's :class:`~dsclient._observe.CallRecord`; gauges are read from ``client.stats()``
 (and the server facts discovery and the poller keep) when Prometheus scrapes. Every family has a
-``server`` label, the client's URL without credentials or query.
+``server`` label, the client's URL without credentials (:func:`dsclient._urls.url_label`).
 
 =======================================  =========  ==============================================
 family                                   type       what
@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Final
 import httpx
 
 from ._observe import CallRecord
+from ._urls import url_label
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -99,12 +100,6 @@ def _async_of(client: AsyncClient | Client) -> AsyncClient:
     from ._sync import Client
 
     return client.aclient if isinstance(client, Client) else client
-
-
-def _server_label(url: str) -> str:
-    """The URL without user info, query or fragment: a label must never carry a secret."""
-    parsed = httpx.URL(url)
-    return str(parsed.copy_with(username=None, password=None, query=None, fragment=None))
 
 
 class _Histogram:
@@ -161,7 +156,7 @@ class _Tally:
         queue_bounds: tuple[float, ...],
     ) -> None:
         self.client = client
-        self.server = _server_label(client.url)
+        self.server = url_label(client.url)
         self.latency_bounds = latency_bounds
         self.queue_bounds = queue_bounds
         self.lock = threading.Lock()
