@@ -28,7 +28,9 @@ from ._health import Reachability
 from ._load import Load
 from ._models import ChatResult, CompletionResult, Failure, Result, Usage
 from ._observe import CallRecord
+from ._pool import NoServerError
 from ._retry import Retry, compute_backoff
+from ._routing import RoutingPolicy
 from ._sync import Client, SyncStream
 
 __version__ = "0.1.0"
@@ -50,12 +52,14 @@ __all__ = [
     "LaneStats",
     "Load",
     "MalformedResponse",
+    "NoServerError",
     "Overloaded",
     "Reachability",
     "RequestRefused",
     "ResponseTooLarge",
     "Result",
     "Retry",
+    "RoutingPolicy",
     "ServerError",
     "ServerInfo",
     "ServerView",

@@ -42,7 +42,9 @@ from ._health import Reachability
 from ._models import ChatResult, CompletionResult, Failure, Result, Usage
 from ._observe import CallRecord, Observer
 from ._pipeline import RequestPath, outcome_of
+from ._pool import ServerPool
 from ._retry import Retry, RetryBudget
+from ._routing import Router, RoutingPolicy, prefix_text
 from ._shared import SharedBudget, redact_url
 from ._streaming import MAX_BODY_BYTES, delta_of, sse_events
 from ._tokens import (
@@ -59,7 +61,7 @@ if TYPE_CHECKING:
     import openai
 
     from ._batch import BatchResults
-    from ._governor import Slot
+    from ._pipeline import Lease
 
 __all__ = ["USE_DEFAULT", "AsyncClient", "Stream"]
 
@@ -206,6 +208,40 @@ def _handle_tokenizer(handle: Any) -> str | None:
     return str(candidate) if candidate.is_file() else None
 
 
+def _servers_of(base_url: Any) -> list[tuple[str, Any]]:
+    """``(root URL, launched handle or None)`` for each server ``base_url`` names: a URL, a
+    launched ``Server``, a ``ServerGroup`` (its replicas), or a list or tuple of those."""
+    if isinstance(base_url, str):
+        return [(_root_url(base_url), None)]
+    members = getattr(base_url, "servers", None)
+    if members is not None and not isinstance(base_url, (list, tuple)):
+        base_url = list(members)  # a launched ServerGroup
+    elif hasattr(base_url, "url"):
+        return [(_root_url(base_url.url), base_url)]  # a launched Server
+    if not isinstance(base_url, (list, tuple)):
+        raise TypeError(
+            "base_url must be a URL, a list of URLs or a launched Server, got "
+            f"{type(base_url).__name__}"
+        )
+    if not base_url:
+        raise ValueError("base_url is an empty list; give at least one server URL")
+    found: list[tuple[str, Any]] = []
+    for item in base_url:
+        if isinstance(item, str):
+            found.append((_root_url(item), None))
+        elif hasattr(item, "url") and isinstance(item.url, str):
+            found.append((_root_url(item.url), item))
+        else:
+            raise TypeError(
+                f"each server must be a URL or a launched Server, got {type(item).__name__}"
+            )
+    urls = [url for url, _ in found]
+    if len(set(urls)) != len(urls):
+        dupes = sorted({u for u in urls if urls.count(u) > 1})
+        raise ValueError(f"a server is named twice: {', '.join(dupes)}")
+    return found
+
+
 class _Plan:
     """What one call will send: endpoint, body, lane and the governor's options."""
 
@@ -239,8 +275,19 @@ class AsyncClient:
     when that queue grows, on 429 / 503, and when a ``latency_target`` is missed (see
     ``docs/governor.md``). Without queue metrics it stays between 1 and ``max_num_seqs``.
 
+    Several servers (replicas, or servers of other models) go in a list, and each attempt goes
+    to one of them (``docs/routing.md``)::
+
+        async with dsclient.AsyncClient(["http://a:8000", "http://b:8000"]) as client:
+            result = await client.generate("Once upon a time", max_tokens=32)
+            print(result.server, [s.limit for s in client.servers])
+
     Parameters:
-        base_url: the server's URL, with or without ``/v1``, or a launched ``Server`` handle.
+        base_url: the server's URL, with or without ``/v1``, or a launched ``Server`` handle;
+            or a list of them (or a launched ``ServerGroup``): discovery, the learned capacity
+            and the closed-loop limit are then per server, and a router chooses the server of
+            each attempt by load and prefix, fails over from a server that stops answering,
+            and skips those that do not serve the model.
         model: the model to ask for; ``None`` takes the server's only model.
         api_key: bearer token; falls back to ``DSCLIENT_API_KEY``, then ``OPENAI_API_KEY``.
         timeout: seconds for a whole call, waiting for a slot and retries included.
@@ -283,12 +330,14 @@ class AsyncClient:
             shares one in-flight limit, leased from Redis (``docs/shared.md``; needs
             ``dsclient[redis]``). ``None`` (default): this client's own limit.
         shared_key: the key prefix in Redis, so that several budgets can share one Redis.
+        routing: the router's policy for several servers (:class:`dsclient.RoutingPolicy`:
+            weights, breaker, prefix blocks); default ``RoutingPolicy()``.
         sleep, rng, clock: injectable for tests (retry sleeps, jitter source, latency clock).
     """
 
     def __init__(
         self,
-        base_url: Any,
+        base_url: str | Sequence[str] | Any,
         *,
         model: str | None = None,
         api_key: str | None = None,
@@ -316,18 +365,20 @@ class AsyncClient:
         headers: Mapping[str, str] | None = None,
         shared: str | None = None,
         shared_key: str = "dsclient",
+        routing: RoutingPolicy | None = None,
         sleep: Callable[[float], Awaitable[None]] | None = None,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        handle = None
-        if not isinstance(base_url, str) and hasattr(base_url, "url"):
-            handle = base_url  # a launched dsclient.launcher.Server
-            base_url = handle.url
-            model = model if model is not None else getattr(handle, "model", None)
-            # The handle's limits back up discovery, which normally finds the launcher's record
-            # for this url (and reports it as such); they are not "explicit" settings.
-        url = _root_url(base_url)
+        servers = _servers_of(base_url)
+        url, handle = servers[0]
+        if model is None:
+            # A launched handle names its model. Its limits back up discovery, which normally
+            # finds the launcher's record for its url (and reports it as such); they are not
+            # "explicit" settings.
+            named = {getattr(h, "model", None) for _, h in servers}
+            if len(named) == 1 and all(h is not None for _, h in servers):
+                model = named.pop()
         if model is not None and not isinstance(model, str):
             raise TypeError(f"model must be a str, got {type(model).__name__}")
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
@@ -377,6 +428,13 @@ class AsyncClient:
             raise ValueError(
                 f"max_response_bytes must be an int >= 1 (bytes), got {max_response_bytes!r}"
             )
+        if shared is not None and len(servers) > 1:
+            raise ValueError(
+                "shared= works with one server URL per client; with several servers, give each "
+                "server its own client and shared_key, or drop shared="
+            )
+        if routing is not None and not isinstance(routing, RoutingPolicy):
+            raise TypeError(f"routing must be a RoutingPolicy, got {type(routing).__name__}")
         if shared is not None and not (
             isinstance(shared, str) and shared.startswith(("redis://", "rediss://", "unix://"))
         ):
@@ -412,19 +470,19 @@ class AsyncClient:
             latency_target=float(latency_target) if latency_target is not None else None,
             scrape_interval=float(scrape_interval),
         )
-        self._endpoint = Endpoint(
-            url,
-            options,
-            {
-                "long_share": long_share,
-                "long_idle_borrow": long_idle_borrow,
-                "short_first": short_first,
-                "max_queue": max_queue,
-                "group_caps": group_caps,
-            },
-            start=limit or compute_limit(max_num_seqs or DEFAULT_MAX_NUM_SEQS, headroom),
-            clock=clock,
+        governor_options = {
+            "long_share": long_share,
+            "long_idle_borrow": long_idle_borrow,
+            "short_first": short_first,
+            "max_queue": max_queue,
+            "group_caps": group_caps,
+        }
+        start = limit or compute_limit(max_num_seqs or DEFAULT_MAX_NUM_SEQS, headroom)
+        self._endpoints = tuple(
+            Endpoint(root, options, governor_options, start=start, clock=clock)
+            for root, _ in servers
         )
+        self._endpoint = self._endpoints[0]
         self._shared: SharedBudget | None = None
         if shared is not None:
             self._shared = SharedBudget(_Secret(shared), key=shared_key, server_url=url)
@@ -450,6 +508,18 @@ class AsyncClient:
         )
         self._sleep = sleep or anyio.sleep
         self._rng = rng or random.Random()
+        self._pool: ServerPool | None = None
+        if len(self._endpoints) > 1:
+            self._pool = ServerPool(
+                self._endpoints,
+                Router(routing, clock=clock, rng=self._rng),
+                governor_options,
+                probe=self._probe_url,
+                sleep=self._sleep,
+                rng=self._rng,
+                clock=clock,
+                outage_wait=outage_wait,
+            )
         self._path = RequestPath(
             self._http,
             self._endpoint,
@@ -459,6 +529,7 @@ class AsyncClient:
             rng=self._rng,
             max_body_bytes=max_response_bytes,
             outage_wait=outage_wait,
+            pool=self._pool,
         )
         self._observers: list[Observer] = []
         self._discover_lock = anyio.Lock()
@@ -473,9 +544,13 @@ class AsyncClient:
         self._poller_task: asyncio.Task[None] | None = None
         self._task_group: Any = None
         self._handle_facts = {
-            key: value
-            for key in ("max_num_seqs", "max_model_len")
-            if handle is not None and isinstance(value := getattr(handle, key, None), int)
+            root: {
+                key: value
+                for key in ("max_num_seqs", "max_model_len")
+                if isinstance(value := getattr(h, key, None), int)
+            }
+            for root, h in servers
+            if h is not None
         }
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -490,7 +565,7 @@ class AsyncClient:
             raise
         if self._shared is not None:
             await self._shared.first_lease(self._endpoint)  # a block before the first call
-        if self._endpoint.controller.mode != "fixed" or self._shared is not None:
+        if self._needs_poller():
             group = anyio.create_task_group()
             await group.__aenter__()
             self._task_group = group
@@ -519,10 +594,26 @@ class AsyncClient:
                 await self._shared.aclose()  # the leases go back now, not in LEASE_S
         await self._http.aclose()
 
+    def _needs_poller(self) -> bool:
+        """Whether a background task has work: scraping an adaptive limit's server, syncing a
+        shared budget, or probing the servers of a pool that leave the rotation."""
+        return (
+            self._pool is not None
+            or self._endpoint.controller.mode != "fixed"
+            or self._shared is not None
+        )
+
     async def _run_poller(self) -> None:
         with anyio.CancelScope() as scope:
             self._poller_scope = scope
             shared = self._shared
+            pool = self._pool
+            if pool is not None:
+                async with anyio.create_task_group() as group:
+                    group.start_soon(pool.run_health, self._rediscover_endpoint)
+                    for endpoint in pool.endpoints:
+                        group.start_soon(endpoint.run_poller, self._http)
+                return
             if shared is None:
                 await self._endpoint.run_poller(self._http)
                 return
@@ -538,7 +629,7 @@ class AsyncClient:
             self._poller_scope is not None
             or self._poller_task is not None
             or self._closed
-            or (self._endpoint.controller.mode == "fixed" and self._shared is None)
+            or not self._needs_poller()
         ):
             return
         if sniffio.current_async_library() != "asyncio":
@@ -546,8 +637,9 @@ class AsyncClient:
         self._poller_task = asyncio.get_running_loop().create_task(self._run_poller())
 
     def __repr__(self) -> str:
+        where = f"urls={list(self.urls)!r}" if self._pool is not None else f"url={self.url!r}"
         return (
-            f"AsyncClient(url={self.url!r}, model={self._model!r}, limit={self.limit}, "
+            f"AsyncClient({where}, model={self._model!r}, limit={self.limit}, "
             f"in_flight={self.in_flight}, api_key={'***' if self._api_key else None}"
             + (f", shared={self._shared.display_url!r}" if self._shared is not None else "")
             + ")"
@@ -556,8 +648,13 @@ class AsyncClient:
     # -- observable state --------------------------------------------------------------------
     @property
     def url(self) -> str:
-        """The server's root URL (without ``/v1``)."""
+        """The server's root URL (without ``/v1``); with several servers, the first one's."""
         return self._endpoint.url
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """Every server's root URL, in the order given."""
+        return tuple(e.url for e in self._endpoints)
 
     @property
     def model(self) -> str | None:
@@ -566,8 +663,10 @@ class AsyncClient:
     @property
     def server(self) -> ServerInfo | None:
         """What discovery found (``None`` before it ran), updated when the metrics teach
-        ``max_num_seqs`` (``server.sources["max_num_seqs"]`` then says so)."""
-        return self._endpoint.info
+        ``max_num_seqs`` (``server.sources["max_num_seqs"]`` then says so). With several
+        servers: the first server that serves the model, with the smallest context among them
+        (each server's own is in :attr:`servers`)."""
+        return self._info()
 
     @property
     def limit(self) -> int:
@@ -577,10 +676,14 @@ class AsyncClient:
         shared = self._shared
         if shared is not None and self._endpoint.shared_active and shared.limit is not None:
             return shared.limit
+        if self._pool is not None:
+            return self._pool.limit_for(self._model)  # the servers in rotation that serve it
         return self._endpoint.governor.limit
 
     @property
     def in_flight(self) -> int:
+        if self._pool is not None:
+            return self._pool.in_flight
         return self._endpoint.governor.in_flight
 
     @property
@@ -593,12 +696,22 @@ class AsyncClient:
     def servers(self) -> tuple[ServerView, ...]:
         """Each server as seen now: URL, :class:`ServerInfo`, limit, in flight, load as last
         scraped and its age, health and per-lane stats (:class:`~dsclient.ServerView`)."""
-        return (self._endpoint.view("down" if self._path.reach.down else "up"),)
+        pool = self._pool
+        if pool is None:
+            return (self._endpoint.view("down" if self._path.reach.down else "up"),)
+        return tuple(e.view(pool.health(e)) for e in pool.endpoints)
 
     def on_limit_raise(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call ``callback()`` (no arguments, on the event loop) whenever the in-flight limit
-        rises, e.g. to start more workers; returns a function that removes it."""
-        return self._endpoint.on_raise(callback)
+        rises (any server's, with several), e.g. to start more workers; returns a function that
+        removes it."""
+        removers = [e.on_raise(callback) for e in self._endpoints]
+
+        def remove() -> None:
+            for remover in removers:
+                remover()
+
+        return remove
 
     def add_observer(self, observer: Observer) -> Callable[[], None]:
         """Call ``observer(record)`` with a :class:`~dsclient.CallRecord` for every finished
@@ -619,7 +732,13 @@ class AsyncClient:
         """Per-lane in flight, waiting, done, failed and latency percentiles, and ``control``:
         the limit's mode, why it last moved, the server's running / waiting as last seen and the
         learned capacity."""
-        return self._endpoint.governor.stats(control=self._endpoint.control_stats())
+        pool = self._pool
+        if pool is None:
+            return self._endpoint.governor.stats(control=self._endpoint.control_stats())
+        # Several servers: the calls of the client's model as they wait and run (the front
+        # queue), against the sum of the limits; each server's own in client.servers.
+        stats = pool.front(self._model).stats()
+        return dataclasses.replace(stats, limit=pool.limit_for(self._model))
 
     # -- discovery ---------------------------------------------------------------------------
     async def discover(self, *, refresh: bool = False) -> ServerInfo:
@@ -631,16 +750,48 @@ class AsyncClient:
         final: later calls ask again, with a backoff (0.5 s doubling to 30 s, jittered), and a
         call that needs the model to send waits for the answer.
         """
-        info = self._endpoint.info
+        info = self._info()
         if info is not None and not refresh:
             return info
         async with self._discover_lock:
-            info = self._endpoint.info
+            info = self._info()
             if info is not None and not refresh:
                 return info
-            return await self._discover_locked()
+            return await self._discover_locked(refresh=refresh)
 
-    async def _discover_locked(self) -> ServerInfo:
+    def _info(self) -> ServerInfo | None:
+        """What discovery found: the server's, or with several the pool's (:meth:`_pool_info`)."""
+        if self._pool is None:
+            return self._endpoint.info
+        if all(e.info is None for e in self._endpoints):
+            return None
+        return self._pool_info()
+
+    def _pool_info(self) -> ServerInfo:
+        """Several servers as one for planning: the first that serves the model, with the
+        smallest context of those that do; incomplete while none does."""
+        assert self._pool is not None
+        serving = [e.info for e in self._pool.serving(self._model) if e.info is not None]
+        if not serving:
+            first = self._endpoint.info
+            kinds = {e.info.kind for e in self._endpoints if e.info is not None}
+            return ServerInfo(
+                url=self.url,
+                kind=kinds.pop() if len(kinds) == 1 else "unknown",
+                model=self._model,
+                sources=first.sources if first is not None else {},
+                complete=False,
+            )
+        contexts = [i.max_model_len for i in serving if i.max_model_len is not None]
+        return dataclasses.replace(
+            serving[0],
+            max_model_len=min(contexts) if contexts else None,
+            has_tokenize=any(i.has_tokenize for i in serving),
+        )
+
+    async def _discover_locked(self, *, refresh: bool = False) -> ServerInfo:
+        if self._pool is not None:
+            return await self._discover_pool(refresh=refresh)
         url = self.url
         info = await discover(
             self._http,
@@ -649,7 +800,7 @@ class AsyncClient:
             max_num_seqs=self._explicit_max_num_seqs,
             max_model_len=self._explicit_max_model_len,
         )
-        info = self._with_handle_facts(info)
+        info = self._with_handle_facts(info, url)
         self._model = info.model if info.model is not None else self._model
         load = None
         if info.kind not in ("ollama", "unknown"):
@@ -687,11 +838,94 @@ class AsyncClient:
         )
         return self._endpoint.info or info
 
+    async def _discover_pool(self, *, refresh: bool) -> ServerInfo:
+        """Discover every server not yet (or not completely) discovered, at the same time. The
+        model is the one asked for, or the one every server serves; a server that does not
+        serve it stays in the pool for the models it does serve."""
+        assert self._pool is not None
+        todo = [e for e in self._endpoints if refresh or e.info is None or not e.info.complete]
+        async with anyio.create_task_group() as group:
+            for endpoint in todo:
+                group.start_soon(self._discover_endpoint, endpoint)
+        if self._model is None:
+            found = {e.info.model for e in self._endpoints if e.info and e.info.complete}
+            found.discard(None)
+            if len(found) > 1:
+                listing = ", ".join(
+                    f"{e.url}: {e.info.model!r}" for e in self._endpoints if e.info is not None
+                )
+                raise ValueError(
+                    f"the servers serve different models ({listing}); choose one with model="
+                )
+            if found:
+                self._model = found.pop()
+        self._pool.refresh()
+        info = self._pool_info()
+        every = all(e.info is not None and e.info.complete for e in self._endpoints)
+        if self._model is not None and every and not self._pool.serving(self._model):
+            served = sorted({m for e in self._endpoints if e.info for m in e.info.models})
+            raise ValueError(
+                f"model {self._model!r} is not served by any of the {len(self._endpoints)} "
+                f"servers; they serve: {', '.join(map(repr, served)) or '(none)'}"
+            )
+        if info.complete and info.has_tokenize and self._tokens.samples == 0:
+            await self._calibrate()
+        logger.info(
+            "dsclient: %d servers for model %s, %d serve it, limit %d in all",
+            len(self._endpoints),
+            self._model,
+            len(self._pool.serving(self._model)),
+            self.limit,
+        )
+        return info
+
+    async def _discover_endpoint(self, endpoint: Endpoint) -> None:
+        """One server of a pool: discover, scrape once, seed its controller. A server that does
+        not answer ``/v1/models`` stays out of rotation; the pool's health loop probes it and
+        asks again (:meth:`_rediscover_endpoint`)."""
+        url = endpoint.url
+        try:
+            info = await discover(
+                self._http,
+                url,
+                model=self._model,
+                max_num_seqs=self._explicit_max_num_seqs,
+                max_model_len=self._explicit_max_model_len,
+            )
+        except ValueError:
+            if self._model is None:
+                raise  # several models served here, and none chosen
+            try:  # it serves other models: keep what it serves, for calls that ask for them
+                info = await discover(self._http, url, max_model_len=self._explicit_max_model_len)
+            except ValueError as exc:
+                logger.warning("dsclient: %s does not serve model %r: %s", url, self._model, exc)
+                info = ServerInfo(url=url, kind="unknown", sources={"model": str(exc)})
+        info = self._with_handle_facts(info, url)
+        load = None
+        if info.kind not in ("ollama", "unknown"):
+            load = await fetch_load(self._http, url, model=info.model, timeout=2.0)
+        endpoint.seed(info, load)
+        assert self._pool is not None
+        if not info.complete:
+            self._pool.router.record_failure(url, "connect")  # out until a probe answers
+            logger.warning(
+                "dsclient: %s/v1/models did not answer; it stays out of rotation until it does",
+                url,
+            )
+
+    async def _rediscover_endpoint(self, endpoint: Endpoint) -> None:
+        """The pool's health loop found an undiscovered server answering: discover it."""
+        async with self._discover_lock:
+            if endpoint.info is None or not endpoint.info.complete:
+                await self._discover_endpoint(endpoint)
+                if self._pool is not None:
+                    self._pool.refresh()
+
     async def _rediscover(self, *, now: bool = False) -> ServerInfo:
         """Discovery again, if the last one was incomplete and its backoff is over (or ``now``);
         concurrent callers share one."""
         async with self._discover_lock:
-            info = self._endpoint.info
+            info = self._info()
             if info is not None and (
                 info.complete or (not now and self._clock() < self._rediscover_at)
             ):
@@ -706,7 +940,7 @@ class AsyncClient:
         reach = self._path.reach
         tries = 0
         while True:
-            info = self._endpoint.info
+            info = self._info()
             if info is not None and info.kind == "unknown" and not await self._path.probe_health():
                 reach.mark_down("discovery: nothing answered")
                 await reach.wait_up()
@@ -740,11 +974,11 @@ class AsyncClient:
                 self._tokens.correction,
             )
 
-    def _with_handle_facts(self, info: ServerInfo) -> ServerInfo:
+    def _with_handle_facts(self, info: ServerInfo, url: str) -> ServerInfo:
         """Fill what discovery could not find from the launched ``Server`` handle, if any."""
         updates: dict[str, Any] = {}
         sources = dict(info.sources)
-        for key, value in self._handle_facts.items():
+        for key, value in self._handle_facts.get(url, {}).items():
             if sources.get(key) in (None, "default") or getattr(info, key) is None:
                 updates[key] = value
                 sources[key] = "launched Server handle"
@@ -755,7 +989,7 @@ class AsyncClient:
     async def _ready(self) -> ServerInfo:
         if self._closed:
             raise RuntimeError("this AsyncClient is closed")
-        info = self._endpoint.info
+        info = self._info()
         if info is None:
             info = await self.discover()
         if not info.complete:
@@ -789,11 +1023,26 @@ class AsyncClient:
                 return counted
         return self._tokens.estimate_from(local)
 
+    def _tokenize_url(self) -> str:
+        """Where exact counts are asked: the server, or the first of the pool that serves the
+        model, is in rotation and has ``/tokenize``."""
+        pool = self._pool
+        if pool is None:
+            return self.url
+        for endpoint in pool.serving(self._model):
+            info = endpoint.info
+            if info is not None and info.has_tokenize and pool.in_rotation(endpoint):
+                return endpoint.url
+        return self.url
+
+    async def _probe_url(self, url: str) -> bool:
+        return await self._path.probe_url(url)
+
     async def _count_exact(self, prompt: Prompt) -> int | None:
         async with self._tokenize_limiter:
             return await count_exact(
                 self._http,
-                self.url,
+                self._tokenize_url(),
                 model=self._model,
                 prompt=prompt if isinstance(prompt, str) else None,
                 messages=None if isinstance(prompt, str) else [dict(m) for m in prompt],
@@ -1008,15 +1257,20 @@ class AsyncClient:
             try:
                 async with _deadline(limit_s):
                     plan = await self._plan(kind, prompt, max_tokens, sampling)
-                    data, attempts, queued = await self._path.send_json(
-                        plan.path, plan.body, lane=plan.lane, urgency=urgency, group=group
+                    data, attempts, queued, server = await self._path.send_json(
+                        plan.path,
+                        plan.body,
+                        lane=plan.lane,
+                        urgency=urgency,
+                        group=group,
+                        prefix=prefix_text(prompt) if self._pool is not None else None,
                     )
             except builtins.TimeoutError as exc:
                 raise TimeoutError(
                     f"call did not finish within its timeout of {limit_s} s"
                 ) from exc
             latency = self._clock() - start
-            result = _build_result(kind, data, latency, queued, attempts, plan, index)
+            result = _build_result(kind, data, latency, queued, attempts, plan, index, server)
         except Exception as exc:
             if self._observers:
                 self._observe_failure(kind, plan, group, exc, start)
@@ -1025,7 +1279,7 @@ class AsyncClient:
             self._notify(
                 CallRecord(
                     kind=kind,
-                    server=self.url,
+                    server=server,
                     lane=result.lane,
                     group=group,
                     error=None,
@@ -1078,15 +1332,20 @@ class AsyncClient:
         urgency: int,
         group: str | None,
         sampling: dict[str, Any],
-    ) -> tuple[_Plan, httpx.Response, Slot, int]:
+    ) -> tuple[_Plan, httpx.Response, Lease, int, str]:
         """The entry point of a stream: plan, then open it under a slot the caller holds."""
         kind: Literal["completion", "chat"] = "completion" if isinstance(prompt, str) else "chat"
         plan = await self._plan(kind, prompt, max_tokens, dict(sampling))
         body = dict(plan.body, stream=True)
-        response, slot, attempts, _ = await self._path.open_stream(
-            plan.path, body, lane=plan.lane, urgency=urgency, group=group
+        response, slot, attempts, _, server = await self._path.open_stream(
+            plan.path,
+            body,
+            lane=plan.lane,
+            urgency=urgency,
+            group=group,
+            prefix=prefix_text(prompt) if self._pool is not None else None,
         )
-        return plan, response, slot, attempts
+        return plan, response, slot, attempts, server
 
     # -- other SDKs over this client (dsclient/_transport.py) --------------------------------
     def openai(
@@ -1151,6 +1410,7 @@ def _build_result(
     attempts: int,
     plan: _Plan,
     index: int | None,
+    server: str | None = None,
 ) -> Result:
     # The fields are checked here by hand and the models built with ``_trusted`` (what
     # ``model_construct`` does, minus its per-field loop): pydantic's validation of the two
@@ -1185,6 +1445,7 @@ def _build_result(
         lane=plan.lane,
         index=index,
         raw_data=data,
+        server=server,
     )
 
 
@@ -1216,7 +1477,7 @@ class Stream:
         self._group = group
         self._timeout = timeout
         self._sampling = sampling
-        self._slot: Slot | None = None
+        self._slot: Lease | None = None
         self._response: httpx.Response | None = None
         self._events: AsyncIterator[dict[str, Any]] | None = None
         self.ttft_s: float | None = None
@@ -1224,6 +1485,7 @@ class Stream:
         self.attempts = 0
         self.lane: Lane = "short"
         self.max_tokens: int | None = None
+        self.server: str | None = None
         self._start = 0.0
         self._ends_at: float | None = None  # on the event loop's clock (anyio.current_time)
         self._chunks: list[str] = []
@@ -1235,7 +1497,7 @@ class Stream:
             self._ends_at = anyio.current_time() + self._timeout
         try:
             async with _deadline(self._timeout):
-                plan, response, slot, attempts = await client._open_stream(
+                plan, response, slot, attempts, server = await client._open_stream(
                     self._prompt, self._max_tokens, self._urgency, self._group, self._sampling
                 )
         except builtins.TimeoutError as exc:
@@ -1243,6 +1505,7 @@ class Stream:
                 f"stream did not open within its timeout of {self._timeout} s"
             ) from exc
         self.lane, self.max_tokens, self.attempts = plan.lane, plan.max_tokens, attempts
+        self.server = server
         self._response, self._slot = response, slot
         self._events = sse_events(response, limit=client._path.max_body_bytes)
         return self
@@ -1292,7 +1555,7 @@ class Stream:
             client._notify(
                 CallRecord(
                     kind="stream",
-                    server=client.url,
+                    server=self.server or client.url,
                     lane=self.lane,
                     group=self._group,
                     error=type(exc).__name__ if exc is not None else None,

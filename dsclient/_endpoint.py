@@ -177,6 +177,11 @@ class Endpoint:
         self.learner = CapacityLearner()
         self._wake: anyio.Event | None = None
         self._raised: list[Callable[[], None]] = []
+        self._changed: list[Callable[[], None]] = []
+        #: Whether there is traffic to scrape for; default: this server's own calls. A pool of
+        #: servers sets it to the pool's traffic, so that every server's gauges stay fresh for
+        #: the router while any of them is busy.
+        self.traffic: Callable[[], bool] = self._own_traffic
         self._logged_at = -math.inf
         self._silenced = 0
         #: The shared budget (``None``: this client's own limit). While ``_shared_active`` the
@@ -185,11 +190,24 @@ class Endpoint:
         self._shared_active = False
         self._shared_last: SyncResult | None = None
 
+    def _own_traffic(self) -> bool:
+        return bool(self.governor.in_flight or self.governor.waiting)
+
+    def _set_limit(self, limit: int, *, batch: int | None) -> None:
+        """Set the governor's limit and tell whoever listens (a pool sums its servers' limits)."""
+        self.governor.set_limit(limit, batch=batch)
+        for callback in self._changed:
+            callback()
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` after every change of this server's limit (or its batch)."""
+        self._changed.append(callback)
+
     def use_shared(self, budget: SharedBudget) -> None:
         """Put this endpoint under a shared budget: the limit is 1 until the first sync."""
         self.shared = budget
         self._shared_active = True
-        self.governor.set_limit(1, batch=self.controller.capacity)
+        self._set_limit(1, batch=self.controller.capacity)
 
     def __repr__(self) -> str:
         return (
@@ -241,9 +259,9 @@ class Endpoint:
             self._learn(load)
         if self._shared_active:
             held = self.shared.allowed if self.shared and self._shared_last is not None else 1
-            self.governor.set_limit(max(1, held), batch=self.controller.capacity)
+            self._set_limit(max(1, held), batch=self.controller.capacity)
         else:
-            self.governor.set_limit(start, batch=self.controller.capacity)
+            self._set_limit(start, batch=self.controller.capacity)
 
     def _reseed(self, start: int) -> None:
         """A fresh controller in the same mode, from ``start`` (the shared limit when this
@@ -295,7 +313,7 @@ class Endpoint:
         governor = self.governor
         old = governor.limit
         limit = result.granted if allowed is None else allowed
-        governor.set_limit(max(1, limit), batch=self.controller.capacity)
+        self._set_limit(max(1, limit), batch=self.controller.capacity)
         if governor.limit > old:
             for callback in list(self._raised):
                 callback()
@@ -306,7 +324,7 @@ class Endpoint:
             return
         self._shared_active = False
         self._reseed(self.governor.limit)
-        self.governor.set_limit(self.controller.limit, batch=self.controller.capacity)
+        self._set_limit(self.controller.limit, batch=self.controller.capacity)
 
     # -- signals ---------------------------------------------------------------------------------
     def wake(self) -> None:
@@ -393,7 +411,7 @@ class Endpoint:
             # server's queue is empty.
             return
         self.controller.set_capacity(learner.value)
-        self.governor.set_limit(self.governor.limit, batch=learner.value)
+        self._set_limit(self.governor.limit, batch=learner.value)
         sources = dict(info.sources, max_num_seqs=LEARNED_SOURCE)
         self.info = dataclasses.replace(info, max_num_seqs=learner.value, sources=sources)
         logger.info(
@@ -416,7 +434,7 @@ class Endpoint:
             return
         if new == old:
             return
-        governor.set_limit(new, batch=self.controller.capacity)
+        self._set_limit(new, batch=self.controller.capacity)
         now = self._clock()
         if now - self._logged_at >= _LOG_EVERY_S:
             more = f" ({self._silenced} changes since the last line)" if self._silenced else ""
@@ -439,11 +457,11 @@ class Endpoint:
         the next call sets. In latency or fixed mode there is nothing to scrape: it only ticks.
         """
         interval = self.options.scrape_interval
-        governor = self.governor
+        traffic = self.traffic
         while True:
-            if not (governor.in_flight or governor.waiting):
+            if not traffic():
                 self._wake = anyio.Event()
-                if not (governor.in_flight or governor.waiting):
+                if not traffic():
                     await self._wake.wait()
             started = self._clock()
             mode = self.controller.mode

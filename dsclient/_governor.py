@@ -559,6 +559,15 @@ class Governor:
         group_state = self._groups.get(group) if group is not None else None
         return Slot(self, lane, urgency, group, lane_state, group_state)
 
+    def admits(self, *, lane: Lane = "short", group: str | None = None) -> bool:
+        """Whether a slot of ``lane`` and ``group`` would be admitted now, without waiting
+        (a router asks this of each server's governor before it sends a call there)."""
+        lane_state = self._lanes.get(lane)
+        if lane_state is None:
+            raise ValueError(f"lane must be 'short' or 'long', got {lane!r}")
+        group_state = self._groups.get(group) if group is not None else None
+        return self._admissible(lane_state, group_state)
+
     def set_limit(self, limit: int, *, batch: int | None = None) -> None:
         """Change the cap now; lane and group caps follow their shares.
 

@@ -52,7 +52,9 @@ class Result(BaseModel):
     ``text`` is the generated text, ``latency_s`` the time from the call to the answer (waiting
     for a slot included), ``queued_s`` the part of it spent waiting in the client's governor,
     ``attempts`` how many tries it took, ``max_tokens`` what was sent, ``lane`` which lane
-    carried it. ``raw`` is the server's answer as openai's own type.
+    carried it, ``server`` the root URL of the server that answered, and ``degraded`` what was
+    changed to meet the call's deadline (``None``: nothing; see ``Degrade``). ``raw`` is the
+    server's answer as openai's own type.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -66,6 +68,8 @@ class Result(BaseModel):
     max_tokens: int | None = None
     lane: str = "short"
     index: int | None = None
+    server: str | None = None
+    degraded: str | None = None
     _raw_data: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @property
@@ -91,6 +95,8 @@ class Result(BaseModel):
         lane: str,
         index: int | None,
         raw_data: dict[str, Any],
+        server: str | None = None,
+        degraded: str | None = None,
     ) -> _R:
         """Build from values the client has already checked (every field given).
 
@@ -112,6 +118,8 @@ class Result(BaseModel):
                 "max_tokens": max_tokens,
                 "lane": lane,
                 "index": index,
+                "server": server,
+                "degraded": degraded,
             },
         )
         _set(result, "__pydantic_fields_set__", set(_RESULT_FIELDS))

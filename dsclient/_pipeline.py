@@ -54,6 +54,9 @@ from ._streaming import MAX_BODY_BYTES, read_body, read_json, read_prefix
 if TYPE_CHECKING:
     from ._endpoint import Endpoint
     from ._governor import Lane, Slot
+    from ._pool import PoolSlot, ServerPool
+
+    Lease = Slot | PoolSlot
 
 __all__ = ["Answer", "RequestPath", "outcome_of"]
 
@@ -93,6 +96,7 @@ class RequestPath:
         rng: random.Random,
         max_body_bytes: int = MAX_BODY_BYTES,
         outage_wait: float | None = 300.0,
+        pool: ServerPool | None = None,
     ) -> None:
         if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int):
             raise TypeError(f"max_body_bytes must be an int, got {type(max_body_bytes).__name__}")
@@ -105,16 +109,30 @@ class RequestPath:
         self._budget = budget
         self._sleep = sleep
         self._rng = rng
-        #: Whether the server answers at all; attempts wait at its gate while it does not.
-        self.reach = Reachability(
-            self.probe_health, sleep=sleep, rng=rng, label=endpoint.url, max_wait=outage_wait
+        #: Several servers: each attempt asks the pool (the router) for one (``None``: one).
+        self.pool = pool
+        #: Whether the server answers at all (with a pool: whether any does); attempts wait at
+        #: its gate while it does not.
+        self.reach = (
+            pool.reach
+            if pool is not None
+            else Reachability(
+                self.probe_health, sleep=sleep, rng=rng, label=endpoint.url, max_wait=outage_wait
+            )
         )
 
     async def probe_health(self) -> bool:
-        """Whether the server answers again: any answer to ``GET /health`` but a 5xx (a server
-        without the route answers 404, which is an answer). Only the status is read: the body,
-        whatever its size, never is."""
-        url = self._endpoint.url + "/health"
+        """Whether the server answers again (with a pool: whether any does; those that answer
+        are back in rotation). See :meth:`probe_url`."""
+        if self.pool is not None:
+            return await self.pool.probe_all()
+        return await self.probe_url(self._endpoint.url)
+
+    async def probe_url(self, root: str) -> bool:
+        """Whether the server at ``root`` answers: any answer to ``GET /health`` but a 5xx (a
+        server without the route answers 404, which is an answer). Only the status is read: the
+        body, whatever its size, never is."""
+        url = root + "/health"
         try:
             async with self._http.stream("GET", url, timeout=5.0) as response:
                 return response.status_code < 500
@@ -122,10 +140,10 @@ class RequestPath:
             return False
 
     # -- one attempt -----------------------------------------------------------------------------
-    async def _post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post_json(self, root: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """One POST: check the status, read the body under the cap, parse JSON. Raises dsclient
         errors only."""
-        request = self._http.build_request("POST", self._endpoint.url + path, json=body)
+        request = self._http.build_request("POST", root + path, json=body)
         try:
             response = await self._http.send(request, stream=True)
         except httpx.RequestError as exc:
@@ -140,9 +158,9 @@ class RequestPath:
         finally:
             await response.aclose()
 
-    async def _open(self, path: str, body: dict[str, Any]) -> httpx.Response:
+    async def _open(self, root: str, path: str, body: dict[str, Any]) -> httpx.Response:
         """One streaming POST, open once its status is known to be fine."""
-        request = self._http.build_request("POST", self._endpoint.url + path, json=body)
+        request = self._http.build_request("POST", root + path, json=body)
         try:
             response = await self._http.send(request, stream=True)
         except httpx.RequestError as exc:
@@ -172,59 +190,111 @@ class RequestPath:
         if len(secret) >= 6:  # replacing a word-sized "key" would garble the message instead
             redact(exc, secret)
 
+    # -- where an attempt goes ------------------------------------------------------------------
+    async def _take(self, lane: Lane, urgency: int, group: str | None, call: _Call) -> Lease:
+        """A slot for one attempt: the server's governor's, or with a pool a place in line and
+        the server the router chose (``slot.url``)."""
+        pool = self.pool
+        slot: Lease
+        if pool is None:
+            slot = self._endpoint.governor.slot(lane=lane, urgency=urgency, group=group)
+            await slot.__aenter__()
+        else:
+            chosen = await pool.acquire(
+                call.model, lane=lane, urgency=urgency, group=group, avoid=call.avoid,
+                prefix=call.prefix,
+            )  # fmt: skip
+            call.endpoint = chosen.endpoint
+            slot = chosen
+        call.queued_s += slot.queued_s
+        return slot
+
+    def _root(self, call: _Call) -> str:
+        endpoint = call.endpoint
+        return endpoint.url if endpoint is not None else self._endpoint.url
+
+    def _succeeded(self, slot: Lease, call: _Call) -> None:
+        pool = self.pool
+        if pool is None:
+            self.reach.mark_up()
+        else:
+            pool.settle(slot, None, call.model)  # type: ignore[arg-type]
+
+    async def _gate(self, call: _Call) -> None:
+        """Wait, on the client, while the server (with a pool: every server for the call's
+        model) does not answer."""
+        pool = self.pool
+        if pool is None:
+            await self.reach.wait_up()
+        else:
+            await pool.gate(call.model)
+
     # -- attempts ------------------------------------------------------------------------------
     async def send_json(
-        self, path: str, body: dict[str, Any], *, lane: Lane, urgency: int, group: str | None
-    ) -> tuple[dict[str, Any], int, float]:
-        """POST ``body`` until it succeeds or may not be retried: ``(json, attempts, queued_s)``.
+        self,
+        path: str,
+        body: dict[str, Any],
+        *,
+        lane: Lane,
+        urgency: int,
+        group: str | None,
+        prefix: str | None = None,
+    ) -> tuple[dict[str, Any], int, float, str]:
+        """POST ``body`` until it succeeds or may not be retried:
+        ``(json, attempts, queued_s, server)``.
 
-        ``queued_s`` sums the waits for a slot over the attempts.
+        ``queued_s`` sums the waits for a slot over the attempts; ``server`` is the root URL
+        that answered; ``prefix`` (the prompt's text) is what a pool's router matches against
+        the prefixes each server probably holds in its cache.
         """
-        governor = self._endpoint.governor
-        call = _Call()
+        call = _Call(body.get("model"), prefix)
 
         async def attempt() -> dict[str, Any]:
-            async with governor.slot(lane=lane, urgency=urgency, group=group) as slot:
-                call.queued_s += slot.queued_s
-                try:
-                    data = await self._post_json(path, body)
-                except DSClientError as exc:
-                    slot.set_outcome(outcome_of(exc))
-                    self._unreachable(exc, call)
-                    raise
-            self.reach.mark_up()
+            slot = await self._take(lane, urgency, group, call)
+            try:
+                data = await self._post_json(self._root(call), path, body)
+            except BaseException as exc:
+                await self._release_failed(slot, exc, call)
+                raise
+            self._succeeded(slot, call)
+            await slot.__aexit__(None, None, None)
             return data
 
-        self._endpoint.wake()
+        self._wake()
         data, attempts = await self._with_retries(attempt, path, call)
-        return data, attempts, call.queued_s
+        return data, attempts, call.queued_s, self._root(call)
 
     async def open_stream(
-        self, path: str, body: dict[str, Any], *, lane: Lane, urgency: int, group: str | None
-    ) -> tuple[httpx.Response, Slot, int, float]:
-        """Open a streaming response under a slot: ``(response, slot, attempts, queued_s)``.
+        self,
+        path: str,
+        body: dict[str, Any],
+        *,
+        lane: Lane,
+        urgency: int,
+        group: str | None,
+        prefix: str | None = None,
+    ) -> tuple[httpx.Response, Lease, int, float, str]:
+        """Open a streaming response under a slot: ``(response, slot, attempts, queued_s,
+        server)``.
 
         Retried only while nothing has been received. The caller holds the returned slot (already
         entered) while it reads, and must ``await slot.__aexit__(...)`` when done.
         """
-        governor = self._endpoint.governor
-        call = _Call()
+        call = _Call(body.get("model"), prefix)
 
-        async def attempt() -> tuple[httpx.Response, Slot]:
-            slot = governor.slot(lane=lane, urgency=urgency, group=group)
-            await slot.__aenter__()
-            call.queued_s += slot.queued_s
+        async def attempt() -> tuple[httpx.Response, Lease]:
+            slot = await self._take(lane, urgency, group, call)
             try:
-                response = await self._open(path, body)
+                response = await self._open(self._root(call), path, body)
             except BaseException as exc:
                 await self._release_failed(slot, exc, call)
                 raise
-            self.reach.mark_up()
+            self._succeeded(slot, call)
             return response, slot
 
-        self._endpoint.wake()
+        self._wake()
         (response, slot), attempts = await self._with_retries(attempt, path, call)
-        return response, slot, attempts, call.queued_s
+        return response, slot, attempts, call.queued_s, self._root(call)
 
     async def send_raw(
         self,
@@ -234,6 +304,8 @@ class RequestPath:
         urgency: int,
         group: str | None,
         stream: bool,
+        model: str | None = None,
+        prefix: str | None = None,
     ) -> Answer:
         """Send a caller's request attempt by attempt, as :meth:`send_json` does, and give back
         the server's answer instead of raising for its status (``dsclient/_transport.py`` hands
@@ -241,27 +313,25 @@ class RequestPath:
 
         ``request`` is built once by the caller (URL, headers, body: see
         :meth:`GovernedTransport <dsclient._transport.GovernedTransport>`) and sent as it is by
-        every attempt, straight to the shared client's transport (:meth:`_exchange`). A 2xx body
-        is read under the cap and its slot released; with ``stream`` the response comes back
-        open and the caller holds ``Answer.slot`` until it is done. A refusal that may not be
-        retried (or whose retries are spent) comes back as the last answer, its body read (at
+        every attempt, straight to the shared client's transport (:meth:`_exchange`); with a
+        pool, an attempt the router sends to another server gets a copy aimed at that server. A
+        2xx body is read under the cap and its slot released; with ``stream`` the response comes
+        back open and the caller holds ``Answer.slot`` until it is done. A refusal that may not
+        be retried (or whose retries are spent) comes back as the last answer, its body read (at
         most ``ERROR_BODY_BYTES``, the API key blanked out) and ``Answer.error`` set.
 
         Raises:
             DSClientError: what has no answer: a transport failure, the outage gate giving up,
                 a body over the cap, the client's own full queue (``Overloaded(0)``).
         """
-        governor = self._endpoint.governor
-        call = _Call()
+        call = _Call(model, prefix)
         refused: list[tuple[DSClientError, Answer]] = []
         label = request.url.path
 
         async def attempt() -> Answer:
-            slot = governor.slot(lane=lane, urgency=urgency, group=group)
-            await slot.__aenter__()
-            call.queued_s += slot.queued_s
+            slot = await self._take(lane, urgency, group, call)
             try:
-                response, body = await self._exchange(request, stream)
+                response, body = await self._exchange(self._aim(request, call), stream)
                 if body is not None and response.status_code >= 400:
                     error = error_from_response(response, body)
                     self.redact_error(error)
@@ -270,13 +340,13 @@ class RequestPath:
             except BaseException as exc:
                 await self._release_failed(slot, exc, call)
                 raise
-            self.reach.mark_up()
+            self._succeeded(slot, call)
             if body is None:
                 return Answer(response, None, slot)
             await slot.__aexit__(None, None, None)
             return Answer(response, body, None)
 
-        self._endpoint.wake()
+        self._wake()
         try:
             answer, attempts = await self._with_retries(attempt, label, call)
         except RequestRefused as exc:
@@ -285,14 +355,57 @@ class RequestPath:
             answer, attempts = refused[0][1], exc.attempts
             answer.error = exc
         answer.attempts, answer.queued_s = attempts, call.queued_s
+        answer.server = self._root(call)
         return answer
 
-    async def _release_failed(self, slot: Slot, exc: BaseException, call: _Call) -> None:
+    def _aim(self, request: httpx.Request, call: _Call) -> httpx.Request:
+        """``request`` as built (for the first server), or a copy aimed at the server the router
+        chose for this attempt: same method, path, headers (``Host`` changed) and body."""
+        root = self._root(call)
+        first = self._endpoint.url
+        if root == first:
+            return request
+        url = str(request.url)
+        if not url.startswith(first):  # pragma: no cover - the transport builds it from `first`
+            return request
+        target = httpx.URL(root + url[len(first) :])
+        headers = request.headers.copy()
+        headers["Host"] = target.netloc.decode("ascii")
+        return httpx.Request(
+            request.method,
+            target,
+            headers=headers,
+            content=request.content,
+            extensions=request.extensions,
+        )
+
+    def _wake(self) -> None:
+        pool = self.pool
+        if pool is None:
+            self._endpoint.wake()
+        else:
+            pool.wake()
+
+    async def _release_failed(self, slot: Lease, exc: BaseException, call: _Call) -> None:
         """Give back the slot of an attempt that failed, with its outcome; a connection that
-        failed marks the server down (:meth:`_unreachable`)."""
+        failed marks the server down (:meth:`_unreachable`), or with a pool takes it out of
+        rotation, and the call's next attempt goes to another server."""
         if isinstance(exc, DSClientError):
             slot.set_outcome(outcome_of(exc))
-            self._unreachable(exc, call)
+            pool = self.pool
+            if pool is None:
+                self._unreachable(exc, call)
+            else:
+                endpoint = call.endpoint
+                if endpoint is not None:
+                    call.avoid = call.avoid | {endpoint.url}
+                    call.mode = endpoint.controller.mode
+                others = pool.settle(slot, exc, call.model)  # type: ignore[arg-type]
+                if isinstance(exc, ConnectionError):
+                    if others:
+                        call.failover = True
+                    else:
+                        call.outage = self.reach.mark_down(str(exc))
         await slot.__aexit__(type(exc), exc, exc.__traceback__)
 
     async def _exchange(
@@ -351,7 +464,7 @@ class RequestPath:
         once) builds no retry machinery.
         """
         self._budget.record_request()
-        await self.reach.wait_up()
+        await self._gate(call)
         try:
             return await op(), 1
         except DSClientError as first:
@@ -360,21 +473,19 @@ class RequestPath:
             failure: DSClientError = first
         return await self._retry_loop(op, failure, label, call)
 
-    def _is_congestion(self, exc: BaseException | None) -> bool:
+    def _is_congestion(self, exc: BaseException | None, call: _Call) -> bool:
         """A load refusal under an adaptive limit (see the module docstring)."""
-        return (
-            exc is not None
-            and outcome_of(exc) == "overloaded"
-            and self._endpoint.controller.mode != "fixed"
-        )
+        mode = call.mode if call.mode is not None else self._endpoint.controller.mode
+        return exc is not None and outcome_of(exc) == "overloaded" and mode != "fixed"
 
-    def _tries_allowed(self, exc: BaseException | None) -> int:
+    def _tries_allowed(self, exc: BaseException | None, call: _Call) -> int:
         """Total tries a call may take, given how its last attempt failed."""
-        return self._retry.load_attempts if self._is_congestion(exc) else self._retry.attempts
+        congestion = self._is_congestion(exc, call)
+        return self._retry.load_attempts if congestion else self._retry.attempts
 
-    def _spend(self, exc: BaseException) -> bool:
+    def _spend(self, exc: BaseException, call: _Call) -> bool:
         """Take one token for a retry that is about to happen (none for congestion)."""
-        if self._is_congestion(exc):
+        if self._is_congestion(exc, call):
             return True
         if self._budget.try_spend():
             return True
@@ -402,25 +513,37 @@ class RequestPath:
         free = 0  # outage retries among them
         while True:
             outage, call.outage = call.outage, None
+            failover, call.failover = call.failover, False
             victim = False
-            if outage is not None:
+            if failover and free < retry.outage_retries:
+                # Several servers: the one this attempt was on is out of rotation (its
+                # connection failed), others are in: go to one of them now, as a victim would.
+                victim = True
+                logger.info(
+                    "dsclient: %s lost its connection to %s; trying another server now "
+                    "(outside the retry budget)",
+                    label,
+                    call.endpoint.url if call.endpoint is not None else "a server",
+                )
+            elif outage is not None:
                 try:
-                    await self.reach.wait_up()
+                    await self._gate(call)
                 except DSClientError as gone:
                     gone.attempts = attempts
                     raise
                 victim = self.reach.confirmed(outage) and free < retry.outage_retries
+                if victim:
+                    logger.info(
+                        "dsclient: %s lost its connection in an outage of %s; trying again now "
+                        "that it answers (outside the retry budget)",
+                        label,
+                        self.reach.label,
+                    )
             if victim:
                 free += 1
-                logger.info(
-                    "dsclient: %s lost its connection in an outage of %s; trying again now that "
-                    "it answers (outside the retry budget)",
-                    label,
-                    self.reach.label,
-                )
             else:
                 tries = attempts - free
-                if tries >= self._tries_allowed(failure) or not self._spend(failure):
+                if tries >= self._tries_allowed(failure, call) or not self._spend(failure, call):
                     failure.attempts = attempts
                     raise failure
                 delay = compute_backoff(
@@ -435,12 +558,12 @@ class RequestPath:
                     label,
                     describe(failure),
                     tries + 1,
-                    self._tries_allowed(failure),
+                    self._tries_allowed(failure, call),
                     delay,
                 )
                 await self._sleep(delay)  # outside any slot
             try:
-                await self.reach.wait_up()
+                await self._gate(call)
             except DSClientError as gone:
                 gone.attempts = attempts
                 raise
@@ -455,14 +578,30 @@ class RequestPath:
 
 
 class _Call:
-    """What the attempts of one call share: the time queued for slots, and the outage its last
-    connection failed in."""
+    """What the attempts of one call share: the time queued for slots, the outage its last
+    connection failed in, and with a pool: its model and prefix (for the router), the server of
+    its last attempt, the servers it failed on, whether it may fail over at once."""
 
-    __slots__ = ("outage", "queued_s")
+    __slots__ = (
+        "avoid",
+        "endpoint",
+        "failover",
+        "mode",
+        "model",
+        "outage",
+        "prefix",
+        "queued_s",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, model: Any = None, prefix: str | None = None) -> None:
         self.queued_s = 0.0
         self.outage: int | None = None
+        self.model: str | None = model if isinstance(model, str) else None
+        self.prefix = prefix
+        self.endpoint: Endpoint | None = None
+        self.avoid: frozenset[str] = frozenset()
+        self.failover = False
+        self.mode: str | None = None
 
 
 class Answer:
@@ -471,12 +610,13 @@ class Answer:
     the seconds ``queued_s`` waiting for slots, and for a refusal handed back the ``error``
     dsclient would have raised (observers count it)."""
 
-    __slots__ = ("attempts", "content", "error", "queued_s", "response", "slot")
+    __slots__ = ("attempts", "content", "error", "queued_s", "response", "server", "slot")
 
-    def __init__(self, response: httpx.Response, content: bytes | None, slot: Slot | None) -> None:
+    def __init__(self, response: httpx.Response, content: bytes | None, slot: Lease | None) -> None:
         self.response = response
         self.content = content
         self.slot = slot
         self.attempts = 1
         self.queued_s = 0.0
+        self.server = ""
         self.error: RequestRefused | None = None

@@ -1,6 +1,7 @@
 """Which server takes the next attempt: load, prefix affinity and a circuit breaker, no I/O.
 
-Not wired into the client yet: :class:`Router` is the policy the multi-server client will ask.
+:class:`Router` is the policy the multi-server client asks for each attempt
+(``dsclient._pool``); it holds no connection and never sleeps.
 
 Typical use (the caller owns the I/O: it reads ``/metrics`` and ``/health``, sends, and reports)::
 
@@ -44,6 +45,7 @@ cache in blocks.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import random
 import time
@@ -65,6 +67,7 @@ __all__ = [
     "ServerState",
     "Wait",
     "prefix_blocks",
+    "prefix_text",
 ]
 
 BreakerState = Literal["closed", "open", "half_open"]
@@ -95,6 +98,8 @@ class ServerState:
         metrics_age: seconds since those gauges were read; ``None`` when the server publishes
             none (then the client-side counts stand for them, and they are never stale).
         healthy: the last health probe's verdict (``False`` ejects it); ``None``: not probed.
+        room: whether the server takes this request now, when the caller knows better than
+            ``in_flight < limit`` (a governor whose lane or group cap is full); ``None``: that.
     """
 
     url: str
@@ -106,6 +111,11 @@ class ServerState:
     kv_usage: float | None = None
     metrics_age: float | None = None
     healthy: bool | None = None
+    room: bool | None = None
+
+    def has_room(self) -> bool:
+        """``room`` when given, else ``in_flight < limit``."""
+        return self.in_flight < self.limit if self.room is None else self.room
 
     def __post_init__(self) -> None:
         if self.limit < 0:
@@ -145,6 +155,26 @@ class RouteRequest:
         if self.prefix:
             return prefix_blocks(self.prefix, block_chars)
         return ()
+
+
+def prefix_text(prompt: object) -> str:
+    """The text whose beginning a router matches against cached prefixes: the prompt, or the
+    messages' roles and contents in order (at most 64 KiB of it)."""
+    if isinstance(prompt, str):
+        return prompt[:65536]
+    if not isinstance(prompt, Iterable):
+        return ""
+    parts: list[str] = []
+    size = 0
+    for m in prompt:
+        content = m.get("content") if isinstance(m, Mapping) else None
+        text = content if isinstance(content, str) else json.dumps(content, default=str)
+        part = f"<{m.get('role') if isinstance(m, Mapping) else ''}>{text}\n"
+        parts.append(part)
+        size += len(part)
+        if size >= 65536:
+            break
+    return "".join(parts)[:65536]
 
 
 def prefix_blocks(text: str, block_chars: int = 256) -> tuple[str, ...]:
@@ -403,6 +433,13 @@ class CircuitBreaker:
         if self._open_until is None or self._clock() >= self._open_until:
             self._open("unhealthy probe")
 
+    def readmit(self) -> None:
+        """A health probe answered while every server was out: closed now, without waiting
+        for the backoff (calls are waiting for any server; the openings count stays)."""
+        self._open_until = None
+        self._failures = 0
+        self.last_reason = None
+
 
 # --- the prefix index --------------------------------------------------------------------------
 
@@ -517,6 +554,10 @@ class Router:
         """A ``/health`` probe of ``url`` answered (``healthy``) or not."""
         self.breaker(url).record_probe(healthy=healthy)
 
+    def readmit(self, url: str) -> None:
+        """Put ``url`` back in rotation now (see :meth:`CircuitBreaker.readmit`)."""
+        self.breaker(url).readmit()
+
     def probes_due(self, urls: Iterable[str]) -> list[str]:
         """Of ``urls``, those whose breaker is half-open: probe their ``/health`` now."""
         return [u for u in urls if u in self._breakers and self._breakers[u].probe_due]
@@ -534,7 +575,7 @@ class Router:
         by the client's own counts: saturated when it has no room."""
         p = self.policy
         if state.metrics_age is None:
-            return state.in_flight >= state.limit
+            return not state.has_room()
         if state.metrics_age > p.stale_after:
             return True
         pressure = max(
@@ -557,7 +598,7 @@ class Router:
             return Wait(reason="ejected", probe_at=min(t for t in due if t is not None))
         # A retry goes elsewhere: to the avoided servers only when no other is in rotation.
         others = [s for s in admitted if s.url not in request.avoid]
-        candidates = [s for s in (others or admitted) if s.in_flight < s.limit]
+        candidates = [s for s in (others or admitted) if s.has_room()]
         if not candidates:
             return Wait(reason="full")
         blocks = request.block_keys(self.policy.block_chars)

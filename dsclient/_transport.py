@@ -87,14 +87,15 @@ from ._exceptions import (
 )
 from ._governor import choose_lane, default_long_threshold
 from ._observe import CallRecord
+from ._routing import prefix_text
 from ._streaming import MAX_BODY_BYTES
 
 if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
 
     from ._client import AsyncClient
-    from ._governor import Lane, Slot
-    from ._pipeline import Answer
+    from ._governor import Lane
+    from ._pipeline import Answer, Lease
 
 __all__ = [
     "INFERENCE_PATHS",
@@ -278,16 +279,25 @@ def usage_of(body: bytes) -> tuple[int | None, int | None]:
 class _Governed:
     """What one inference request will send: the body's bytes, its lane and options."""
 
-    __slots__ = ("content", "group", "lane", "stream", "urgency")
+    __slots__ = ("content", "group", "lane", "model", "prefix", "stream", "urgency")
 
     def __init__(
-        self, content: bytes, lane: Lane, urgency: int, group: str | None, stream: bool
+        self,
+        content: bytes,
+        lane: Lane,
+        urgency: int,
+        group: str | None,
+        stream: bool,
+        model: str | None = None,
+        prefix: str | None = None,
     ) -> None:
         self.content = content
         self.lane = lane
         self.urgency = urgency
         self.group = group
         self.stream = stream
+        self.model = model  # the body's, for a pool's router
+        self.prefix = prefix  # the prompt's text, for a pool's prefix affinity
 
 
 async def _plan(
@@ -340,7 +350,11 @@ async def _plan(
                     return refusal
     if changed:
         content = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
-    return _Governed(content, lane, urgency, group, stream)
+    model = body.get("model")
+    prefix = prefix_text(prompt) if prompt is not None and client._pool is not None else None
+    return _Governed(
+        content, lane, urgency, group, stream, model if isinstance(model, str) else None, prefix
+    )
 
 
 async def _check_fit(
@@ -450,6 +464,8 @@ class GovernedTransport(httpx.AsyncBaseTransport):
                     urgency=planned.urgency,
                     group=planned.group,
                     stream=planned.stream,
+                    model=planned.model,
+                    prefix=planned.prefix,
                 )
         except Exception as exc:
             failure: Exception = exc
@@ -597,7 +613,7 @@ class GovernedTransport(httpx.AsyncBaseTransport):
         client._notify(
             CallRecord(
                 kind=record_kind,
-                server=client.url,
+                server=getattr(sent, "server", None) or client.url,
                 lane=planned.lane if planned is not None else None,
                 group=planned.group if planned is not None else None,
                 error=error_name,
@@ -699,7 +715,7 @@ class GovernedStream(httpx.AsyncByteStream):
     def __init__(
         self,
         response: httpx.Response,
-        slot: Slot | None,
+        slot: Lease | None,
         *,
         limit: int = MAX_BODY_BYTES,
         ends_at: float | None = None,

@@ -274,6 +274,9 @@ def _samples() -> dict[type, BaseException]:
 
     return {
         dsclient.DSClientError: dsclient.DSClientError("plain"),
+        dsclient.NoServerError: dsclient.NoServerError(
+            "no server of this client serves model 'big'; they serve: 'tiny'"
+        ),
         dsclient.TransportError: dsclient.TransportError("no answer"),
         dsclient.TimeoutError: dsclient.TimeoutError("call did not finish within 5 s"),
         dsclient.ConnectionError: dsclient.ConnectionError("connection refused"),

@@ -124,7 +124,7 @@ async def test_the_request_path_takes_its_cap_as_a_parameter():
         with pytest.raises(ResponseTooLarge, match="over 2 KiB") as info:
             await path(2048).send_json("/v1/completions", {}, lane="short", urgency=0, group=None)
         assert info.value.limit == 2048
-        data, attempts, _ = await path(len(answer)).send_json(
+        data, attempts, _, _ = await path(len(answer)).send_json(
             "/v1/completions", {}, lane="short", urgency=0, group=None
         )
         assert data["choices"][0]["text"] == "x" * 3000 and attempts == 1

@@ -20,6 +20,8 @@ FIELDS = {
     "max_tokens": 8,
     "lane": "long",
     "index": 7,
+    "server": "http://127.0.0.1:8000",
+    "degraded": "max_tokens 256 -> 64",
 }
 
 

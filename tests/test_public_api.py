@@ -7,6 +7,8 @@ EXPECTED = {
     "BatchResults",
     "CallRecord",
     "Load",
+    "NoServerError",
+    "RoutingPolicy",
     "ServerView",
     "AsyncClient",
     "ChatResult",

@@ -190,6 +190,7 @@ def test_every_dsclient_exception_pickles() -> None:
         dsclient.ServerError("500"),
         dsclient.TransportError("reset"),
         dsclient.DSClientError("root"),
+        dsclient.NoServerError("no server of this client serves model 'big'"),
     ]
     exported = {
         name

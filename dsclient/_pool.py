@@ -1,0 +1,428 @@
+"""Several servers behind one client: where a call waits, which server takes each attempt, and
+which servers are in rotation.
+
+    pool = ServerPool(endpoints, Router(), governor_options, probe=probe_url, sleep=anyio.sleep,
+                      rng=random.Random(), clock=time.monotonic, outage_wait=300.0)
+    await pool.gate("tiny")                       # at once while a server for it is in rotation
+    slot = await pool.acquire("tiny", lane="short", urgency=0, group=None,
+                              avoid=frozenset(), prefix=prompt)
+    ...                                           # send to slot.endpoint.url, then
+    pool.settle(slot, error_or_None)              # the breaker hears how it went
+    await slot.__aexit__(None, None, None)
+
+How an attempt gets a server:
+
+1. It takes a slot of the **front governor** of its model: the one queue where calls wait on the
+   client, ordered by urgency, lanes and groups exactly as with one server. The front's limit is
+   the sum of the limits of the servers that serve the model and are in rotation, so holding a
+   front slot means that some server has room (lane caps and a limit cut in between aside: then
+   the call waits, holding its place, until a server has room).
+2. The **router** (:mod:`dsclient._routing`, pure) chooses among the servers whose own governor
+   admits the call now: load (room under the closed-loop limit, the server's queue and KV cache
+   from its ``/metrics``), prefix affinity, and the circuit breaker.
+3. It takes a slot of **that server's governor**, whose release feeds that server's limit
+   controller (service time, outcome), as with one server.
+
+So a call never waits behind one busy server while another has room: the first slot freed on any
+server that serves its model goes to the first call in line.
+
+**Health.** A server leaves the rotation at once when a connection to it is refused or drops
+(its process is gone), or after ``RoutingPolicy.eject_after`` consecutive timeouts or 5xx
+answers that are not overload (429 / 503 say "busy": the limit controller handles those). Its
+breaker then waits a jittered backoff (1 s doubling to 30 s), and :meth:`ServerPool.run_health`
+probes ``/health``; an answer that is not a 5xx brings it back, its limit where it was and its
+prefix index empty. With every server for a model out, calls wait at :attr:`ServerPool.reach`
+(a :class:`~dsclient._health.Reachability` whose probe asks every server): bounded by their
+timeout and ``outage_wait``, after which they fail with :class:`~dsclient.ConnectionError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ._exceptions import ConnectionError, DSClientError, Overloaded, ServerError
+from ._exceptions import TimeoutError as DSTimeoutError
+from ._governor import Governor, Lane, Slot
+from ._health import Reachability
+from ._routing import NoServer, Route, Router, RouteRequest, ServerState
+
+if TYPE_CHECKING:
+    from ._endpoint import Endpoint, Health
+
+__all__ = ["NoServerError", "PoolSlot", "ServerPool"]
+
+logger = logging.getLogger("dsclient")
+
+#: Seconds between two looks at the breakers while some server is out of rotation.
+_HEALTH_PERIOD_S = 0.25
+
+
+class NoServerError(DSClientError):
+    """No server of the client serves the model a call asks for (waiting will not help)."""
+
+
+class PoolSlot:
+    """A call's admission to a pool: a front slot (its place in line) and a slot of the server
+    the router chose (which that server's limit controller hears about)."""
+
+    __slots__ = ("_front", "_pool", "_server", "endpoint", "queued_s", "route")
+
+    def __init__(
+        self, pool: ServerPool, front: Slot, server: Slot, endpoint: Endpoint, route: Route
+    ) -> None:
+        self._pool = pool
+        self._front = front
+        self._server = server
+        self.endpoint = endpoint
+        self.route = route
+        self.queued_s = front.queued_s + server.queued_s
+
+    def set_outcome(self, outcome: str) -> None:
+        self._server.set_outcome(outcome)
+        self._front.set_outcome(outcome)
+
+    async def __aenter__(self) -> PoolSlot:
+        return self
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            await self._server.__aexit__(exc_type, exc, tb)
+        finally:
+            await self._front.__aexit__(exc_type, exc, tb)
+            self._pool.notify()
+
+
+def failure_kind(exc: BaseException) -> str | None:
+    """What a failed attempt says about its server, for the breaker: ``"connect"`` (refused or
+    dropped: the process is gone), ``"timeout"``, ``"server_error"`` (a 5xx that is not
+    overload), or ``None`` (the server answered: a refusal for load or for the request)."""
+    if isinstance(exc, ConnectionError):
+        return "connect"
+    if isinstance(exc, DSTimeoutError):
+        return "timeout"
+    if isinstance(exc, Overloaded):
+        return None
+    status = getattr(exc, "status", None)
+    if isinstance(exc, ServerError) and isinstance(status, int) and status >= 500:
+        return "server_error"
+    return None
+
+
+class ServerPool:
+    """The servers of one client, a front governor per model, the router and the breakers.
+
+    Parameters:
+        endpoints: one :class:`~dsclient._endpoint.Endpoint` per server, in the caller's order.
+        router: the routing policy and its per-server state (breakers, prefix indexes).
+        governor_options: keyword arguments of the front governors (lanes, groups, queue bound),
+            the same the servers' own governors got.
+        probe: ``await probe(url)`` answers whether the server at ``url`` answers ``/health``.
+        sleep, rng, clock: injectable for tests.
+        outage_wait: seconds calls wait while no server for their model is in rotation.
+    """
+
+    def __init__(
+        self,
+        endpoints: Iterable[Endpoint],
+        router: Router,
+        governor_options: Mapping[str, Any],
+        *,
+        probe: Callable[[str], Awaitable[bool]],
+        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        outage_wait: float | None = 300.0,
+    ) -> None:
+        self.endpoints = tuple(endpoints)
+        self._by_url = {e.url: e for e in self.endpoints}
+        self.router = router
+        self._options = dict(governor_options)
+        self._fronts: dict[str | None, Governor] = {}
+        self._probe = probe
+        self._clock = clock
+        self._changed: anyio.Event | None = None
+        self._health_wake: anyio.Event | None = None
+        self.reach = Reachability(
+            self.probe_all,
+            sleep=sleep,
+            rng=rng,
+            clock=clock,
+            label="every server (" + ", ".join(self._by_url) + ")",
+            max_wait=outage_wait,
+        )
+        for endpoint in self.endpoints:
+            endpoint.on_change(self.refresh)
+            endpoint.traffic = self.traffic
+
+    def __repr__(self) -> str:
+        up = sum(self.in_rotation(e) for e in self.endpoints)
+        return f"ServerPool({len(self.endpoints)} servers, {up} in rotation, limit={self.limit})"
+
+    # -- state ---------------------------------------------------------------------------------
+    def endpoint(self, url: str) -> Endpoint:
+        return self._by_url[url]
+
+    @staticmethod
+    def serves(endpoint: Endpoint, model: str | None) -> bool:
+        """Whether discovery found ``model`` at ``endpoint`` (``None``: any model)."""
+        info = endpoint.info
+        if info is None or not info.complete:
+            return False
+        return model is None or model == info.model or model in info.models
+
+    def serving(self, model: str | None) -> list[Endpoint]:
+        return [e for e in self.endpoints if self.serves(e, model)]
+
+    def in_rotation(self, endpoint: Endpoint) -> bool:
+        return self.router.breaker(endpoint.url).allows_requests
+
+    def health(self, endpoint: Endpoint) -> Health:
+        return "up" if self.in_rotation(endpoint) else "down"
+
+    @property
+    def limit(self) -> int:
+        """The sum of the limits of the servers in rotation."""
+        return sum(e.governor.limit for e in self.endpoints if self.in_rotation(e))
+
+    def limit_for(self, model: str | None) -> int:
+        """The sum of the limits of the servers in rotation that serve ``model``."""
+        return sum(e.governor.limit for e in self.serving(model) if self.in_rotation(e))
+
+    @property
+    def in_flight(self) -> int:
+        return sum(e.governor.in_flight for e in self.endpoints)
+
+    @property
+    def fronts(self) -> Mapping[str | None, Governor]:
+        """The front governor of each model asked for so far."""
+        return self._fronts
+
+    def traffic(self) -> bool:
+        """Whether any call is in flight or waiting anywhere in the pool (every server's poller
+        scrapes while this is true, so the router compares fresh gauges)."""
+        return any(g.in_flight or g.waiting for g in self._fronts.values()) or any(
+            e.governor.in_flight for e in self.endpoints
+        )
+
+    def front(self, model: str | None) -> Governor:
+        """The governor calls for ``model`` wait in (made on first use)."""
+        governor = self._fronts.get(model)
+        if governor is None:
+            governor = Governor(limit=1, clock=self._clock, **self._options)
+            self._fronts[model] = governor
+            self._size(model, governor)
+        return governor
+
+    def refresh(self) -> None:
+        """A server's limit moved, or it left or rejoined the rotation: the fronts follow."""
+        for model, governor in self._fronts.items():
+            self._size(model, governor)
+        self.notify()
+
+    def _size(self, model: str | None, governor: Governor) -> None:
+        members = [e for e in self.serving(model) if self.in_rotation(e)]
+        total = sum(e.governor.limit for e in members)
+        batches = [e.controller.capacity for e in members]
+        known = [b for b in batches if b is not None]
+        batch = sum(known) if members and len(known) == len(batches) else None
+        governor.set_limit(max(1, total), batch=batch)
+
+    def notify(self) -> None:
+        """Wake the calls that hold a front slot and wait for a server's room."""
+        event, self._changed = self._changed, None
+        if event is not None:
+            event.set()
+
+    def wake(self) -> None:
+        """A call started: every server's poller may run."""
+        for endpoint in self.endpoints:
+            endpoint.wake()
+
+    def states(self, model: str | None, lane: Lane, group: str | None) -> list[ServerState]:
+        """Each discovered server as the router sees it for one attempt."""
+        now = self._clock()
+        states = []
+        for e in self.endpoints:
+            info = e.info
+            if info is None or not info.complete:
+                continue
+            models = frozenset((*info.models, *((info.model,) if info.model else ())))
+            load = e.load
+            age = None
+            if load is not None and e.load_at is not None and e.controller.mode == "metrics":
+                age = max(0.0, now - e.load_at)
+            governor = e.governor
+            states.append(
+                ServerState(
+                    url=e.url,
+                    models=models,
+                    limit=governor.limit,
+                    in_flight=governor.in_flight,
+                    running=load.running if load is not None else None,
+                    waiting=load.waiting if load is not None else None,
+                    kv_usage=load.kv_usage if load is not None else None,
+                    metrics_age=age,
+                    room=governor.admits(lane=lane, group=group),
+                )
+            )
+        return states
+
+    # -- one attempt ---------------------------------------------------------------------------
+    async def gate(self, model: str | None) -> None:
+        """Return at once while a server for ``model`` is in rotation; else wait (probing every
+        server) until one is, within ``outage_wait`` (then ``ConnectionError``)."""
+        while not any(self.in_rotation(e) for e in self.serving(model)):
+            if not self.serving(model):
+                self._no_server(model)
+            self.reach.mark_down(f"no server for model {model!r} is in rotation")
+            await self.reach.wait_up()
+
+    def _no_server(self, model: str | None) -> None:
+        served = sorted({m for e in self.endpoints if e.info is not None for m in e.info.models})
+        waiting = [e.url for e in self.endpoints if e.info is None or not e.info.complete]
+        if waiting:
+            return  # a server not yet discovered may serve it: wait for it like an outage
+        raise NoServerError(
+            f"no server of this client serves model {model!r}; they serve: "
+            f"{', '.join(map(repr, served)) or '(nothing listed)'}"
+        )
+
+    async def acquire(
+        self,
+        model: str | None,
+        *,
+        lane: Lane,
+        urgency: int,
+        group: str | None,
+        avoid: frozenset[str] = frozenset(),
+        prefix: str | None = None,
+    ) -> PoolSlot:
+        """A place in the front queue of ``model``, then a server with room for the call."""
+        front = self.front(model).slot(lane=lane, urgency=urgency, group=group)
+        await front.__aenter__()
+        try:
+            request = RouteRequest(model=model, prefix=prefix, avoid=avoid)
+            while True:
+                decision = self.router.choose(self.states(model, lane, group), request)
+                if isinstance(decision, Route):
+                    endpoint = self._by_url[decision.url]
+                    server = endpoint.governor.slot(lane=lane, urgency=urgency, group=group)
+                    await server.__aenter__()  # the router checked its room: at once
+                    return PoolSlot(self, front, server, endpoint, decision)
+                if isinstance(decision, NoServer):
+                    self._no_server(model)
+                    await self.gate(model)
+                elif decision.reason == "ejected":
+                    await self.gate(model)
+                else:  # full: a lane cap, or a limit cut since the front admitted the call
+                    event = self._changed
+                    if event is None:
+                        event = self._changed = anyio.Event()
+                    await event.wait()
+        except BaseException as exc:
+            await front.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+
+    def settle(self, slot: PoolSlot, exc: BaseException | None, model: str | None) -> bool:
+        """Tell the breaker how an attempt went. Returns whether another server for the same
+        model is still in rotation after a failure (the call may fail over at once)."""
+        url = slot.endpoint.url
+        router = self.router
+        if exc is None:
+            router.record_success(url)
+            return True
+        kind = failure_kind(exc)
+        if kind is None:
+            return True
+        before = router.breaker(url).allows_requests
+        router.record_failure(url, kind)  # type: ignore[arg-type]
+        if before and not router.breaker(url).allows_requests:
+            others = [
+                e.url
+                for e in self.endpoints
+                if e.url != url and e.info is not None and self.in_rotation(e)
+            ]
+            logger.warning(
+                "dsclient: %s leaves the rotation (%s: %s); %s",
+                url,
+                router.breaker(url).last_reason,
+                exc,
+                f"{len(others)} other server(s) take its calls" if others else "no other server",
+            )
+            self.refresh()
+            event = self._health_wake
+            if event is not None:
+                event.set()
+        return any(self.in_rotation(e) for e in self.serving(model) if e.url != url)
+
+    # -- health --------------------------------------------------------------------------------
+    async def probe_all(self) -> bool:
+        """Probe every server now; those that answer are back in rotation. Whether any did."""
+        answered: dict[str, bool] = {}
+
+        async def one(url: str) -> None:
+            answered[url] = await self._probe(url)
+
+        async with anyio.create_task_group() as group:
+            for endpoint in self.endpoints:
+                group.start_soon(one, endpoint.url)
+        back = [url for url, ok in answered.items() if ok]
+        for url in back:
+            if not self.router.breaker(url).allows_requests:
+                self.router.readmit(url)
+                logger.warning("dsclient: %s answers again; back in rotation", url)
+        if back:
+            self.refresh()
+        return bool(back)
+
+    async def run_health(
+        self, rediscover: Callable[[Endpoint], Awaitable[None]] | None = None
+    ) -> None:
+        """Probe the servers out of rotation when their breaker says so; runs until cancelled.
+        A server back whose discovery never completed is discovered (``rediscover``) first."""
+        router = self.router
+        while True:
+            out = [e.url for e in self.endpoints if not self.in_rotation(e)]
+            if not out:
+                self._health_wake = anyio.Event()
+                if all(self.in_rotation(e) for e in self.endpoints):
+                    await self._health_wake.wait()
+                continue
+            due = router.probes_due(out)
+            if due:
+                answered: dict[str, bool] = {}
+
+                async def one(url: str, answered: dict[str, bool] = answered) -> None:
+                    answered[url] = await self._probe(url)
+
+                async with anyio.create_task_group() as group:
+                    for url in due:
+                        group.start_soon(one, url)
+                for url, ok in answered.items():
+                    router.record_probe(url, healthy=ok)
+                    endpoint = self._by_url[url]
+                    info = endpoint.info
+                    if ok and rediscover is not None and (info is None or not info.complete):
+                        await rediscover(endpoint)
+                    if ok and router.breaker(url).allows_requests:
+                        logger.warning("dsclient: %s answers again; back in rotation", url)
+                        self.refresh()
+                        if self.reach.down:
+                            self.reach.mark_up()
+            await anyio.sleep(_HEALTH_PERIOD_S)
