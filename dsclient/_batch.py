@@ -547,7 +547,7 @@ class _Pool:
         self._closed = False
 
     def follow(self) -> None:
-        self._remove = self._client._endpoint.on_raise(self.grow)
+        self._remove = self._client.on_limit_raise(self.grow)
         self.grow()
 
     def close(self) -> None:

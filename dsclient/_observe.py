@@ -1,6 +1,6 @@
 """What observers (metrics, tracing) hear about each finished call: one frozen record.
 
-    client._observers.append(lambda record: print(record.lane, record.latency_s))
+    remove = client.add_observer(lambda record: print(record.lane, record.latency_s))
 
 The client builds a record only when someone observes, so unobserved calls pay one truthiness
 check. Observers run in the event loop right after the call ends and must not raise or block.

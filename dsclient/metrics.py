@@ -10,14 +10,16 @@ import this module, so an application that never asks for metrics pays nothing; 
 observes does not even build the per-call record (see :mod:`dsclient._observe`).
 
 Where the numbers come from: counters and histograms are counted by an observer from each
-finished call's :class:`~dsclient._observe.CallRecord`; gauges are read from ``client.stats()``
-(and the server facts discovery and the poller keep) when Prometheus scrapes. Every family has a
-``server`` label, the client's URL without credentials (:func:`dsclient._urls.url_label`).
+finished call's :class:`~dsclient._observe.CallRecord`; gauges are read from ``client.servers``
+(each server's limit, slots, load as last scraped and what discovery found) when Prometheus
+scrapes. Every family has a ``server`` label: the server's URL without credentials
+(:func:`dsclient._urls.url_label`). A client of several servers has one gauge series per server,
+and its calls are counted under the server that answered them (``CallRecord.server``).
 
 =======================================  =========  ==============================================
 family                                   type       what
 =======================================  =========  ==============================================
-``dsclient_limit``                       gauge      the in-flight limit now
+``dsclient_limit``                       gauge      the in-flight limit now (at that server)
 ``dsclient_limit_changes_total``         counter    times the limit controller moved it
 ``dsclient_in_flight``                   gauge      calls holding a slot
 ``dsclient_waiting``                     gauge      calls queued in the client for a slot
@@ -128,7 +130,8 @@ class _Histogram:
 
 
 class _Tally:
-    """The counters of one client, fed by its observer (this object, called per record).
+    """The counters of one client, per server, fed by its observer (this object, called per
+    record).
 
     Observers run on the client's event loop and scrapes on the scraper's thread (a sync
     ``Client``'s loop and ``start_http_server`` both use their own), hence the lock; it is never
@@ -138,15 +141,16 @@ class _Tally:
     __slots__ = (
         "client",
         "completion_tokens",
+        "labels",
         "latency",
         "latency_bounds",
         "lock",
         "prompt_tokens",
         "queue",
         "queue_bounds",
+        "remove",
         "requests",
         "retries",
-        "server",
     )
 
     def __init__(
@@ -156,37 +160,52 @@ class _Tally:
         queue_bounds: tuple[float, ...],
     ) -> None:
         self.client = client
-        self.server = url_label(client.url)
+        # A record's server URL -> its label (url_label parses; calls repeat a few URLs).
+        self.labels: dict[str, str] = {url: url_label(url) for url in self.servers()}
         self.latency_bounds = latency_bounds
         self.queue_bounds = queue_bounds
         self.lock = threading.Lock()
-        self.requests: dict[tuple[str, str, str], int] = {}
-        self.latency: dict[str, _Histogram] = {}
-        self.queue: dict[str, _Histogram] = {}
-        self.retries = 0
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
+        self.requests: dict[tuple[str, str, str, str], int] = {}
+        self.latency: dict[tuple[str, str], _Histogram] = {}
+        self.queue: dict[tuple[str, str], _Histogram] = {}
+        self.retries: dict[str, int] = {}
+        self.prompt_tokens: dict[str, int] = {}
+        self.completion_tokens: dict[str, int] = {}
+        self.remove: Callable[[], None] | None = None
+
+    def servers(self) -> list[str]:
+        """The client's server URLs (raw: labels are made from them)."""
+        return [view.url for view in self.client.servers]
+
+    def label(self, url: str) -> str:
+        label = self.labels.get(url)
+        if label is None:
+            label = self.labels[url] = url_label(url)
+        return label
 
     def __call__(self, record: CallRecord) -> None:
         lane = record.lane or ""
-        key = (lane, record.error or "ok", str(record.status) if record.status else "")
+        server = self.label(record.server)
+        key = (server, lane, record.error or "ok", str(record.status) if record.status else "")
         with self.lock:
             self.requests[key] = self.requests.get(key, 0) + 1
-            latency = self.latency.get(lane)
+            latency = self.latency.get((server, lane))
             if latency is None:
-                latency = self.latency[lane] = _Histogram(self.latency_bounds)
+                latency = self.latency[server, lane] = _Histogram(self.latency_bounds)
             latency.observe(record.latency_s)
             if record.queued_s is not None:
-                queue = self.queue.get(lane)
+                queue = self.queue.get((server, lane))
                 if queue is None:
-                    queue = self.queue[lane] = _Histogram(self.queue_bounds)
+                    queue = self.queue[server, lane] = _Histogram(self.queue_bounds)
                 queue.observe(record.queued_s)
-            if record.attempts > 1:
-                self.retries += record.attempts - 1
-            if record.prompt_tokens:
-                self.prompt_tokens += record.prompt_tokens
-            if record.completion_tokens:
-                self.completion_tokens += record.completion_tokens
+            # Every server a call was counted under shows its counters, 0 until one counts.
+            self.retries[server] = self.retries.get(server, 0) + max(0, record.attempts - 1)
+            self.prompt_tokens[server] = self.prompt_tokens.get(server, 0) + (
+                record.prompt_tokens or 0
+            )
+            self.completion_tokens[server] = self.completion_tokens.get(server, 0) + (
+                record.completion_tokens or 0
+            )
 
 
 def _check_bounds(name: str, bounds: Iterable[float]) -> tuple[float, ...]:
@@ -210,9 +229,11 @@ class Collector:
     It observes the clients from construction on (calls before it are not counted) until
     :meth:`close`. Several clients of one process go in one collector (``Collector(a, b)``),
     one ``server`` label each: two collectors on one registry would clash on the family names.
+    A client of several servers gives one ``server`` label per server.
 
     Parameters:
-        client, clients: ``AsyncClient`` or ``Client`` objects, each for a different server URL.
+        client, clients: ``AsyncClient`` or ``Client`` objects; no server URL may appear in two
+            of them (their series would clash).
         latency_buckets: upper bounds (seconds) of ``dsclient_request_latency_seconds``;
             default :data:`LATENCY_BUCKETS`.
         queue_buckets: upper bounds (seconds) of ``dsclient_queue_seconds``; default
@@ -232,22 +253,19 @@ class Collector:
         latency = _check_bounds("latency_buckets", latency_buckets)
         queue = _check_bounds("queue_buckets", queue_buckets)
         tallies = [_Tally(_async_of(c), latency, queue) for c in (client, *clients)]
-        servers = [t.server for t in tallies]
+        servers = [tally.label(url) for tally in tallies for url in tally.servers()]
         if len(set(servers)) != len(servers):
             raise ValueError(f"each client of a Collector needs its own server URL, got {servers}")
         self._tallies = tallies
         for tally in tallies:
-            tally.client._observers.append(tally)
+            tally.remove = tally.client.add_observer(tally)
 
     def close(self) -> None:
         """Stop counting calls (idempotent); unregister it from its registry yourself."""
         for tally in self._tallies:
-            observers = tally.client._observers
-            # By identity: list.remove compares with ==, which an observer may define.
-            for i, observer in enumerate(observers):
-                if observer is tally:
-                    del observers[i]
-                    break
+            remove, tally.remove = tally.remove, None
+            if remove is not None:
+                remove()
 
     def __enter__(self) -> Collector:
         return self
@@ -338,45 +356,53 @@ class Collector:
         if with_samples:
             fmt = self._format.floatToGoString
             for tally in self._tallies:
-                label = [tally.server]
-                client = tally.client
-                stats = client.stats()
-                limit.add_metric(label, stats.limit)
-                in_flight.add_metric(label, stats.in_flight)
-                waiting.add_metric(label, stats.waiting)
-                control = stats.control
-                if control is not None:
-                    changes.add_metric(label, control.changes)
-                    if control.server_running is not None:
-                        running.add_metric(label, control.server_running)
-                    if control.server_waiting is not None:
-                        server_waiting.add_metric(label, control.server_waiting)
-                    if control.target_waiting is not None:
-                        target.add_metric(label, control.target_waiting)
-                endpoint = client._endpoint
-                load, load_at = endpoint.load, endpoint.load_at
-                if load is not None and load.kv_usage is not None:
-                    kv_usage.add_metric(label, load.kv_usage)
-                if load_at is not None:
-                    load_age.add_metric(label, max(0.0, client._clock() - load_at))
-                info = client.server
-                if info is not None:
-                    source = info.sources.get("max_num_seqs", "unknown")
-                    max_num_seqs.add_metric([tally.server, source], info.max_num_seqs)
+                for view in tally.client.servers:
+                    label = [tally.label(view.url)]
+                    limit.add_metric(label, view.limit)
+                    in_flight.add_metric(label, view.in_flight)
+                    waiting.add_metric(label, view.waiting)
+                    control = view.stats.control
+                    if control is not None:
+                        changes.add_metric(label, control.changes)
+                        if control.server_running is not None:
+                            running.add_metric(label, control.server_running)
+                        if control.server_waiting is not None:
+                            server_waiting.add_metric(label, control.server_waiting)
+                        if control.target_waiting is not None:
+                            target.add_metric(label, control.target_waiting)
+                    load = view.load
+                    if load is not None and load.kv_usage is not None:
+                        kv_usage.add_metric(label, load.kv_usage)
+                    if view.load_age_s is not None:
+                        load_age.add_metric(label, view.load_age_s)
+                    info = view.info
+                    if info is not None:
+                        source = info.sources.get("max_num_seqs", "unknown")
+                        max_num_seqs.add_metric([*label, source], info.max_num_seqs)
                 with tally.lock:  # copy under the lock, format outside it
                     counts = list(tally.requests.items())
                     lat = [(k, h.cumulative(fmt), h.total) for k, h in tally.latency.items()]
                     que = [(k, h.cumulative(fmt), h.total) for k, h in tally.queue.items()]
-                    totals = (tally.retries, tally.prompt_tokens, tally.completion_tokens)
-                for (lane, outcome, status), count in sorted(counts):
-                    requests.add_metric([tally.server, lane, outcome, status], count)
-                for lane, buckets, total in sorted(lat):
-                    latency.add_metric([tally.server, lane], buckets, total)
-                for lane, buckets, total in sorted(que):
-                    queue.add_metric([tally.server, lane], buckets, total)
-                retries.add_metric(label, totals[0])
-                tokens.add_metric([tally.server, "prompt"], totals[1])
-                tokens.add_metric([tally.server, "completion"], totals[2])
+                    # Each server shows its counters from the start, 0 until a call counts.
+                    totals = [
+                        (
+                            name,
+                            tally.retries.get(name, 0),
+                            tally.prompt_tokens.get(name, 0),
+                            tally.completion_tokens.get(name, 0),
+                        )
+                        for name in sorted({*tally.labels.values(), *tally.retries})
+                    ]
+                for (name, lane, outcome, status), count in sorted(counts):
+                    requests.add_metric([name, lane, outcome, status], count)
+                for (name, lane), buckets, total in sorted(lat):
+                    latency.add_metric([name, lane], buckets, total)
+                for (name, lane), buckets, total in sorted(que):
+                    queue.add_metric([name, lane], buckets, total)
+                for name, retried, prompt, completion in totals:
+                    retries.add_metric([name], retried)
+                    tokens.add_metric([name, "prompt"], prompt)
+                    tokens.add_metric([name, "completion"], completion)
         families = (
             limit,
             changes,
@@ -479,8 +505,9 @@ def trace(client: AsyncClient | Client, tracer: Any = None) -> Callable[[], None
     ``client.openai()`` / ``client.httpx()``) ``dsclient.embedding`` (kind CLIENT),
     from the call's start to its end, a child of whatever span is current in the calling task.
     Attributes: ``dsclient.lane``, ``dsclient.queue_s``, ``dsclient.attempts``,
-    ``dsclient.group``, ``server.address``, ``server.port``, ``gen_ai.usage.input_tokens`` /
-    ``output_tokens``, and on failure ``dsclient.error`` / ``error.type`` (the error class),
+    ``dsclient.group``, ``server.address`` and ``server.port`` (of the server that answered),
+    ``gen_ai.usage.input_tokens`` / ``output_tokens``, and on failure ``dsclient.error`` /
+    ``error.type`` (the error class),
     ``http.response.status_code`` when the server refused, and status ERROR.
 
     Parameters:
@@ -494,10 +521,18 @@ def trace(client: AsyncClient | Client, tracer: Any = None) -> Callable[[], None
 
         tracer = otel.get_tracer("dsclient", __version__)
     inner = _async_of(client)
-    url = httpx.URL(inner.url)
-    base: dict[str, Any] = {"server.address": url.host}
-    port = url.port or (443 if url.scheme == "https" else 80)
-    base["server.port"] = port
+    # A record's server URL -> its span attributes (calls repeat a few URLs; parse each once).
+    bases: dict[str, dict[str, Any]] = {}
+
+    def base_of(server: str) -> dict[str, Any]:
+        base = bases.get(server)
+        if base is None:
+            url = httpx.URL(server)
+            port = url.port or (443 if url.scheme == "https" else 80)
+            base = bases[server] = {"server.address": url.host, "server.port": port}
+        return base
+
+    base_of(inner.url)
     client_kind = otel.SpanKind.CLIENT
     error_status = otel.StatusCode.ERROR
     status_of = otel.Status
@@ -505,7 +540,7 @@ def trace(client: AsyncClient | Client, tracer: Any = None) -> Callable[[], None
 
     def observer(record: CallRecord) -> None:
         end = time.time_ns()
-        attributes = dict(base)
+        attributes = dict(base_of(record.server))
         attributes["dsclient.attempts"] = record.attempts
         if record.lane is not None:
             attributes["dsclient.lane"] = record.lane
@@ -532,13 +567,4 @@ def trace(client: AsyncClient | Client, tracer: Any = None) -> Callable[[], None
             span.set_status(status_of(error_status, record.error))
         span.end(end_time=end)
 
-    inner._observers.append(observer)
-
-    def remove() -> None:
-        observers = inner._observers
-        for i, candidate in enumerate(observers):
-            if candidate is observer:
-                del observers[i]
-                return
-
-    return remove
+    return inner.add_observer(observer)

@@ -233,6 +233,67 @@ async def test_one_collector_for_several_servers_and_no_credentials_in_labels():
         await c.aclose()
 
 
+async def test_calls_are_counted_under_the_server_that_answered():
+    client = make_client(FakeServer())
+    registry = CollectorRegistry()
+    collector = dsclient.metrics.Collector(client)
+    registry.register(collector)
+    observe = client._observers[-1]
+    other = "http://user:pw@10.0.0.2:8000"  # the server of a record, credentials and all
+    observe(record(prompt_tokens=3))
+    observe(record(server=other, attempts=3, completion_tokens=5))
+    samples = scrape(registry)
+    collector.close()
+    await client.aclose()
+    ok = {"lane": "short", "outcome": "ok", "status": ""}
+    assert value(samples, "dsclient_requests_total", **ok) == 1
+    assert (
+        samples[
+            ("dsclient_requests_total", frozenset({"server": "http://10.0.0.2:8000", **ok}.items()))
+        ]
+        == 1
+    )
+    on_other = frozenset({"server": "http://10.0.0.2:8000"}.items())
+    assert samples[("dsclient_retries_total", on_other)] == 2
+    assert value(samples, "dsclient_retries_total") == 0
+    assert value(samples, "dsclient_tokens_total", kind="prompt") == 3
+    assert value(samples, "dsclient_tokens_total", kind="completion") == 0
+    # The client's own gauges stay under its one server.
+    assert ("dsclient_limit", on_other) not in samples
+    assert all(
+        "pw" not in labels_text for _, labels in samples for labels_text in dict(labels).values()
+    )
+
+
+async def test_a_client_of_several_servers_has_a_gauge_series_per_server():
+    urls = ["http://127.0.0.1:8000", "http://user:pw@127.0.0.1:8001/v1"]
+    fake = FakeServer()
+    async with make_client(fake, urls) as client:
+        registry = CollectorRegistry()
+        registry.register(dsclient.metrics.Collector(client))
+        for prompt in ("a", "b", "c", "d"):
+            await client.generate(prompt, max_tokens=2)
+        views = client.servers
+        samples = scrape(registry)
+        async with make_client(FakeServer(), "http://127.0.0.1:8001") as clash:
+            # Its URL is one of the other client's servers: the series would clash.
+            with pytest.raises(ValueError, match="its own server URL"):
+                dsclient.metrics.Collector(clash, client)
+    labels = ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
+    for label, view in zip(labels, views, strict=True):
+        assert samples[("dsclient_limit", frozenset({"server": label}.items()))] == view.limit
+        assert samples[("dsclient_in_flight", frozenset({"server": label}.items()))] == 0
+    ok = {"lane": "short", "outcome": "ok", "status": ""}
+    counted = {
+        label: samples.get(
+            ("dsclient_requests_total", frozenset({"server": label, **ok}.items())), 0
+        )
+        for label in labels
+    }
+    assert sum(counted.values()) == 4
+    assert "pw" not in generate_latest(registry).decode()
+
+
 def test_collector_of_a_sync_client():
     fake = FakeServer()
     with dsclient.Client(URL, transport=fake.transport) as client:
