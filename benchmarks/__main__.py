@@ -13,6 +13,7 @@
     python -m benchmarks ray                  # Ray Data: dsclient.ray vs ray.data.llm (~6 min)
     python -m benchmarks shared               # 4 processes, one budget in Redis (real, ~6 min)
     python -m benchmarks replicas             # starting 2 vLLM replicas: in turn vs at once
+    python -m benchmarks routing              # 2 replicas: dsclient vs round-robin vs vllm-router
     python -m benchmarks governor --help      # each benchmark's own options
 
 ``nox -s bench -- governor`` (or ``make bench``) runs the same in nox's venv. Raw results go to
@@ -74,6 +75,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "replicas": (
         "benchmarks.bench_replicas",
         "start-up of N tiny-vLLM replicas through the launcher: one after another vs at once",
+    ),
+    "routing": (
+        "benchmarks.bench_routing",
+        "2 replicas, one slowed: dsclient vs client round-robin vs vllm-router (rr, cache_aware)",
     ),
 }
 
