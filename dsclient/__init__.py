@@ -9,6 +9,7 @@ async with dsclient.AsyncClient("http://127.0.0.1:8000") as client:
 from ._batch import BatchResults
 from ._client import USE_DEFAULT, AsyncClient, Stream
 from ._control import ControlStats
+from ._degrade import Degrade
 from ._discovery import ServerInfo
 from ._endpoint import ServerView
 from ._exceptions import (
@@ -47,6 +48,7 @@ __all__ = [
     "ContextOverflow",
     "ControlStats",
     "DSClientError",
+    "Degrade",
     "Failure",
     "GovernorStats",
     "LaneStats",

@@ -28,6 +28,7 @@ import anyio
 import httpx
 import sniffio
 
+from ._degrade import Degrade, Pace, predict_s
 from ._discovery import DEFAULT_MAX_NUM_SEQS, ServerInfo, discover
 from ._endpoint import ControlOptions, Endpoint, ServerView, fetch_load
 from ._exceptions import (
@@ -41,8 +42,8 @@ from ._governor import GovernorStats, choose_lane, compute_limit, default_long_t
 from ._health import Reachability
 from ._models import ChatResult, CompletionResult, Failure, Result, Usage
 from ._observe import CallRecord, Observer
-from ._pipeline import RequestPath, outcome_of
-from ._pool import ServerPool
+from ._pipeline import RequestPath, WouldMiss, outcome_of
+from ._pool import NoServerError, ServerPool
 from ._retry import Retry, RetryBudget
 from ._routing import Router, RoutingPolicy, prefix_text
 from ._shared import SharedBudget, redact_url
@@ -332,6 +333,9 @@ class AsyncClient:
         shared_key: the key prefix in Redis, so that several budgets can share one Redis.
         routing: the router's policy for several servers (:class:`dsclient.RoutingPolicy`:
             weights, breaker, prefix blocks); default ``RoutingPolicy()``.
+        degrade: what calls with a timeout give up rather than miss it
+            (:class:`dsclient.Degrade`: another model, a smaller ``max_tokens``); the result's
+            ``degraded`` says what changed. Default ``None``: nothing (calls may override).
         sleep, rng, clock: injectable for tests (retry sleeps, jitter source, latency clock).
     """
 
@@ -366,6 +370,7 @@ class AsyncClient:
         shared: str | None = None,
         shared_key: str = "dsclient",
         routing: RoutingPolicy | None = None,
+        degrade: Degrade | None = None,
         sleep: Callable[[float], Awaitable[None]] | None = None,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -433,6 +438,10 @@ class AsyncClient:
                 "shared= works with one server URL per client; with several servers, give each "
                 "server its own client and shared_key, or drop shared="
             )
+        if degrade is not None and not isinstance(degrade, Degrade):
+            raise TypeError(f"degrade must be a Degrade or None, got {type(degrade).__name__}")
+        self._degrade = degrade
+        self._pace = Pace()
         if routing is not None and not isinstance(routing, RoutingPolicy):
             raise TypeError(f"routing must be a RoutingPolicy, got {type(routing).__name__}")
         if shared is not None and not (
@@ -1132,6 +1141,7 @@ class AsyncClient:
         urgency: int = 0,
         group: str | None = None,
         timeout: Any = USE_DEFAULT,
+        degrade: Any = USE_DEFAULT,
         **sampling: Any,
     ) -> CompletionResult:
         """Complete ``prompt`` with the completions endpoint.
@@ -1146,13 +1156,15 @@ class AsyncClient:
                 ``priority`` field, where lower runs first, can still be passed in ``sampling``).
             group: the traffic group, for ``group_caps``.
             timeout: seconds for this call (default: the client's).
+            degrade: what to give up rather than miss the timeout (:class:`dsclient.Degrade`;
+                default: the client's; ``None``: nothing).
             sampling: anything else goes into the request body as given (``temperature``,
                 vLLM's ``ignore_eos``, ``top_k``, ``min_tokens``, ...).
         """
         _check_prompt(prompt)
         _check_max_tokens(max_tokens)
         result = await self._request(
-            "completion", prompt, max_tokens, urgency, group, timeout, sampling
+            "completion", prompt, max_tokens, urgency, group, timeout, sampling, degrade=degrade
         )
         assert isinstance(result, CompletionResult)
         return result
@@ -1165,6 +1177,7 @@ class AsyncClient:
         urgency: int = 0,
         group: str | None = None,
         timeout: Any = USE_DEFAULT,
+        degrade: Any = USE_DEFAULT,
         **sampling: Any,
     ) -> ChatResult:
         """Answer a conversation with the chat completions endpoint.
@@ -1176,7 +1189,7 @@ class AsyncClient:
         _check_messages(messages)
         _check_max_tokens(max_tokens)
         result = await self._request(
-            "chat", messages, max_tokens, urgency, group, timeout, sampling
+            "chat", messages, max_tokens, urgency, group, timeout, sampling, degrade=degrade
         )
         assert isinstance(result, ChatResult)
         return result
@@ -1247,30 +1260,71 @@ class AsyncClient:
         sampling: dict[str, Any],
         *,
         index: int | None = None,
+        degrade: Any = USE_DEFAULT,
     ) -> Result:
         """The one internal entry point of a call (``generate``, ``chat``, ``map()``): plan,
-        then attempts under the governor (see :mod:`dsclient._pipeline`), within the timeout."""
+        then attempts under the governor (see :mod:`dsclient._pipeline`), within the timeout;
+        degraded (``dsclient._degrade``) rather than miss it, when the call says so."""
         limit_s = self._timeout_of(timeout)
+        option = self._degrade if degrade is USE_DEFAULT else degrade
+        if option is not None and not isinstance(option, Degrade):
+            raise TypeError(f"degrade must be a Degrade or None, got {type(option).__name__}")
         start = self._clock()
         plan: _Plan | None = None
+        degraded: str | None = None
         try:
             try:
                 async with _deadline(limit_s):
                     plan = await self._plan(kind, prompt, max_tokens, sampling)
-                    data, attempts, queued, server = await self._path.send_json(
-                        plan.path,
-                        plan.body,
-                        lane=plan.lane,
-                        urgency=urgency,
-                        group=group,
-                        prefix=prefix_text(prompt) if self._pool is not None else None,
-                    )
+                    prefix = prefix_text(prompt) if self._pool is not None else None
+                    miss_at = None
+                    if option is not None and limit_s is not None:
+                        pace = self._pace.per_token(plan.body.get("model"))
+                        need = predict_s(pace, plan.max_tokens, limit_s)
+                        left = limit_s - (self._clock() - start)
+                        if pace is not None and need > left:
+                            plan, degraded = self._degraded(
+                                plan, option, f"about {need:.1f} s needed, {left:.1f} s left"
+                            )
+                        else:
+                            miss_at = anyio.current_time() + max(0.0, left - need)
+                    try:
+                        data, attempts, queued, server = await self._path.send_json(
+                            plan.path,
+                            plan.body,
+                            lane=plan.lane,
+                            urgency=urgency,
+                            group=group,
+                            prefix=prefix,
+                            miss_at=miss_at,
+                        )
+                    except WouldMiss as late:
+                        assert option is not None and limit_s is not None
+                        left = limit_s - (self._clock() - start)
+                        plan, degraded = self._degraded(
+                            plan,
+                            option,
+                            f"waited {late.waited_s:.1f} s for a slot, {left:.1f} s left",
+                        )
+                        data, attempts, queued, server = await self._path.send_json(
+                            plan.path,
+                            plan.body,
+                            lane=plan.lane,
+                            urgency=urgency,
+                            group=group,
+                            prefix=prefix,
+                        )
             except builtins.TimeoutError as exc:
                 raise TimeoutError(
                     f"call did not finish within its timeout of {limit_s} s"
                 ) from exc
             latency = self._clock() - start
-            result = _build_result(kind, data, latency, queued, attempts, plan, index, server)
+            result = _build_result(
+                kind, data, latency, queued, attempts, plan, index, server, degraded
+            )
+            self._pace.observe(
+                plan.body.get("model"), latency - queued, result.usage.completion_tokens
+            )
         except Exception as exc:
             if self._observers:
                 self._observe_failure(kind, plan, group, exc, start)
@@ -1292,6 +1346,48 @@ class AsyncClient:
                 )
             )
         return result
+
+    def _degraded(self, plan: _Plan, option: Degrade, why: str) -> tuple[_Plan, str]:
+        """``plan`` changed as ``option`` says, and the words the result carries about it."""
+        body = dict(plan.body)
+        changes: list[str] = []
+        max_tokens = plan.max_tokens
+        if option.model is not None and option.model != body.get("model"):
+            if self._pool is not None:
+                serving = self._pool.serving(option.model)
+                contexts = [
+                    e.info.max_model_len for e in serving if e.info and e.info.max_model_len
+                ]
+            else:
+                info = self._endpoint.info
+                served = info is not None and option.model in info.models
+                serving = [self._endpoint] if served else []
+                contexts = [info.max_model_len] if served and info and info.max_model_len else []
+            if not serving:
+                raise NoServerError(
+                    f"cannot degrade to model {option.model!r}: no server of this client serves it"
+                )
+            if contexts:
+                max_tokens = plan_max_tokens(
+                    prompt_tokens=plan.prompt_tokens,
+                    requested=max_tokens,
+                    default=self._default_max_tokens,
+                    max_model_len=min(contexts),
+                    margin=self._tokens.margin,
+                )
+            changes.append(f"model {body.get('model')!r} -> {option.model!r}")
+            body["model"] = option.model
+        if option.max_tokens is not None and option.max_tokens < max_tokens:
+            max_tokens = option.max_tokens
+        if max_tokens != plan.max_tokens:
+            changes.append(f"max_tokens {plan.max_tokens} -> {max_tokens}")
+            body["max_tokens"] = max_tokens
+        if not changes:
+            changes.append("nothing left to give up")
+        degraded = _Plan(plan.kind, body, plan.lane, max_tokens, plan.prompt_tokens)
+        text = ", ".join(changes) + ": " + why
+        logger.info("dsclient: call degraded: %s", text)
+        return degraded, text
 
     def _observe_failure(
         self,
@@ -1411,6 +1507,7 @@ def _build_result(
     plan: _Plan,
     index: int | None,
     server: str | None = None,
+    degraded: str | None = None,
 ) -> Result:
     # The fields are checked here by hand and the models built with ``_trusted`` (what
     # ``model_construct`` does, minus its per-field loop): pydantic's validation of the two
@@ -1446,6 +1543,7 @@ def _build_result(
         index=index,
         raw_data=data,
         server=server,
+        degraded=degraded,
     )
 
 

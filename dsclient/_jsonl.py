@@ -150,6 +150,8 @@ class MapRecords:
             "attempts": outcome.attempts,
             "max_tokens": outcome.max_tokens,
             "lane": outcome.lane,
+            "server": outcome.server,
+            "degraded": outcome.degraded,
             "response_id": raw.get("id"),
             "model": raw.get("model"),
             "created": raw.get("created"),
@@ -180,6 +182,8 @@ class MapRecords:
             max_tokens=max_tokens or None,
             lane=_text(record.get("lane")) or "short",
             index=index,
+            server=_text(record.get("server")),
+            degraded=_text(record.get("degraded")),
         )
         result._raw_data = raw_from_fields(kind, record)
         return result

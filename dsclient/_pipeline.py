@@ -36,6 +36,7 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import anyio
 import httpx
 
 from ._exceptions import (
@@ -58,10 +59,20 @@ if TYPE_CHECKING:
 
     Lease = Slot | PoolSlot
 
-__all__ = ["Answer", "RequestPath", "outcome_of"]
+__all__ = ["Answer", "RequestPath", "WouldMiss", "outcome_of"]
 
 logger = logging.getLogger("dsclient")
 T = TypeVar("T")
+
+
+class WouldMiss(Exception):
+    """A call still waits for its first slot at the time it gave itself (``miss_at``): waiting
+    longer would miss its deadline. Internal: the client degrades the call and sends it again
+    (``dsclient._degrade``)."""
+
+    def __init__(self, waited_s: float) -> None:
+        super().__init__(f"waited {waited_s:.2f} s for a slot")
+        self.waited_s = waited_s
 
 
 def outcome_of(exc: BaseException) -> str:
@@ -194,6 +205,13 @@ class RequestPath:
     async def _take(self, lane: Lane, urgency: int, group: str | None, call: _Call) -> Lease:
         """A slot for one attempt: the server's governor's, or with a pool a place in line and
         the server the router chose (``slot.url``)."""
+        miss_at, call.miss_at = call.miss_at, None
+        if miss_at is not None:
+            # The first attempt of a call that may degrade waits for its slot only until then.
+            began = anyio.current_time()
+            with anyio.move_on_after(max(0.0, miss_at - began)):
+                return await self._take(lane, urgency, group, call)
+            raise WouldMiss(anyio.current_time() - began)
         pool = self.pool
         slot: Lease
         if pool is None:
@@ -239,15 +257,19 @@ class RequestPath:
         urgency: int,
         group: str | None,
         prefix: str | None = None,
+        miss_at: float | None = None,
     ) -> tuple[dict[str, Any], int, float, str]:
         """POST ``body`` until it succeeds or may not be retried:
         ``(json, attempts, queued_s, server)``.
 
         ``queued_s`` sums the waits for a slot over the attempts; ``server`` is the root URL
         that answered; ``prefix`` (the prompt's text) is what a pool's router matches against
-        the prefixes each server probably holds in its cache.
+        the prefixes each server probably holds in its cache. With ``miss_at`` (on
+        ``anyio.current_time()``), a first attempt still waiting for a slot then raises
+        :class:`WouldMiss` instead (nothing was sent).
         """
         call = _Call(body.get("model"), prefix)
+        call.miss_at = miss_at
 
         async def attempt() -> dict[str, Any]:
             slot = await self._take(lane, urgency, group, call)
@@ -586,6 +608,7 @@ class _Call:
         "avoid",
         "endpoint",
         "failover",
+        "miss_at",
         "mode",
         "model",
         "outage",
@@ -602,6 +625,7 @@ class _Call:
         self.avoid: frozenset[str] = frozenset()
         self.failover = False
         self.mode: str | None = None
+        self.miss_at: float | None = None
 
 
 class Answer:
