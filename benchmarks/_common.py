@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsclient._cli_bench import _WORDS as _BENCH_WORDS
+from dsclient.cli.bench.workload import _WORDS as _BENCH_WORDS
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"

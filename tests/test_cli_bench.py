@@ -12,7 +12,9 @@ import anyio
 import httpx
 import pytest
 
-from dsclient._cli_bench import (
+from dsclient._load import Load
+from dsclient.cli import build_parser
+from dsclient.cli.bench import (
     Bench,
     BenchRequest,
     RequestSample,
@@ -30,8 +32,6 @@ from dsclient._cli_bench import (
     summarize_load,
     summarize_step,
 )
-from dsclient._load import Load
-from dsclient.cli import build_parser
 
 URL = "http://bench.test:8000"
 
@@ -633,7 +633,7 @@ def test_bench_is_registered_in_the_cli():
 
 
 def test_bound_reason_names_the_bound():
-    from dsclient._cli_bench import _bound_reason
+    from dsclient.cli.bench.report import _bound_reason
 
     assert _bound_reason("closed", [1, 2, 4], 4, None)[0] == "max-concurrency"
     assert _bound_reason("closed", [1, 2, 3], 256, 3) == ("max-steps", "ran --max-steps 3")

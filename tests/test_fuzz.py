@@ -941,10 +941,10 @@ def test_a_success_line_with_odd_fields_still_rebuilds(tmp_path):
     assert (raw["id"], raw["created"], raw["model"]) == ("resumed-a", 0, "")
 
 
-# -- found in _cli_map.py and _tokens.py by the fuzzing, fixed there -------------------------------
+# -- found in cli/map.py and _tokens.py by the fuzzing, fixed there ------------------------------
 def test_an_input_line_nested_past_the_recursion_limit_is_an_invalid_item():
     from dsclient._batch import InvalidItem
-    from dsclient._cli_map import read_requests
+    from dsclient.cli.map import read_requests
 
     items = list(read_requests(io.StringIO("[" * 50_000 + "\n"), drop_model=False, report=print))
     assert len(items) == 1 and isinstance(items[0], InvalidItem)
@@ -956,7 +956,7 @@ def test_an_input_line_nested_past_the_recursion_limit_is_an_invalid_item():
     ids=["no-text", "choices-str", "text-int", "usage-int"],
 )
 def test_a_batch_output_line_of_an_odd_shape_is_redone_or_rebuilt(body):
-    from dsclient._cli_map import BATCH_RECORDS
+    from dsclient.cli.map import BATCH_RECORDS
 
     record = {"custom_id": "a", "error": None, "response": {"status_code": 200, "body": body}}
     found = BATCH_RECORDS.identify(record)
@@ -965,7 +965,7 @@ def test_a_batch_output_line_of_an_odd_shape_is_redone_or_rebuilt(body):
 
 
 def test_a_refusal_body_nested_past_the_recursion_limit_is_written_as_text():
-    from dsclient._cli_map import BATCH_RECORDS
+    from dsclient.cli.map import BATCH_RECORDS
 
     failure = Failure(index=0, id="a", error=RequestRefused(500, "[" * 4000))
     line = BATCH_RECORDS.encode(0, "a", failure)

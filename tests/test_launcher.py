@@ -424,12 +424,12 @@ def test_python_dash_m_dsclient():
 
 def test_sigterm_handler_restores(monkeypatch):
     # _sigterm_as_interrupt is installed only in `serve`'s foreground mode; check it raises.
-    from dsclient import cli
+    from dsclient.cli import serve
 
     old_term, old_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell's background job has it
-        cli._sigterm_as_interrupt()
+        serve._sigterm_as_interrupt()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with pytest.raises(KeyboardInterrupt):
                 os.kill(os.getpid(), sig)

@@ -36,11 +36,11 @@ from typing import IO, Any
 import anyio
 import httpx
 
-from ._batch import InvalidItem, Outcome, _Options, _run_direct
-from ._client import USE_DEFAULT, AsyncClient
-from ._exceptions import DSClientError, RequestRefused, parse_json
-from ._jsonl import JsonlStore, derive_id, explicit_id
-from ._models import ChatResult, CompletionResult, Failure, Result, Usage
+from .._batch import InvalidItem, Outcome, _Options, _run_direct
+from .._client import USE_DEFAULT, AsyncClient
+from .._exceptions import DSClientError, RequestRefused, parse_json
+from .._jsonl import JsonlStore, derive_id, explicit_id
+from .._models import ChatResult, CompletionResult, Failure, Result, Usage
 
 __all__ = ["BATCH_RECORDS", "BatchRecords", "add_map_parser", "main", "read_requests", "run"]
 
@@ -335,7 +335,7 @@ async def _run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dsclient._cli_map INPUT -o OUTPUT ...``: the command on its own."""
+    """``python -m dsclient.cli.map INPUT -o OUTPUT ...``: the command on its own."""
     parser = argparse.ArgumentParser(
         prog="dsclient map",
         description=_DESCRIPTION,

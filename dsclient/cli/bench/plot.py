@@ -1,6 +1,6 @@
 """The plot of a ``dsclient bench`` run: throughput and p99 latency against the load, knee marked.
 
-    from dsclient._bench_plot import plot_bench
+    from dsclient.cli.bench.plot import plot_bench
     plot_bench(json.load(open("bench.json")), Path("bench.png"))
 
 matplotlib is optional (``pip install 'dsclient[bench]'``): it is imported when called, and

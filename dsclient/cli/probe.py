@@ -1,0 +1,73 @@
+"""``dsclient probe``: what a server is and the in-flight cap dsclient would use."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "probe",
+        help="discover a server's kind, model, context and max_num_seqs",
+        description=(
+            "Ask the server at URL what it is (vLLM, SGLang, TGI, llama.cpp, Ollama, other"
+            " OpenAI-compatible) and what its limits are, the way AsyncClient does on entry, and"
+            " print each value with where it came from, and the in-flight cap dsclient would use."
+        ),
+        epilog="example:\n  dsclient probe http://127.0.0.1:8000 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("url", help="the server's URL, with or without /v1")
+    p.add_argument("--model", help="the model to check (default: the server's only one)")
+    p.add_argument("--api-key", help="bearer token (default: $DSCLIENT_API_KEY, $OPENAI_API_KEY)")
+    p.add_argument("--headroom", type=float, default=0.7, help="cap = headroom x max_num_seqs")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_run_probe)
+
+
+def _run_probe(args: argparse.Namespace) -> int:
+    import anyio
+
+    from .._client import AsyncClient
+
+    async def probe() -> tuple[Any, Any, Any]:
+        async with AsyncClient(
+            args.url, model=args.model, api_key=args.api_key, headroom=args.headroom
+        ) as client:
+            return await client.discover(), client.stats().control, client.servers[0].load
+
+    info, control, load = anyio.run(probe)
+    queue = None
+    if load is not None:
+        queue = {
+            "source": load.source,
+            "running": load.running,
+            "waiting": load.waiting,
+            "kv_cache_usage": load.kv_usage,
+        }
+    if args.json:
+        payload = {
+            **info.to_dict(),
+            "dsclient_limit": control.limit,
+            "limit_mode": control.mode,
+            "limit_ceiling": control.ceiling,
+            "queue_metrics": queue,
+        }
+        print(json.dumps(payload, indent=2))
+        return 0
+    print(info)
+    print(f"dsclient limit: starts at {control.limit} in flight (headroom {args.headroom})")
+    if control.mode == "metrics" and load is not None:
+        print(
+            f"  then follows {load.source} (running {load.running}, waiting {load.waiting} now):"
+            f" keeps the server's queue short, between 1 and {control.ceiling}"
+        )
+        print("  max_num_seqs is learned from it once requests queue, if nothing stated it")
+    else:
+        print(
+            "  the server publishes no queue metrics: the limit moves on 429/503 and latency"
+            f" only, between 1 and {control.ceiling}"
+        )
+    return 0
