@@ -47,10 +47,10 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ._client import USE_DEFAULT, _check_max_tokens, _check_messages, _check_prompt
 from ._jsonl import JsonlStore, derive_id, explicit_id
 from ._models import Failure, Result
 from ._progress import Progress, open_progress
+from ._request import USE_DEFAULT, UseDefault, check_max_tokens, check_messages, check_prompt
 
 if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
@@ -209,7 +209,7 @@ def _parse_item(
         raise item.error
     try:
         if isinstance(item, str):
-            _check_prompt(item)
+            check_prompt(item)
             return "completion", item, max_tokens, sampling
         if isinstance(item, Mapping):
             has_prompt, has_messages = "prompt" in item, "messages" in item
@@ -220,14 +220,14 @@ def _parse_item(
                 )
             kind: Literal["completion", "chat"] = "completion" if has_prompt else "chat"
             prompt = item["prompt"] if has_prompt else item["messages"]
-            (_check_prompt if has_prompt else _check_messages)(prompt)
+            (check_prompt if has_prompt else check_messages)(prompt)
             if "max_tokens" in item:
                 max_tokens = item["max_tokens"]
-                _check_max_tokens(max_tokens)
+                check_max_tokens(max_tokens)
             extra = {k: v for k, v in item.items() if k not in _RESERVED}
             return kind, prompt, max_tokens, ({**sampling, **extra} if extra else sampling)
         if isinstance(item, Sequence) and not isinstance(item, bytes):
-            _check_messages(item)
+            check_messages(item)
             return "chat", item, max_tokens, sampling
         raise TypeError(
             f"expected a prompt str, a message list or a request dict, got {type(item).__name__}"
@@ -382,7 +382,7 @@ async def iter_map(
     max_tokens: int | None = None,
     urgency: int = 0,
     group: str | None = None,
-    timeout: Any = USE_DEFAULT,
+    timeout: float | UseDefault | None = USE_DEFAULT,
     **sampling: Any,
 ) -> AsyncGenerator[tuple[int, Outcome], None]:
     """Yield ``(index, result or Failure)`` as each item finishes (completion order).
@@ -417,7 +417,7 @@ async def _open_batch(
         raise ValueError(f"on_error must be 'return' or 'raise', got {options.on_error!r}")
     if not isinstance(options.resume, bool):
         raise TypeError(f"resume must be a bool, got {type(options.resume).__name__}")
-    _check_max_tokens(options.max_tokens)
+    check_max_tokens(options.max_tokens)
     client._timeout_of(options.timeout)  # validates
     source = _Source(items)
     await client.discover()
@@ -625,7 +625,7 @@ async def run_map(
     max_tokens: int | None = None,
     urgency: int = 0,
     group: str | None = None,
-    timeout: Any = USE_DEFAULT,
+    timeout: float | UseDefault | None = USE_DEFAULT,
     **sampling: Any,
 ) -> BatchResults:
     """Run every item; return a :class:`BatchResults` list, one entry per item, never dropped.

@@ -13,14 +13,20 @@ import asyncio
 import builtins
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
 import random
-import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -28,26 +34,40 @@ import anyio
 import httpx
 import sniffio
 
+from ._batch import BatchResults, OnError, iter_map, run_map
 from ._degrade import Degrade, Pace, predict_s
 from ._discovery import DEFAULT_MAX_NUM_SEQS, ServerInfo, discover
 from ._endpoint import ControlOptions, Endpoint, ServerView, fetch_load
 from ._exceptions import (
     ConnectionError,
     DSClientError,
-    MalformedResponse,
     TimeoutError,
-    translate_transport_error,
 )
 from ._governor import GovernorStats, choose_lane, compute_limit, default_long_threshold
 from ._health import Reachability
-from ._models import ChatResult, CompletionResult, Failure, Result, Usage
+from ._jsonl import JsonlStore
+from ._models import ChatResult, CompletionResult, Failure, Result
 from ._observe import CallRecord, Observer
-from ._pipeline import RequestPath, WouldMiss, outcome_of
+from ._pipeline import RequestPath, WouldMiss
 from ._pool import NoServerError, ServerPool
+from ._request import (
+    USE_DEFAULT,
+    Lane,
+    Messages,
+    Plan,
+    Prompt,
+    UseDefault,
+    build_result,
+    check_max_tokens,
+    check_messages,
+    check_prompt,
+    deadline,
+)
 from ._retry import Retry, RetryBudget
 from ._routing import Router, RoutingPolicy, prefix_text
 from ._shared import SharedBudget, redact_url
-from ._streaming import MAX_BODY_BYTES, delta_of, sse_events
+from ._stream import Stream
+from ._streaming import MAX_BODY_BYTES
 from ._tokens import (
     CALIBRATION_TEXT,
     TokenCounter,
@@ -57,36 +77,16 @@ from ._tokens import (
     plan_from_estimate,
     plan_max_tokens,
 )
+from ._urls import root_url
 
 if TYPE_CHECKING:
     import openai
 
-    from ._batch import BatchResults
     from ._pipeline import Lease
 
-__all__ = ["USE_DEFAULT", "AsyncClient", "Stream"]
+__all__ = ["USE_DEFAULT", "AsyncClient", "Messages", "Prompt", "Stream", "UseDefault"]
 
 logger = logging.getLogger("dsclient")
-
-Messages = Sequence[Mapping[str, Any]]
-Prompt = str | Messages
-
-
-class _UseDefault:
-    """Sentinel: "use the client's default" (``None`` means "turn it off")."""
-
-    _instance: _UseDefault | None = None
-
-    def __new__(cls) -> _UseDefault:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "USE_DEFAULT"
-
-
-USE_DEFAULT: Any = _UseDefault()
 
 
 class _Secret:
@@ -106,38 +106,6 @@ class _Secret:
     __str__ = __repr__
 
 
-def _deadline(seconds: float | None) -> contextlib.AbstractAsyncContextManager[Any]:
-    """An async scope that raises the builtin ``TimeoutError`` after ``seconds`` (``None``:
-    never).
-
-    On asyncio (3.11+) this is ``asyncio.timeout``, which costs a few microseconds; anyio's
-    ``fail_after`` (used on trio and older Pythons) costs about 25 us a call here, which was
-    the largest share of the client's own CPU per request.
-    """
-    if seconds is None:
-        return contextlib.nullcontext()
-    if _HAS_ASYNCIO_TIMEOUT and sniffio.current_async_library() == "asyncio":
-        return asyncio.timeout(seconds)  # type: ignore[attr-defined,no-any-return]
-    return _AnyioDeadline(seconds)
-
-
-class _AnyioDeadline:
-    """``anyio.fail_after`` as an async context manager, for :func:`_deadline`."""
-
-    __slots__ = ("_scope",)
-
-    def __init__(self, seconds: float) -> None:
-        self._scope = anyio.fail_after(seconds)
-
-    async def __aenter__(self) -> None:
-        self._scope.__enter__()
-
-    async def __aexit__(self, *exc_info: Any) -> bool | None:
-        return self._scope.__exit__(*exc_info)
-
-
-_HAS_ASYNCIO_TIMEOUT = sys.version_info >= (3, 11)
-
 #: Seconds one attempt may take to connect (a retryable failure past it); the call's deadline
 #: still bounds the whole call.
 _CONNECT_TIMEOUT_S = 10.0
@@ -148,56 +116,6 @@ def _rediscover_backoff(failures: int, rng: random.Random) -> float:
     ``0.5 * 2**(failures-1)`` capped at 30, jittered to 50-100% of that."""
     ceiling = min(30.0, 0.5 * math.pow(2.0, min(failures - 1, 16)))
     return rng.uniform(ceiling / 2, ceiling)
-
-
-def _root_url(base_url: str) -> str:
-    """``http://h:8000/v1/`` → ``http://h:8000``; validates the scheme."""
-    if not isinstance(base_url, str):
-        raise TypeError(
-            f"base_url must be a str or a launched Server, got {type(base_url).__name__}"
-        )
-    url = base_url.strip().rstrip("/")
-    parsed = httpx.URL(url) if "://" in url else None
-    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
-        raise ValueError(
-            f"base_url must be an http(s) URL like 'http://127.0.0.1:8000', got {base_url!r}"
-        )
-    if url.endswith("/v1"):
-        url = url[: -len("/v1")]
-    return url
-
-
-def _check_messages(messages: Any) -> None:
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise TypeError(
-            f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}"
-        )
-    if not messages:
-        raise ValueError("messages is empty; give at least one {'role': ..., 'content': ...}")
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or "role" not in m:
-            raise TypeError(
-                f"messages[{i}] must be a dict with 'role' and 'content', got {m!r:.80}"
-            )
-
-
-def _check_prompt(prompt: Any) -> None:
-    if not isinstance(prompt, str):
-        raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
-    if not prompt:
-        raise ValueError("prompt is empty")
-
-
-def _check_max_tokens(max_tokens: Any) -> None:
-    if max_tokens is None:
-        return
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-        raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__}")
-    if max_tokens <= 0:
-        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
-
-
-Lane = Literal["short", "long"]
 
 
 def _handle_tokenizer(handle: Any) -> str | None:
@@ -213,12 +131,12 @@ def _servers_of(base_url: Any) -> list[tuple[str, Any]]:
     """``(root URL, launched handle or None)`` for each server ``base_url`` names: a URL, a
     launched ``Server``, a ``ServerGroup`` (its replicas), or a list or tuple of those."""
     if isinstance(base_url, str):
-        return [(_root_url(base_url), None)]
+        return [(root_url(base_url), None)]
     members = getattr(base_url, "servers", None)
     if members is not None and not isinstance(base_url, (list, tuple)):
         base_url = list(members)  # a launched ServerGroup
     elif hasattr(base_url, "url"):
-        return [(_root_url(base_url.url), base_url)]  # a launched Server
+        return [(root_url(base_url.url), base_url)]  # a launched Server
     if not isinstance(base_url, (list, tuple)):
         raise TypeError(
             "base_url must be a URL, a list of URLs or a launched Server, got "
@@ -229,9 +147,9 @@ def _servers_of(base_url: Any) -> list[tuple[str, Any]]:
     found: list[tuple[str, Any]] = []
     for item in base_url:
         if isinstance(item, str):
-            found.append((_root_url(item), None))
+            found.append((root_url(item), None))
         elif hasattr(item, "url") and isinstance(item.url, str):
-            found.append((_root_url(item.url), item))
+            found.append((root_url(item.url), item))
         else:
             raise TypeError(
                 f"each server must be a URL or a launched Server, got {type(item).__name__}"
@@ -241,27 +159,6 @@ def _servers_of(base_url: Any) -> list[tuple[str, Any]]:
         dupes = sorted({u for u in urls if urls.count(u) > 1})
         raise ValueError(f"a server is named twice: {', '.join(dupes)}")
     return found
-
-
-class _Plan:
-    """What one call will send: endpoint, body, lane and the governor's options."""
-
-    __slots__ = ("body", "kind", "lane", "max_tokens", "path", "prompt_tokens")
-
-    def __init__(
-        self,
-        kind: Literal["completion", "chat"],
-        body: dict[str, Any],
-        lane: Lane,
-        max_tokens: int,
-        prompt_tokens: int,
-    ) -> None:
-        self.kind = kind
-        self.path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
-        self.body = body
-        self.lane = lane
-        self.max_tokens = max_tokens
-        self.prompt_tokens = prompt_tokens
 
 
 class AsyncClient:
@@ -1020,9 +917,9 @@ class AsyncClient:
         """Tokens in a prompt or message list: exact via the server's ``/tokenize`` when it
         has one and ``exact`` is true, else the local (corrected) estimate."""
         if isinstance(prompt, str):
-            _check_prompt(prompt)
+            check_prompt(prompt)
         else:
-            _check_messages(prompt)
+            check_messages(prompt)
         info = await self._ready()
         local = self._tokens.count_any(prompt)
         if exact and info.has_tokenize:
@@ -1064,7 +961,7 @@ class AsyncClient:
         prompt: Prompt,
         max_tokens: int | None,
         sampling: dict[str, Any],
-    ) -> _Plan:
+    ) -> Plan:
         info = await self._ready()
         ctx = info.max_model_len
         tokens = self._tokens
@@ -1130,7 +1027,7 @@ class AsyncClient:
             body["messages"] = [dict(m) for m in prompt if not isinstance(m, str)]
         body["max_tokens"] = send
         body.update(sampling)
-        return _Plan(kind, body, lane, send, prompt_tokens)
+        return Plan(kind, body, lane, send, prompt_tokens)
 
     # -- public calls ------------------------------------------------------------------------
     async def generate(
@@ -1140,8 +1037,8 @@ class AsyncClient:
         max_tokens: int | None = None,
         urgency: int = 0,
         group: str | None = None,
-        timeout: Any = USE_DEFAULT,
-        degrade: Any = USE_DEFAULT,
+        timeout: float | UseDefault | None = USE_DEFAULT,
+        degrade: Degrade | UseDefault | None = USE_DEFAULT,
         **sampling: Any,
     ) -> CompletionResult:
         """Complete ``prompt`` with the completions endpoint.
@@ -1161,8 +1058,8 @@ class AsyncClient:
             sampling: anything else goes into the request body as given (``temperature``,
                 vLLM's ``ignore_eos``, ``top_k``, ``min_tokens``, ...).
         """
-        _check_prompt(prompt)
-        _check_max_tokens(max_tokens)
+        check_prompt(prompt)
+        check_max_tokens(max_tokens)
         result = await self._request(
             "completion", prompt, max_tokens, urgency, group, timeout, sampling, degrade=degrade
         )
@@ -1176,8 +1073,8 @@ class AsyncClient:
         max_tokens: int | None = None,
         urgency: int = 0,
         group: str | None = None,
-        timeout: Any = USE_DEFAULT,
-        degrade: Any = USE_DEFAULT,
+        timeout: float | UseDefault | None = USE_DEFAULT,
+        degrade: Degrade | UseDefault | None = USE_DEFAULT,
         **sampling: Any,
     ) -> ChatResult:
         """Answer a conversation with the chat completions endpoint.
@@ -1186,8 +1083,8 @@ class AsyncClient:
 
         Parameters are those of :meth:`generate`, with ``messages`` in OpenAI's shape.
         """
-        _check_messages(messages)
-        _check_max_tokens(max_tokens)
+        check_messages(messages)
+        check_max_tokens(max_tokens)
         result = await self._request(
             "chat", messages, max_tokens, urgency, group, timeout, sampling, degrade=degrade
         )
@@ -1201,7 +1098,7 @@ class AsyncClient:
         max_tokens: int | None = None,
         urgency: int = 0,
         group: str | None = None,
-        timeout: Any = USE_DEFAULT,
+        timeout: float | UseDefault | None = USE_DEFAULT,
         **sampling: Any,
     ) -> Stream:
         """Stream text deltas over SSE: a string prompt uses completions, a list uses chat.
@@ -1214,33 +1111,87 @@ class AsyncClient:
         Leaving the block early closes the response and gives the connection and the slot back.
         """
         if isinstance(prompt, str):
-            _check_prompt(prompt)
+            check_prompt(prompt)
         else:
-            _check_messages(prompt)
-        _check_max_tokens(max_tokens)
+            check_messages(prompt)
+        check_max_tokens(max_tokens)
         return Stream(self, prompt, max_tokens, urgency, group, self._timeout_of(timeout), sampling)
 
-    async def map(self, items: Any, **kwargs: Any) -> BatchResults:
-        """Run a batch; results come back in input order. See :func:`dsclient._batch.run_map`.
+    async def map(
+        self,
+        items: Iterable[Any] | AsyncIterable[Any],
+        *,
+        ordered: bool = True,
+        on_error: OnError = "return",
+        progress: bool | Mapping[str, Any] | None = None,
+        output: str | os.PathLike[str] | JsonlStore | None = None,
+        resume: bool = False,
+        max_tokens: int | None = None,
+        urgency: int = 0,
+        group: str | None = None,
+        timeout: float | UseDefault | None = USE_DEFAULT,
+        **sampling: Any,
+    ) -> BatchResults:
+        """Run every item; results come back in input order, one per item, never dropped.
 
-        results = await client.map(["Hello", "Bonjour"], max_tokens=16)
+            results = await client.map(["Hello", "Bonjour"], max_tokens=16, output="out.jsonl")
+
+        Parameters are those of :func:`dsclient._batch.run_map` (``docs/batch.md``): items are
+        prompts, message lists or request dicts; ``output`` a JSONL file that ``resume=True``
+        continues; ``on_error="raise"`` stops at the first failure; ``sampling`` goes into every
+        request body.
         """
-        from ._batch import run_map
+        return await run_map(
+            self,
+            items,
+            ordered=ordered,
+            on_error=on_error,
+            progress=progress,
+            output=output,
+            resume=resume,
+            max_tokens=max_tokens,
+            urgency=urgency,
+            group=group,
+            timeout=timeout,
+            **sampling,
+        )
 
-        return await run_map(self, items, **kwargs)
+    def imap(
+        self,
+        items: Iterable[Any] | AsyncIterable[Any],
+        *,
+        on_error: OnError = "return",
+        progress: bool | Mapping[str, Any] | None = None,
+        output: str | os.PathLike[str] | JsonlStore | None = None,
+        resume: bool = False,
+        max_tokens: int | None = None,
+        urgency: int = 0,
+        group: str | None = None,
+        timeout: float | UseDefault | None = USE_DEFAULT,
+        **sampling: Any,
+    ) -> AsyncIterator[tuple[int, Result | Failure]]:
+        """Yield ``(index, result)`` as each item finishes (completion order). Parameters are
+        those of :meth:`map`, without ``ordered``; see :func:`dsclient._batch.iter_map`.
 
-    def imap(self, items: Any, **kwargs: Any) -> AsyncIterator[tuple[int, Result | Failure]]:
-        """Yield ``(index, result)`` as each item finishes. See :func:`dsclient._batch.iter_map`.
-
-        async for index, result in client.imap(prompts, output="out.jsonl"):
-            ...
+            async for index, result in client.imap(prompts, output="out.jsonl"):
+                ...
         """
-        from ._batch import iter_map
+        return iter_map(
+            self,
+            items,
+            on_error=on_error,
+            progress=progress,
+            output=output,
+            resume=resume,
+            max_tokens=max_tokens,
+            urgency=urgency,
+            group=group,
+            timeout=timeout,
+            **sampling,
+        )
 
-        return iter_map(self, items, **kwargs)
-
-    def _timeout_of(self, timeout: Any) -> float | None:
-        if timeout is USE_DEFAULT:
+    def _timeout_of(self, timeout: float | UseDefault | None) -> float | None:
+        if isinstance(timeout, UseDefault):
             return self._timeout
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(
@@ -1260,21 +1211,21 @@ class AsyncClient:
         sampling: dict[str, Any],
         *,
         index: int | None = None,
-        degrade: Any = USE_DEFAULT,
+        degrade: Degrade | UseDefault | None = USE_DEFAULT,
     ) -> Result:
         """The one internal entry point of a call (``generate``, ``chat``, ``map()``): plan,
         then attempts under the governor (see :mod:`dsclient._pipeline`), within the timeout;
         degraded (``dsclient._degrade``) rather than miss it, when the call says so."""
         limit_s = self._timeout_of(timeout)
-        option = self._degrade if degrade is USE_DEFAULT else degrade
+        option = self._degrade if isinstance(degrade, UseDefault) else degrade
         if option is not None and not isinstance(option, Degrade):
             raise TypeError(f"degrade must be a Degrade or None, got {type(option).__name__}")
         start = self._clock()
-        plan: _Plan | None = None
+        plan: Plan | None = None
         degraded: str | None = None
         try:
             try:
-                async with _deadline(limit_s):
+                async with deadline(limit_s):
                     plan = await self._plan(kind, prompt, max_tokens, sampling)
                     prefix = prefix_text(prompt) if self._pool is not None else None
                     miss_at = None
@@ -1319,7 +1270,7 @@ class AsyncClient:
                     f"call did not finish within its timeout of {limit_s} s"
                 ) from exc
             latency = self._clock() - start
-            result = _build_result(
+            result = build_result(
                 kind, data, latency, queued, attempts, plan, index, server, degraded
             )
             self._pace.observe(
@@ -1347,7 +1298,7 @@ class AsyncClient:
             )
         return result
 
-    def _degraded(self, plan: _Plan, option: Degrade, why: str) -> tuple[_Plan, str]:
+    def _degraded(self, plan: Plan, option: Degrade, why: str) -> tuple[Plan, str]:
         """``plan`` changed as ``option`` says, and the words the result carries about it."""
         body = dict(plan.body)
         changes: list[str] = []
@@ -1384,7 +1335,7 @@ class AsyncClient:
             body["max_tokens"] = max_tokens
         if not changes:
             changes.append("nothing left to give up")
-        degraded = _Plan(plan.kind, body, plan.lane, max_tokens, plan.prompt_tokens)
+        degraded = Plan(plan.kind, body, plan.lane, max_tokens, plan.prompt_tokens)
         text = ", ".join(changes) + ": " + why
         logger.info("dsclient: call degraded: %s", text)
         return degraded, text
@@ -1392,7 +1343,7 @@ class AsyncClient:
     def _observe_failure(
         self,
         kind: Literal["completion", "chat", "stream"],
-        plan: _Plan | None,
+        plan: Plan | None,
         group: str | None,
         exc: Exception,
         start: float,
@@ -1428,7 +1379,7 @@ class AsyncClient:
         urgency: int,
         group: str | None,
         sampling: dict[str, Any],
-    ) -> tuple[_Plan, httpx.Response, Lease, int, str]:
+    ) -> tuple[Plan, httpx.Response, Lease, int, str]:
         """The entry point of a stream: plan, then open it under a slot the caller holds."""
         kind: Literal["completion", "chat"] = "completion" if isinstance(prompt, str) else "chat"
         plan = await self._plan(kind, prompt, max_tokens, dict(sampling))
@@ -1496,193 +1447,3 @@ class AsyncClient:
         from ._transport import async_httpx
 
         return async_httpx(self, urgency=urgency, group=group, overflow=overflow, **kwargs)
-
-
-def _build_result(
-    kind: Literal["completion", "chat"],
-    data: dict[str, Any],
-    latency: float,
-    queued: float,
-    attempts: int,
-    plan: _Plan,
-    index: int | None,
-    server: str | None = None,
-    degraded: str | None = None,
-) -> Result:
-    # The fields are checked here by hand and the models built with ``_trusted`` (what
-    # ``model_construct`` does, minus its per-field loop): pydantic's validation of the two
-    # models was a tenth of the client's own CPU per request, ``model_construct`` a twentieth.
-    try:
-        choice = data["choices"][0]
-        text = choice["text"] if kind == "completion" else choice["message"].get("content") or ""
-        finish = choice.get("finish_reason")
-        usage_data = data.get("usage") or {}
-        prompt_tokens = usage_data.get("prompt_tokens") or 0
-        completion_tokens = usage_data.get("completion_tokens") or 0
-        if not isinstance(text, str):
-            raise TypeError(f"text is {type(text).__name__}, not str")
-        if finish is not None and not isinstance(finish, str):
-            raise TypeError(f"finish_reason is {type(finish).__name__}, not str")
-        if not isinstance(prompt_tokens, int) or not isinstance(completion_tokens, int):
-            raise TypeError("usage token counts are not integers")
-    except (KeyError, IndexError, TypeError, AttributeError) as exc:
-        raise MalformedResponse(
-            f"server's answer lacks the fields of a {kind} response ({type(exc).__name__}: {exc})",
-            body=json.dumps(data)[:2000],
-        ) from exc
-    cls = CompletionResult if kind == "completion" else ChatResult
-    return cls._trusted(
-        text=text,
-        finish_reason=finish,
-        usage=Usage._trusted(prompt_tokens, completion_tokens),
-        latency_s=latency,
-        queued_s=queued,
-        attempts=attempts,
-        max_tokens=plan.max_tokens,
-        lane=plan.lane,
-        index=index,
-        raw_data=data,
-        server=server,
-        degraded=degraded,
-    )
-
-
-class Stream:
-    """A streaming call: ``async with`` opens it, ``async for`` yields text deltas.
-
-    After (or during) iteration: ``text`` (all deltas so far), ``ttft_s`` (seconds from the call
-    to the first token), ``finish_reason``, ``attempts``, ``lane``, ``max_tokens``.
-
-    The call's timeout covers the whole stream, from ``async with`` to the last event: a server
-    that stops sending, or trickles a byte at a time (which no per-read timeout catches), ends
-    the iteration with :class:`~dsclient.TimeoutError` once it runs out.
-    """
-
-    def __init__(
-        self,
-        client: AsyncClient,
-        prompt: Prompt,
-        max_tokens: int | None,
-        urgency: int,
-        group: str | None,
-        timeout: float | None,
-        sampling: dict[str, Any],
-    ) -> None:
-        self._client = client
-        self._prompt = prompt
-        self._max_tokens = max_tokens
-        self._urgency = urgency
-        self._group = group
-        self._timeout = timeout
-        self._sampling = sampling
-        self._slot: Lease | None = None
-        self._response: httpx.Response | None = None
-        self._events: AsyncIterator[dict[str, Any]] | None = None
-        self.ttft_s: float | None = None
-        self.finish_reason: str | None = None
-        self.attempts = 0
-        self.lane: Lane = "short"
-        self.max_tokens: int | None = None
-        self.server: str | None = None
-        self._start = 0.0
-        self._ends_at: float | None = None  # on the event loop's clock (anyio.current_time)
-        self._chunks: list[str] = []
-
-    async def __aenter__(self) -> Stream:
-        client = self._client
-        self._start = client._clock()
-        if self._timeout is not None:
-            self._ends_at = anyio.current_time() + self._timeout
-        try:
-            async with _deadline(self._timeout):
-                plan, response, slot, attempts, server = await client._open_stream(
-                    self._prompt, self._max_tokens, self._urgency, self._group, self._sampling
-                )
-        except builtins.TimeoutError as exc:
-            raise TimeoutError(
-                f"stream did not open within its timeout of {self._timeout} s"
-            ) from exc
-        self.lane, self.max_tokens, self.attempts = plan.lane, plan.max_tokens, attempts
-        self.server = server
-        self._response, self._slot = response, slot
-        self._events = sse_events(response, limit=client._path.max_body_bytes)
-        return self
-
-    def __aiter__(self) -> AsyncIterator[str]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[str]:
-        events = self._events
-        if events is None:
-            raise RuntimeError("use the stream inside 'async with client.stream(...) as s:'")
-        ends_at = self._ends_at
-        try:
-            while True:
-                # Each read waits at most for what is left of the call's timeout. The scope
-                # holds the read only, never the yield: the consumer's own awaits stay outside.
-                left = None if ends_at is None else max(0.0, ends_at - anyio.current_time())
-                try:
-                    async with _deadline(left):
-                        event = await anext(events)
-                except StopAsyncIteration:
-                    return
-                except builtins.TimeoutError as exc:
-                    raise TimeoutError(
-                        f"stream did not finish within its timeout of {self._timeout} s"
-                    ) from exc
-                except DSClientError as exc:
-                    self._client._path.redact_error(exc)  # the server may echo the key
-                    raise
-                delta, finish = delta_of(event)
-                if finish is not None:
-                    self.finish_reason = finish
-                if delta:
-                    if self.ttft_s is None:
-                        self.ttft_s = self._client._clock() - self._start
-                    self._chunks.append(delta)
-                    yield delta
-        except httpx.TransportError as exc:
-            raise translate_transport_error(exc) from exc
-
-    async def _release(self, exc: BaseException | None) -> None:
-        if self._response is not None:
-            await self._response.aclose()
-            self._response = None
-        client = self._client
-        if self._slot is not None and client._observers:
-            client._notify(
-                CallRecord(
-                    kind="stream",
-                    server=self.server or client.url,
-                    lane=self.lane,
-                    group=self._group,
-                    error=type(exc).__name__ if exc is not None else None,
-                    status=getattr(exc, "status", None) or None,
-                    latency_s=self.latency_s,
-                    queued_s=self._slot.queued_s,
-                    attempts=self.attempts,
-                    prompt_tokens=None,
-                    completion_tokens=len(self._chunks),
-                )
-            )
-        if self._slot is not None:
-            slot, self._slot = self._slot, None
-            if isinstance(exc, DSClientError):
-                slot.set_outcome(outcome_of(exc))
-            if exc is not None:
-                await slot.__aexit__(type(exc), exc, exc.__traceback__)
-            else:
-                await slot.__aexit__(None, None, None)
-
-    async def __aexit__(self, et: Any, ev: Any, tb: Any) -> None:
-        with anyio.CancelScope(shield=True):
-            await self._release(ev)
-
-    @property
-    def text(self) -> str:
-        """All deltas received so far."""
-        return "".join(self._chunks)
-
-    @property
-    def latency_s(self) -> float:
-        return self._client._clock() - self._start

@@ -87,6 +87,7 @@ from ._exceptions import (
 )
 from ._governor import choose_lane, default_long_threshold
 from ._observe import CallRecord
+from ._request import deadline
 from ._routing import prefix_text
 from ._streaming import MAX_BODY_BYTES
 
@@ -664,9 +665,7 @@ def _deadline_of(request: httpx.Request) -> tuple[float | None, float | None]:
 
 
 def _scope(seconds: float | None) -> Any:
-    from ._client import _deadline
-
-    return _deadline(seconds)
+    return deadline(seconds)
 
 
 def _as_httpx(exc: DSClientError, request: httpx.Request) -> httpx.HTTPError:

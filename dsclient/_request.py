@@ -1,0 +1,192 @@
+"""A call before and after the wire: its arguments checked, what it will send (:class:`Plan`),
+and the server's answer made into a result (:func:`build_result`, the one place that does it).
+
+No I/O here: the client plans (``dsclient._client``), the request path sends
+(``dsclient._pipeline``), and both use these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, Final, Literal
+
+import anyio
+import sniffio
+
+from ._exceptions import MalformedResponse
+from ._models import ChatResult, CompletionResult, Result, Usage
+
+__all__ = [
+    "USE_DEFAULT",
+    "Lane",
+    "Messages",
+    "Plan",
+    "Prompt",
+    "UseDefault",
+    "build_result",
+    "check_max_tokens",
+    "check_messages",
+    "check_prompt",
+    "deadline",
+]
+
+Messages = Sequence[Mapping[str, Any]]
+Prompt = str | Messages
+Lane = Literal["short", "long"]
+
+
+class UseDefault:
+    """The type of :data:`USE_DEFAULT`: "use the client's default" (``None`` means "turn it
+    off"). Typed like httpx's ``UseClientDefault``: a parameter reads
+    ``timeout: float | None | UseDefault = USE_DEFAULT``, and code tells it apart with
+    ``isinstance(value, UseDefault)``."""
+
+    _instance: UseDefault | None = None
+
+    def __new__(cls) -> UseDefault:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "USE_DEFAULT"
+
+
+USE_DEFAULT: Final[UseDefault] = UseDefault()
+
+
+def deadline(seconds: float | None) -> contextlib.AbstractAsyncContextManager[Any]:
+    """An async scope that raises the builtin ``TimeoutError`` after ``seconds`` (``None``:
+    never).
+
+    On asyncio (3.11+) this is ``asyncio.timeout``, which costs a few microseconds; anyio's
+    ``fail_after`` (used on trio and older Pythons) costs about 25 us a call here, which was
+    the largest share of the client's own CPU per request.
+    """
+    if seconds is None:
+        return contextlib.nullcontext()
+    if _HAS_ASYNCIO_TIMEOUT and sniffio.current_async_library() == "asyncio":
+        return asyncio.timeout(seconds)  # type: ignore[attr-defined,no-any-return]
+    return _AnyioDeadline(seconds)
+
+
+class _AnyioDeadline:
+    """``anyio.fail_after`` as an async context manager, for :func:`deadline`."""
+
+    __slots__ = ("_scope",)
+
+    def __init__(self, seconds: float) -> None:
+        self._scope = anyio.fail_after(seconds)
+
+    async def __aenter__(self) -> None:
+        self._scope.__enter__()
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        return self._scope.__exit__(*exc_info)
+
+
+_HAS_ASYNCIO_TIMEOUT = sys.version_info >= (3, 11)
+
+
+def check_messages(messages: Any) -> None:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError(
+            f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}"
+        )
+    if not messages:
+        raise ValueError("messages is empty; give at least one {'role': ..., 'content': ...}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or "role" not in m:
+            raise TypeError(
+                f"messages[{i}] must be a dict with 'role' and 'content', got {m!r:.80}"
+            )
+
+
+def check_prompt(prompt: Any) -> None:
+    if not isinstance(prompt, str):
+        raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+    if not prompt:
+        raise ValueError("prompt is empty")
+
+
+def check_max_tokens(max_tokens: Any) -> None:
+    if max_tokens is None:
+        return
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__}")
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+
+
+class Plan:
+    """What one call will send: endpoint, body, lane and the governor's options."""
+
+    __slots__ = ("body", "kind", "lane", "max_tokens", "path", "prompt_tokens")
+
+    def __init__(
+        self,
+        kind: Literal["completion", "chat"],
+        body: dict[str, Any],
+        lane: Lane,
+        max_tokens: int,
+        prompt_tokens: int,
+    ) -> None:
+        self.kind = kind
+        self.path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
+        self.body = body
+        self.lane = lane
+        self.max_tokens = max_tokens
+        self.prompt_tokens = prompt_tokens
+
+
+def build_result(
+    kind: Literal["completion", "chat"],
+    data: dict[str, Any],
+    latency: float,
+    queued: float,
+    attempts: int,
+    plan: Plan,
+    index: int | None,
+    server: str | None = None,
+    degraded: str | None = None,
+) -> Result:
+    # The fields are checked here by hand and the models built with ``_trusted`` (what
+    # ``model_construct`` does, minus its per-field loop): pydantic's validation of the two
+    # models was a tenth of the client's own CPU per request, ``model_construct`` a twentieth.
+    try:
+        choice = data["choices"][0]
+        text = choice["text"] if kind == "completion" else choice["message"].get("content") or ""
+        finish = choice.get("finish_reason")
+        usage_data = data.get("usage") or {}
+        prompt_tokens = usage_data.get("prompt_tokens") or 0
+        completion_tokens = usage_data.get("completion_tokens") or 0
+        if not isinstance(text, str):
+            raise TypeError(f"text is {type(text).__name__}, not str")
+        if finish is not None and not isinstance(finish, str):
+            raise TypeError(f"finish_reason is {type(finish).__name__}, not str")
+        if not isinstance(prompt_tokens, int) or not isinstance(completion_tokens, int):
+            raise TypeError("usage token counts are not integers")
+    except (KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise MalformedResponse(
+            f"server's answer lacks the fields of a {kind} response ({type(exc).__name__}: {exc})",
+            body=json.dumps(data)[:2000],
+        ) from exc
+    cls = CompletionResult if kind == "completion" else ChatResult
+    return cls._trusted(
+        text=text,
+        finish_reason=finish,
+        usage=Usage._trusted(prompt_tokens, completion_tokens),
+        latency_s=latency,
+        queued_s=queued,
+        attempts=attempts,
+        max_tokens=plan.max_tokens,
+        lane=plan.lane,
+        index=index,
+        raw_data=data,
+        server=server,
+        degraded=degraded,
+    )
