@@ -7,7 +7,18 @@ loop is already running in the caller's thread and ``asyncio.run`` would fail.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import random
+import time
+from collections.abc import (
+    AsyncIterable,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from contextlib import AbstractContextManager, ExitStack
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -18,12 +29,23 @@ from ._client import USE_DEFAULT, AsyncClient, Messages, Prompt, Stream
 from ._discovery import ServerInfo
 from ._governor import GovernorStats
 from ._models import ChatResult, CompletionResult, Failure, Result
+from ._streaming import MAX_BODY_BYTES
 
 if TYPE_CHECKING:
     import httpx
     import openai
 
+    from ._batch import OnError
+    from ._client import UseDefault
+    from ._degrade import Degrade
+    from ._jsonl import JsonlStore
+    from ._retry import Retry
+    from ._routing import RoutingPolicy
+
 __all__ = ["Client", "SyncStream"]
+
+#: The locals of ``Client.__init__`` that are not AsyncClient options.
+_NOT_OPTIONS = frozenset({"self", "base_url", "__class__"})
 
 
 class Client:
@@ -32,10 +54,49 @@ class Client:
         with dsclient.Client("http://127.0.0.1:8000") as client:
             print(client.generate("Hello", max_tokens=8).text)
 
-    Works inside Jupyter cells (the event loop lives in a background thread).
+    Works inside Jupyter cells (the event loop lives in a background thread). The parameters
+    are :class:`AsyncClient`'s, with the same defaults (a test keeps the two in step).
     """
 
-    def __init__(self, base_url: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        base_url: str | Sequence[str] | Any,
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout: float | None = 600.0,
+        outage_wait: float | None = 300.0,
+        max_response_bytes: int = MAX_BODY_BYTES,
+        retry: Retry | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        max_num_seqs: int | None = None,
+        headroom: float = 0.7,
+        adaptive: bool = True,
+        limit: int | None = None,
+        max_limit: int | None = None,
+        latency_target: float | None = None,
+        scrape_interval: float = 0.25,
+        max_model_len: int | None = None,
+        max_queue: int | None = None,
+        long_threshold: int | None = None,
+        long_share: float = 0.5,
+        long_idle_borrow: float | None = 1.0,
+        short_first: bool = False,
+        group_caps: Mapping[str, float] | None = None,
+        default_max_tokens: int = 256,
+        tokenizer: Any = None,
+        headers: Mapping[str, str] | None = None,
+        shared: str | None = None,
+        shared_key: str = "dsclient",
+        routing: RoutingPolicy | None = None,
+        degrade: Degrade | None = None,
+        sleep: Callable[[float], Awaitable[None]] | None = None,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        # Every keyword parameter, read before any other local exists: the list above is the
+        # only place the names are written, so it cannot drift from what is passed through.
+        kwargs = {name: value for name, value in locals().items() if name not in _NOT_OPTIONS}
         self._stack = ExitStack()
         portal_cm: AbstractContextManager[BlockingPortal] = start_blocking_portal("asyncio")
         self._portal = self._stack.enter_context(portal_cm)
@@ -142,15 +203,80 @@ class Client:
         inner = self._async.stream(prompt, max_tokens=max_tokens, timeout=timeout, **kwargs)
         return SyncStream(self._portal, inner)
 
-    def map(self, items: Any, **kwargs: Any) -> BatchResults:
-        """See :meth:`AsyncClient.map`; works inside a Jupyter cell too."""
-        return self._portal.call(lambda: self._async.map(items, **kwargs))
+    def map(
+        self,
+        items: Iterable[Any] | AsyncIterable[Any],
+        *,
+        ordered: bool = True,
+        on_error: OnError = "return",
+        progress: bool | Mapping[str, Any] | None = None,
+        output: str | os.PathLike[str] | JsonlStore | None = None,
+        resume: bool = False,
+        max_tokens: int | None = None,
+        urgency: int = 0,
+        group: str | None = None,
+        timeout: float | UseDefault | None = USE_DEFAULT,
+        **sampling: Any,
+    ) -> BatchResults:
+        """Run every item; results in input order. Works inside a Jupyter cell too.
 
-    def imap(self, items: Any, **kwargs: Any) -> Iterator[tuple[int, Result | Failure]]:
-        """See :meth:`AsyncClient.imap`; a plain iterator of ``(index, result)``."""
+            results = client.map(["Hello", "Bonjour"], max_tokens=16, output="out.jsonl")
+
+        Parameters are those of :meth:`AsyncClient.map` (:func:`dsclient._batch.run_map`).
+        """
+        return self._portal.call(
+            lambda: self._async.map(
+                items,
+                ordered=ordered,
+                on_error=on_error,
+                progress=progress,
+                output=output,
+                resume=resume,
+                max_tokens=max_tokens,
+                urgency=urgency,
+                group=group,
+                timeout=timeout,
+                **sampling,
+            )
+        )
+
+    def imap(
+        self,
+        items: Iterable[Any] | AsyncIterable[Any],
+        *,
+        on_error: OnError = "return",
+        progress: bool | Mapping[str, Any] | None = None,
+        output: str | os.PathLike[str] | JsonlStore | None = None,
+        resume: bool = False,
+        max_tokens: int | None = None,
+        urgency: int = 0,
+        group: str | None = None,
+        timeout: float | UseDefault | None = USE_DEFAULT,
+        **sampling: Any,
+    ) -> Iterator[tuple[int, Result | Failure]]:
+        """A plain iterator of ``(index, result)`` in completion order.
+
+            for index, result in client.imap(prompts, output="out.jsonl"):
+                ...
+
+        Parameters are those of :meth:`AsyncClient.imap` (:func:`dsclient._batch.iter_map`).
+        """
         from ._batch import iter_map_blocking
 
-        return iter_map_blocking(self._portal, self._async, items, **kwargs)
+        return iter_map_blocking(
+            self._portal,
+            self._async,
+            items,
+            on_error=on_error,
+            progress=progress,
+            output=output,
+            resume=resume,
+            max_tokens=max_tokens,
+            urgency=urgency,
+            group=group,
+            timeout=timeout,
+            **sampling,
+        )
 
     def openai(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import httpx
 
@@ -55,3 +56,56 @@ def test_sync_errors_propagate():
             assert exc.status == 404
         else:
             raise AssertionError("expected RequestRefused")
+
+
+# -- the facade's signatures are AsyncClient's ---------------------------------------------------
+
+
+def _parameters(function, *, drop: tuple[str, ...]) -> list[tuple[str, object, object]]:
+    """(name, kind, default) of each parameter, without ``drop``: what an editor shows."""
+    return [
+        (p.name, p.kind, p.default)
+        for p in inspect.signature(function).parameters.values()
+        if p.name not in drop
+    ]
+
+
+def test_client_takes_exactly_the_async_clients_parameters():
+    # A parameter added to AsyncClient and not to Client (or a default changed in one) fails here.
+    sync = _parameters(dsclient.Client.__init__, drop=("self",))
+    inner = _parameters(dsclient.AsyncClient.__init__, drop=("self",))
+    assert sync == inner
+    assert ("transport", inspect.Parameter.KEYWORD_ONLY, None) in sync
+
+
+def test_client_map_and_imap_take_the_batch_runners_parameters():
+    from dsclient._batch import iter_map, run_map
+
+    assert _parameters(dsclient.Client.map, drop=("self",)) == _parameters(
+        run_map, drop=("client",)
+    )
+    assert _parameters(dsclient.Client.imap, drop=("self",)) == _parameters(
+        iter_map, drop=("client",)
+    )
+
+
+def test_client_options_reach_the_async_client(tmp_path):
+    fake = FakeServer()
+    with dsclient.Client(
+        "http://127.0.0.1:8000",
+        transport=fake.transport,
+        limit=3,
+        adaptive=False,
+        default_max_tokens=7,
+        headers={"x-team": "search"},
+    ) as client:
+        assert client.limit == 3
+        client.generate("x")
+        results = client.map(["a", "b"], ordered=False, output=tmp_path / "out.jsonl", seed=5)
+        pairs = sorted(client.imap(["c"], max_tokens=2, urgency=1))
+    assert fake.bodies[0]["max_tokens"] == 7  # default_max_tokens went through
+    assert fake.requests[0].headers["x-team"] == "search"
+    assert len(results) == 2 and all(r.ok for r in results)
+    assert {body.get("seed") for body in fake.bodies[1:3]} == {5}  # sampling went through
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2
+    assert [index for index, _ in pairs] == [0] and fake.bodies[3]["max_tokens"] == 2
