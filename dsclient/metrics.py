@@ -178,6 +178,8 @@ class _Tally:
         return [view.url for view in self.client.servers]
 
     def label(self, url: str) -> str:
+        """``url``'s label, remembered (under :attr:`lock` once the tally is observing: a
+        scrape reads :attr:`labels` from another thread)."""
         label = self.labels.get(url)
         if label is None:
             label = self.labels[url] = url_label(url)
@@ -185,9 +187,9 @@ class _Tally:
 
     def __call__(self, record: CallRecord) -> None:
         lane = record.lane or ""
-        server = self.label(record.server)
-        key = (server, lane, record.error or "ok", str(record.status) if record.status else "")
         with self.lock:
+            server = self.label(record.server)
+            key = (server, lane, record.error or "ok", str(record.status) if record.status else "")
             self.requests[key] = self.requests.get(key, 0) + 1
             latency = self.latency.get((server, lane))
             if latency is None:
@@ -357,7 +359,8 @@ class Collector:
             fmt = self._format.floatToGoString
             for tally in self._tallies:
                 for view in tally.client.servers:
-                    label = [tally.label(view.url)]
+                    with tally.lock:
+                        label = [tally.label(view.url)]
                     limit.add_metric(label, view.limit)
                     in_flight.add_metric(label, view.in_flight)
                     waiting.add_metric(label, view.waiting)
