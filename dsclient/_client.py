@@ -35,24 +35,23 @@ import httpx
 import sniffio
 
 from ._batch import BatchResults, OnError, iter_map, run_map
+from ._client_discovery import DiscoveryMixin
 from ._degrade import Degrade, Pace, predict_s
-from ._discovery import DEFAULT_MAX_NUM_SEQS, ServerInfo, discover
-from ._endpoint import ControlOptions, Endpoint, ServerView, fetch_load
+from ._discovery import DEFAULT_MAX_NUM_SEQS, ServerInfo
+from ._endpoint import ControlOptions, Endpoint, ServerView
 from ._exceptions import (
-    ConnectionError,
-    DSClientError,
     TimeoutError,
 )
-from ._governor import GovernorStats, choose_lane, compute_limit, default_long_threshold
+from ._governor import GovernorStats, compute_limit
 from ._health import Reachability
 from ._jsonl import JsonlStore
 from ._models import ChatResult, CompletionResult, Failure, Result
 from ._observe import CallRecord, Observer
+from ._options import check_options
 from ._pipeline import RequestPath, WouldMiss
 from ._pool import NoServerError, ServerPool
 from ._request import (
     USE_DEFAULT,
-    Lane,
     Messages,
     Plan,
     Prompt,
@@ -65,16 +64,11 @@ from ._request import (
 )
 from ._retry import Retry, RetryBudget
 from ._routing import Router, RoutingPolicy, prefix_text
-from ._shared import SharedBudget, redact_url
+from ._shared import SharedBudget
 from ._stream import Stream
 from ._streaming import MAX_BODY_BYTES
 from ._tokens import (
-    CALIBRATION_TEXT,
     TokenCounter,
-    count_exact,
-    lane_is_uncertain,
-    needs_exact_count,
-    plan_from_estimate,
     plan_max_tokens,
 )
 from ._urls import root_url
@@ -109,13 +103,6 @@ class _Secret:
 #: Seconds one attempt may take to connect (a retryable failure past it); the call's deadline
 #: still bounds the whole call.
 _CONNECT_TIMEOUT_S = 10.0
-
-
-def _rediscover_backoff(failures: int, rng: random.Random) -> float:
-    """Seconds before asking an unanswered ``/v1/models`` again after ``failures`` failures:
-    ``0.5 * 2**(failures-1)`` capped at 30, jittered to 50-100% of that."""
-    ceiling = min(30.0, 0.5 * math.pow(2.0, min(failures - 1, 16)))
-    return rng.uniform(ceiling / 2, ceiling)
 
 
 def _handle_tokenizer(handle: Any) -> str | None:
@@ -161,7 +148,7 @@ def _servers_of(base_url: Any) -> list[tuple[str, Any]]:
     return found
 
 
-class AsyncClient:
+class AsyncClient(DiscoveryMixin):
     """An async client for an OpenAI-compatible LLM server that governs its own concurrency.
 
         async with dsclient.AsyncClient("http://127.0.0.1:8000") as client:
@@ -281,77 +268,29 @@ class AsyncClient:
             named = {getattr(h, "model", None) for _, h in servers}
             if len(named) == 1 and all(h is not None for _, h in servers):
                 model = named.pop()
-        if model is not None and not isinstance(model, str):
-            raise TypeError(f"model must be a str, got {type(model).__name__}")
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(
-                f"timeout must be a positive number of seconds or None, got {timeout!r}"
-            )
-        for name, value in (
-            ("max_num_seqs", max_num_seqs),
-            ("max_model_len", max_model_len),
-            ("max_queue", max_queue),
-            ("long_threshold", long_threshold),
-            ("limit", limit),
-            ("max_limit", max_limit),
-        ):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
-        if not isinstance(default_max_tokens, int) or default_max_tokens < 1:
-            raise ValueError(f"default_max_tokens must be an int >= 1, got {default_max_tokens!r}")
-        if not isinstance(adaptive, bool):
-            raise TypeError(f"adaptive must be a bool, got {type(adaptive).__name__}")
-        if latency_target is not None and not (
-            isinstance(latency_target, (int, float)) and latency_target > 0
-        ):
-            raise ValueError(
-                f"latency_target must be a positive number of seconds or None, "
-                f"got {latency_target!r}"
-            )
-        if not (isinstance(scrape_interval, (int, float)) and 0.05 <= scrape_interval <= 60):
-            raise ValueError(
-                f"scrape_interval must be between 0.05 and 60 seconds, got {scrape_interval!r}"
-            )
-        if outage_wait is not None and not (
-            isinstance(outage_wait, (int, float))
-            and not isinstance(outage_wait, bool)
-            and outage_wait > 0
-        ):
-            raise ValueError(
-                f"outage_wait must be a positive number of seconds or None, got {outage_wait!r}"
-            )
-        if (
-            isinstance(max_response_bytes, bool)
-            or not isinstance(max_response_bytes, int)
-            or max_response_bytes < 1
-        ):
-            raise ValueError(
-                f"max_response_bytes must be an int >= 1 (bytes), got {max_response_bytes!r}"
-            )
-        if shared is not None and len(servers) > 1:
-            raise ValueError(
-                "shared= works with one server URL per client; with several servers, give each "
-                "server its own client and shared_key, or drop shared="
-            )
-        if degrade is not None and not isinstance(degrade, Degrade):
-            raise TypeError(f"degrade must be a Degrade or None, got {type(degrade).__name__}")
+        check_options(
+            model=model,
+            timeout=timeout,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            max_queue=max_queue,
+            long_threshold=long_threshold,
+            limit=limit,
+            max_limit=max_limit,
+            default_max_tokens=default_max_tokens,
+            adaptive=adaptive,
+            latency_target=latency_target,
+            scrape_interval=scrape_interval,
+            outage_wait=outage_wait,
+            max_response_bytes=max_response_bytes,
+            servers=len(servers),
+            shared=shared,
+            shared_key=shared_key,
+            degrade=degrade,
+            routing=routing,
+        )
         self._degrade = degrade
         self._pace = Pace()
-        if routing is not None and not isinstance(routing, RoutingPolicy):
-            raise TypeError(f"routing must be a RoutingPolicy, got {type(routing).__name__}")
-        if shared is not None and not (
-            isinstance(shared, str) and shared.startswith(("redis://", "rediss://", "unix://"))
-        ):
-            raise ValueError(
-                "shared must be a Redis URL (redis://, rediss:// or unix://) or None, got "
-                + (redact_url(shared) if isinstance(shared, str) else type(shared).__name__)
-            )
-        if not (isinstance(shared_key, str) and shared_key and "{" not in shared_key):
-            raise ValueError(
-                f"shared_key must be a non-empty str without braces, got {shared_key!r}"
-            )
         key = api_key or os.environ.get("DSCLIENT_API_KEY") or os.environ.get("OPENAI_API_KEY")
         self._api_key = _Secret(key) if key else None
         self._model = model
@@ -542,6 +481,26 @@ class AsyncClient:
             return
         self._poller_task = asyncio.get_running_loop().create_task(self._run_poller())
 
+    async def _ready(self) -> ServerInfo:
+        if self._closed:
+            raise RuntimeError("this AsyncClient is closed")
+        info = self._info()
+        if info is None:
+            info = await self.discover()
+        if not info.complete:
+            info = await self._rediscover()
+            if not info.complete and self._model is None:
+                info = await self._wait_for_listing()
+        if self._poller_scope is None and self._poller_task is None:
+            shared = self._shared
+            if shared is not None and shared.last is None and not shared.state.failures:
+                # Used without `async with` (or through the sync Client): the first lease now.
+                async with self._join_lock:
+                    if shared.last is None and not shared.state.failures:
+                        await shared.first_lease(self._endpoint)
+            self._ensure_poller()
+        return info
+
     def __repr__(self) -> str:
         where = f"urls={list(self.urls)!r}" if self._pool is not None else f"url={self.url!r}"
         return (
@@ -645,389 +604,6 @@ class AsyncClient:
         # queue), against the sum of the limits; each server's own in client.servers.
         stats = pool.front(self._model).stats()
         return dataclasses.replace(stats, limit=pool.limit_for(self._model))
-
-    # -- discovery ---------------------------------------------------------------------------
-    async def discover(self, *, refresh: bool = False) -> ServerInfo:
-        """Find the server's kind, model, context and ``max_num_seqs`` (once; cached).
-
-        Also scrapes ``/metrics`` once (whether the limit can follow the server's queue) and,
-        where the server has ``/tokenize``, calibrates the local token estimate on a sample text.
-        A discovery that got no answer from ``/v1/models`` (``server.complete`` is false) is not
-        final: later calls ask again, with a backoff (0.5 s doubling to 30 s, jittered), and a
-        call that needs the model to send waits for the answer.
-        """
-        info = self._info()
-        if info is not None and not refresh:
-            return info
-        async with self._discover_lock:
-            info = self._info()
-            if info is not None and not refresh:
-                return info
-            return await self._discover_locked(refresh=refresh)
-
-    def _info(self) -> ServerInfo | None:
-        """What discovery found: the server's, or with several the pool's (:meth:`_pool_info`)."""
-        if self._pool is None:
-            return self._endpoint.info
-        if all(e.info is None for e in self._endpoints):
-            return None
-        return self._pool_info()
-
-    def _pool_info(self) -> ServerInfo:
-        """Several servers as one for planning: the first that serves the model, with the
-        smallest context of those that do; incomplete while none does."""
-        assert self._pool is not None
-        serving = [e.info for e in self._pool.serving(self._model) if e.info is not None]
-        if not serving:
-            first = self._endpoint.info
-            kinds = {e.info.kind for e in self._endpoints if e.info is not None}
-            return ServerInfo(
-                url=self.url,
-                kind=kinds.pop() if len(kinds) == 1 else "unknown",
-                model=self._model,
-                sources=first.sources if first is not None else {},
-                complete=False,
-            )
-        contexts = [i.max_model_len for i in serving if i.max_model_len is not None]
-        return dataclasses.replace(
-            serving[0],
-            max_model_len=min(contexts) if contexts else None,
-            has_tokenize=any(i.has_tokenize for i in serving),
-        )
-
-    async def _discover_locked(self, *, refresh: bool = False) -> ServerInfo:
-        if self._pool is not None:
-            return await self._discover_pool(refresh=refresh)
-        url = self.url
-        info = await discover(
-            self._http,
-            url,
-            model=self._model,
-            max_num_seqs=self._explicit_max_num_seqs,
-            max_model_len=self._explicit_max_model_len,
-        )
-        info = self._with_handle_facts(info, url)
-        self._model = info.model if info.model is not None else self._model
-        load = None
-        if info.kind not in ("ollama", "unknown"):
-            load = await fetch_load(self._http, url, model=info.model, timeout=2.0)
-        self._endpoint.seed(info, load)
-        if info.has_tokenize and self._tokens.samples == 0:
-            await self._calibrate()
-        control = self._endpoint.controller
-        if info.complete:
-            if self._rediscover_failures:
-                logger.warning("dsclient: %s/v1/models answers again; model %s", url, info.model)
-            self._rediscover_failures = 0
-        else:
-            self._rediscover_failures += 1
-            delay = _rediscover_backoff(self._rediscover_failures, self._rng)
-            self._rediscover_at = self._clock() + delay
-            log = logger.warning if self._rediscover_failures == 1 else logger.debug
-            log(
-                "dsclient: %s/v1/models did not answer (try %d); the model and context stay "
-                "unknown, asked again in %.1f s or later",
-                url,
-                self._rediscover_failures,
-                delay,
-            )
-        logger.info(
-            "dsclient: %s at %s, model %s, max_num_seqs %s (%s), limit %d (%s, up to %d)",
-            info.kind,
-            url,
-            info.model,
-            info.max_num_seqs,
-            info.sources.get("max_num_seqs", "?"),
-            self.limit,
-            control.mode,
-            control.ceiling,
-        )
-        return self._endpoint.info or info
-
-    async def _discover_pool(self, *, refresh: bool) -> ServerInfo:
-        """Discover every server not yet (or not completely) discovered, at the same time. The
-        model is the one asked for, or the one every server serves; a server that does not
-        serve it stays in the pool for the models it does serve."""
-        assert self._pool is not None
-        todo = [e for e in self._endpoints if refresh or e.info is None or not e.info.complete]
-        async with anyio.create_task_group() as group:
-            for endpoint in todo:
-                group.start_soon(self._discover_endpoint, endpoint)
-        if self._model is None:
-            found = {e.info.model for e in self._endpoints if e.info and e.info.complete}
-            found.discard(None)
-            if len(found) > 1:
-                listing = ", ".join(
-                    f"{e.url}: {e.info.model!r}" for e in self._endpoints if e.info is not None
-                )
-                raise ValueError(
-                    f"the servers serve different models ({listing}); choose one with model="
-                )
-            if found:
-                self._model = found.pop()
-        self._pool.refresh()
-        info = self._pool_info()
-        every = all(e.info is not None and e.info.complete for e in self._endpoints)
-        if self._model is not None and every and not self._pool.serving(self._model):
-            served = sorted({m for e in self._endpoints if e.info for m in e.info.models})
-            raise ValueError(
-                f"model {self._model!r} is not served by any of the {len(self._endpoints)} "
-                f"servers; they serve: {', '.join(map(repr, served)) or '(none)'}"
-            )
-        if info.complete and info.has_tokenize and self._tokens.samples == 0:
-            await self._calibrate()
-        logger.info(
-            "dsclient: %d servers for model %s, %d serve it, limit %d in all",
-            len(self._endpoints),
-            self._model,
-            len(self._pool.serving(self._model)),
-            self.limit,
-        )
-        return info
-
-    async def _discover_endpoint(self, endpoint: Endpoint) -> None:
-        """One server of a pool: discover, scrape once, seed its controller. A server that does
-        not answer ``/v1/models`` stays out of rotation; the pool's health loop probes it and
-        asks again (:meth:`_rediscover_endpoint`)."""
-        url = endpoint.url
-        try:
-            info = await discover(
-                self._http,
-                url,
-                model=self._model,
-                max_num_seqs=self._explicit_max_num_seqs,
-                max_model_len=self._explicit_max_model_len,
-            )
-        except ValueError:
-            if self._model is None:
-                raise  # several models served here, and none chosen
-            try:  # it serves other models: keep what it serves, for calls that ask for them
-                info = await discover(self._http, url, max_model_len=self._explicit_max_model_len)
-            except ValueError as exc:
-                logger.warning("dsclient: %s does not serve model %r: %s", url, self._model, exc)
-                info = ServerInfo(url=url, kind="unknown", sources={"model": str(exc)})
-        info = self._with_handle_facts(info, url)
-        load = None
-        if info.kind not in ("ollama", "unknown"):
-            load = await fetch_load(self._http, url, model=info.model, timeout=2.0)
-        endpoint.seed(info, load)
-        assert self._pool is not None
-        if not info.complete:
-            self._pool.router.record_failure(url, "connect")  # out until a probe answers
-            logger.warning(
-                "dsclient: %s/v1/models did not answer; it stays out of rotation until it does",
-                url,
-            )
-
-    async def _rediscover_endpoint(self, endpoint: Endpoint) -> None:
-        """The pool's health loop found an undiscovered server answering: discover it."""
-        async with self._discover_lock:
-            if endpoint.info is None or not endpoint.info.complete:
-                await self._discover_endpoint(endpoint)
-                if self._pool is not None:
-                    self._pool.refresh()
-
-    async def _rediscover(self, *, now: bool = False) -> ServerInfo:
-        """Discovery again, if the last one was incomplete and its backoff is over (or ``now``);
-        concurrent callers share one."""
-        async with self._discover_lock:
-            info = self._info()
-            if info is not None and (
-                info.complete or (not now and self._clock() < self._rediscover_at)
-            ):
-                return info
-            return await self._discover_locked()
-
-    async def _wait_for_listing(self) -> ServerInfo:
-        """The model is unknown because ``/v1/models`` did not answer: a call must not go out
-        without one. Ask again until it answers: while nothing at all answers, wait for the
-        server like an outage (``outage_wait``); while it answers but not ``/v1/models``, give it
-        ``Retry.attempts`` tries with backoff, then fail. Bounded by the call's own timeout."""
-        reach = self._path.reach
-        tries = 0
-        while True:
-            info = self._info()
-            if info is not None and info.kind == "unknown" and not await self._path.probe_health():
-                reach.mark_down("discovery: nothing answered")
-                await reach.wait_up()
-            else:
-                tries += 1
-                if tries > self._retry.attempts:
-                    raise ConnectionError(
-                        f"{self.url}/v1/models did not answer in {tries - 1} tries, so the model "
-                        f"to ask for is unknown; pass model= to AsyncClient to send without it"
-                    )
-                if tries > 1:
-                    await self._sleep(_rediscover_backoff(tries - 1, self._rng))
-            info = await self._rediscover(now=True)
-            if info.complete or self._model is not None:
-                return info
-
-    async def _calibrate(self) -> None:
-        """One exact count of a fixed sample text fits the local estimate to the served model."""
-        try:
-            exact = await self._count_exact(CALIBRATION_TEXT)
-        except DSClientError as exc:  # a server that refuses the sample must not break discovery
-            logger.debug("dsclient: token calibration failed: %r", exc)
-            return
-        if exact is not None:
-            local = self._tokens.count(CALIBRATION_TEXT)
-            self._tokens.learn(local, exact)
-            logger.debug(
-                "dsclient: calibrated token estimate: sample %d local, %d served (x%.2f)",
-                local,
-                exact,
-                self._tokens.correction,
-            )
-
-    def _with_handle_facts(self, info: ServerInfo, url: str) -> ServerInfo:
-        """Fill what discovery could not find from the launched ``Server`` handle, if any."""
-        updates: dict[str, Any] = {}
-        sources = dict(info.sources)
-        for key, value in self._handle_facts.get(url, {}).items():
-            if sources.get(key) in (None, "default") or getattr(info, key) is None:
-                updates[key] = value
-                sources[key] = "launched Server handle"
-        if not updates:
-            return info
-        return dataclasses.replace(info, sources=sources, **updates)
-
-    async def _ready(self) -> ServerInfo:
-        if self._closed:
-            raise RuntimeError("this AsyncClient is closed")
-        info = self._info()
-        if info is None:
-            info = await self.discover()
-        if not info.complete:
-            info = await self._rediscover()
-            if not info.complete and self._model is None:
-                info = await self._wait_for_listing()
-        if self._poller_scope is None and self._poller_task is None:
-            shared = self._shared
-            if shared is not None and shared.last is None and not shared.state.failures:
-                # Used without `async with` (or through the sync Client): the first lease now.
-                async with self._join_lock:
-                    if shared.last is None and not shared.state.failures:
-                        await shared.first_lease(self._endpoint)
-            self._ensure_poller()
-        return info
-
-    # -- token budget ------------------------------------------------------------------------
-    async def count_tokens(self, prompt: Prompt, *, exact: bool = True) -> int:
-        """Tokens in a prompt or message list: exact via the server's ``/tokenize`` when it
-        has one and ``exact`` is true, else the local (corrected) estimate."""
-        if isinstance(prompt, str):
-            check_prompt(prompt)
-        else:
-            check_messages(prompt)
-        info = await self._ready()
-        local = self._tokens.count_any(prompt)
-        if exact and info.has_tokenize:
-            counted = await self._count_exact(prompt)
-            if counted is not None:
-                self._tokens.learn(local, counted)
-                return counted
-        return self._tokens.estimate_from(local)
-
-    def _tokenize_url(self) -> str:
-        """Where exact counts are asked: the server, or the first of the pool that serves the
-        model, is in rotation and has ``/tokenize``."""
-        pool = self._pool
-        if pool is None:
-            return self.url
-        for endpoint in pool.serving(self._model):
-            info = endpoint.info
-            if info is not None and info.has_tokenize and pool.in_rotation(endpoint):
-                return endpoint.url
-        return self.url
-
-    async def _probe_url(self, url: str) -> bool:
-        return await self._path.probe_url(url)
-
-    async def _count_exact(self, prompt: Prompt) -> int | None:
-        async with self._tokenize_limiter:
-            return await count_exact(
-                self._http,
-                self._tokenize_url(),
-                model=self._model,
-                prompt=prompt if isinstance(prompt, str) else None,
-                messages=None if isinstance(prompt, str) else [dict(m) for m in prompt],
-                timeout=10.0,
-            )
-
-    async def _plan(
-        self,
-        kind: Literal["completion", "chat"],
-        prompt: Prompt,
-        max_tokens: int | None,
-        sampling: dict[str, Any],
-    ) -> Plan:
-        info = await self._ready()
-        ctx = info.max_model_len
-        tokens = self._tokens
-        wanted = max_tokens if max_tokens is not None else self._default_max_tokens
-        margin = tokens.margin
-        threshold = self._long_threshold or default_long_threshold(ctx)
-        # Cheapest first: a byte bound (no tokenizer). When even that fits the context and the
-        # short lane, counting cannot change what is sent or where, so a short prompt never pays
-        # for tiktoken or /tokenize.
-        upper = tokens.upper_bound(prompt)
-        lane: Lane
-        if (
-            upper is not None
-            and upper + wanted <= threshold
-            and not needs_exact_count(
-                estimate=upper, error_bound=0, wanted=wanted, max_model_len=ctx, margin=margin
-            )
-        ):
-            send = wanted
-            lane = "short"
-            prompt_tokens = upper
-        else:
-            m = tokens.measure(prompt)
-            prompt_tokens = m.estimate
-            # The lane, like a context overflow, is an outcome the estimate's error can change:
-            # count exactly when its bound straddles the threshold.
-            if needs_exact_count(
-                estimate=m.estimate,
-                error_bound=m.error_bound,
-                wanted=wanted,
-                max_model_len=ctx,
-                margin=margin,
-            ) or lane_is_uncertain(
-                estimate=m.estimate, error_bound=m.error_bound, wanted=wanted, threshold=threshold
-            ):
-                counted = await self._count_exact(prompt) if info.has_tokenize else None
-                if counted is not None:
-                    tokens.learn(m.local, counted)
-                    prompt_tokens = counted
-                    send = plan_max_tokens(
-                        prompt_tokens=counted,
-                        requested=max_tokens,
-                        default=self._default_max_tokens,
-                        max_model_len=ctx,
-                        margin=margin,
-                    )
-                else:
-                    send = plan_from_estimate(
-                        estimate=m.estimate,
-                        error_bound=m.error_bound,
-                        requested=max_tokens,
-                        default=self._default_max_tokens,
-                        max_model_len=ctx,
-                        margin=margin,
-                    )
-            else:
-                send = wanted
-            lane = choose_lane(estimated_total_tokens=prompt_tokens + send, threshold=threshold)
-        body: dict[str, Any] = {"model": self._model} if self._model is not None else {}
-        if kind == "completion":
-            body["prompt"] = prompt
-        else:
-            body["messages"] = [dict(m) for m in prompt if not isinstance(m, str)]
-        body["max_tokens"] = send
-        body.update(sampling)
-        return Plan(kind, body, lane, send, prompt_tokens)
 
     # -- public calls ------------------------------------------------------------------------
     async def generate(

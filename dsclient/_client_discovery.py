@@ -1,0 +1,448 @@
+"""What the client learns about its servers before and between calls: discovery (once, again
+after an unanswered ``/v1/models``, per server of a pool), and the token budget that planning a
+call needs (exact counts, the calibrated estimate, ``max_tokens`` and the lane).
+
+:class:`DiscoveryMixin` is half of :class:`~dsclient.AsyncClient`: the client's wiring and public
+calls are in ``dsclient._client``, which sets every attribute declared here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import random
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import httpx
+
+from ._discovery import ServerInfo, discover
+from ._endpoint import Endpoint, fetch_load
+from ._exceptions import ConnectionError, DSClientError
+from ._governor import choose_lane, default_long_threshold
+from ._request import Lane, Plan, Prompt, check_messages, check_prompt
+from ._retry import Retry
+from ._tokens import (
+    CALIBRATION_TEXT,
+    TokenCounter,
+    count_exact,
+    lane_is_uncertain,
+    needs_exact_count,
+    plan_from_estimate,
+    plan_max_tokens,
+)
+
+if TYPE_CHECKING:
+    from ._pipeline import RequestPath
+    from ._pool import ServerPool
+
+__all__ = ["DiscoveryMixin"]
+
+logger = logging.getLogger("dsclient")
+
+
+def _rediscover_backoff(failures: int, rng: random.Random) -> float:
+    """Seconds before asking an unanswered ``/v1/models`` again after ``failures`` failures:
+    ``0.5 * 2**(failures-1)`` capped at 30, jittered to 50-100% of that."""
+    ceiling = min(30.0, 0.5 * math.pow(2.0, min(failures - 1, 16)))
+    return rng.uniform(ceiling / 2, ceiling)
+
+
+class DiscoveryMixin:
+    """Discovery and the token budget of :class:`~dsclient.AsyncClient` (see the module)."""
+
+    _http: httpx.AsyncClient
+    _endpoint: Endpoint
+    _endpoints: tuple[Endpoint, ...]
+    _pool: ServerPool | None
+    _path: RequestPath
+    _model: str | None
+    _explicit_max_num_seqs: int | None
+    _explicit_max_model_len: int | None
+    _handle_facts: dict[str, dict[str, int]]
+    _tokens: TokenCounter
+    _tokenize_limiter: anyio.CapacityLimiter
+    _discover_lock: anyio.Lock
+    _rediscover_at: float
+    _rediscover_failures: int
+    _retry: Retry
+    _rng: random.Random
+    _clock: Callable[[], float]
+    _sleep: Callable[[float], Any]
+    _closed: bool
+    _long_threshold: int | None
+    _default_max_tokens: int
+
+    async def _ready(self) -> ServerInfo:
+        raise NotImplementedError  # the client's: discovery, then its background tasks
+
+    def _limit_now(self) -> int:
+        if self._pool is not None:
+            return self._pool.limit_for(self._model)
+        return self._endpoint.governor.limit
+
+    # -- discovery ---------------------------------------------------------------------------
+    async def discover(self, *, refresh: bool = False) -> ServerInfo:
+        """Find the server's kind, model, context and ``max_num_seqs`` (once; cached).
+
+        Also scrapes ``/metrics`` once (whether the limit can follow the server's queue) and,
+        where the server has ``/tokenize``, calibrates the local token estimate on a sample text.
+        A discovery that got no answer from ``/v1/models`` (``server.complete`` is false) is not
+        final: later calls ask again, with a backoff (0.5 s doubling to 30 s, jittered), and a
+        call that needs the model to send waits for the answer.
+        """
+        info = self._info()
+        if info is not None and not refresh:
+            return info
+        async with self._discover_lock:
+            info = self._info()
+            if info is not None and not refresh:
+                return info
+            return await self._discover_locked(refresh=refresh)
+
+    def _info(self) -> ServerInfo | None:
+        """What discovery found: the server's, or with several the pool's (:meth:`_pool_info`)."""
+        if self._pool is None:
+            return self._endpoint.info
+        if all(e.info is None for e in self._endpoints):
+            return None
+        return self._pool_info()
+
+    def _pool_info(self) -> ServerInfo:
+        """Several servers as one for planning: the first that serves the model, with the
+        smallest context of those that do; incomplete while none does."""
+        assert self._pool is not None
+        serving = [e.info for e in self._pool.serving(self._model) if e.info is not None]
+        if not serving:
+            first = self._endpoint.info
+            kinds = {e.info.kind for e in self._endpoints if e.info is not None}
+            return ServerInfo(
+                url=self._endpoint.url,
+                kind=kinds.pop() if len(kinds) == 1 else "unknown",
+                model=self._model,
+                sources=first.sources if first is not None else {},
+                complete=False,
+            )
+        contexts = [i.max_model_len for i in serving if i.max_model_len is not None]
+        return dataclasses.replace(
+            serving[0],
+            max_model_len=min(contexts) if contexts else None,
+            has_tokenize=any(i.has_tokenize for i in serving),
+        )
+
+    async def _discover_locked(self, *, refresh: bool = False) -> ServerInfo:
+        if self._pool is not None:
+            return await self._discover_pool(refresh=refresh)
+        url = self._endpoint.url
+        info = await discover(
+            self._http,
+            url,
+            model=self._model,
+            max_num_seqs=self._explicit_max_num_seqs,
+            max_model_len=self._explicit_max_model_len,
+        )
+        info = self._with_handle_facts(info, url)
+        self._model = info.model if info.model is not None else self._model
+        load = None
+        if info.kind not in ("ollama", "unknown"):
+            load = await fetch_load(self._http, url, model=info.model, timeout=2.0)
+        self._endpoint.seed(info, load)
+        if info.has_tokenize and self._tokens.samples == 0:
+            await self._calibrate()
+        control = self._endpoint.controller
+        if info.complete:
+            if self._rediscover_failures:
+                logger.warning("dsclient: %s/v1/models answers again; model %s", url, info.model)
+            self._rediscover_failures = 0
+        else:
+            self._rediscover_failures += 1
+            delay = _rediscover_backoff(self._rediscover_failures, self._rng)
+            self._rediscover_at = self._clock() + delay
+            log = logger.warning if self._rediscover_failures == 1 else logger.debug
+            log(
+                "dsclient: %s/v1/models did not answer (try %d); the model and context stay "
+                "unknown, asked again in %.1f s or later",
+                url,
+                self._rediscover_failures,
+                delay,
+            )
+        logger.info(
+            "dsclient: %s at %s, model %s, max_num_seqs %s (%s), limit %d (%s, up to %d)",
+            info.kind,
+            url,
+            info.model,
+            info.max_num_seqs,
+            info.sources.get("max_num_seqs", "?"),
+            self._limit_now(),
+            control.mode,
+            control.ceiling,
+        )
+        return self._endpoint.info or info
+
+    async def _discover_pool(self, *, refresh: bool) -> ServerInfo:
+        """Discover every server not yet (or not completely) discovered, at the same time. The
+        model is the one asked for, or the one every server serves; a server that does not
+        serve it stays in the pool for the models it does serve."""
+        assert self._pool is not None
+        todo = [e for e in self._endpoints if refresh or e.info is None or not e.info.complete]
+        async with anyio.create_task_group() as group:
+            for endpoint in todo:
+                group.start_soon(self._discover_endpoint, endpoint)
+        if self._model is None:
+            found = {e.info.model for e in self._endpoints if e.info and e.info.complete}
+            found.discard(None)
+            if len(found) > 1:
+                listing = ", ".join(
+                    f"{e.url}: {e.info.model!r}" for e in self._endpoints if e.info is not None
+                )
+                raise ValueError(
+                    f"the servers serve different models ({listing}); choose one with model="
+                )
+            if found:
+                self._model = found.pop()
+        self._pool.refresh()
+        info = self._pool_info()
+        every = all(e.info is not None and e.info.complete for e in self._endpoints)
+        if self._model is not None and every and not self._pool.serving(self._model):
+            served = sorted({m for e in self._endpoints if e.info for m in e.info.models})
+            raise ValueError(
+                f"model {self._model!r} is not served by any of the {len(self._endpoints)} "
+                f"servers; they serve: {', '.join(map(repr, served)) or '(none)'}"
+            )
+        if info.complete and info.has_tokenize and self._tokens.samples == 0:
+            await self._calibrate()
+        logger.info(
+            "dsclient: %d servers for model %s, %d serve it, limit %d in all",
+            len(self._endpoints),
+            self._model,
+            len(self._pool.serving(self._model)),
+            self._limit_now(),
+        )
+        return info
+
+    async def _discover_endpoint(self, endpoint: Endpoint) -> None:
+        """One server of a pool: discover, scrape once, seed its controller. A server that does
+        not answer ``/v1/models`` stays out of rotation; the pool's health loop probes it and
+        asks again (:meth:`_rediscover_endpoint`)."""
+        url = endpoint.url
+        try:
+            info = await discover(
+                self._http,
+                url,
+                model=self._model,
+                max_num_seqs=self._explicit_max_num_seqs,
+                max_model_len=self._explicit_max_model_len,
+            )
+        except ValueError:
+            if self._model is None:
+                raise  # several models served here, and none chosen
+            try:  # it serves other models: keep what it serves, for calls that ask for them
+                info = await discover(self._http, url, max_model_len=self._explicit_max_model_len)
+            except ValueError as exc:
+                logger.warning("dsclient: %s does not serve model %r: %s", url, self._model, exc)
+                info = ServerInfo(url=url, kind="unknown", sources={"model": str(exc)})
+        info = self._with_handle_facts(info, url)
+        load = None
+        if info.kind not in ("ollama", "unknown"):
+            load = await fetch_load(self._http, url, model=info.model, timeout=2.0)
+        endpoint.seed(info, load)
+        assert self._pool is not None
+        if not info.complete:
+            self._pool.router.record_failure(url, "connect")  # out until a probe answers
+            logger.warning(
+                "dsclient: %s/v1/models did not answer; it stays out of rotation until it does",
+                url,
+            )
+
+    async def _rediscover_endpoint(self, endpoint: Endpoint) -> None:
+        """The pool's health loop found an undiscovered server answering: discover it."""
+        async with self._discover_lock:
+            if endpoint.info is None or not endpoint.info.complete:
+                await self._discover_endpoint(endpoint)
+                if self._pool is not None:
+                    self._pool.refresh()
+
+    async def _rediscover(self, *, now: bool = False) -> ServerInfo:
+        """Discovery again, if the last one was incomplete and its backoff is over (or ``now``);
+        concurrent callers share one."""
+        async with self._discover_lock:
+            info = self._info()
+            if info is not None and (
+                info.complete or (not now and self._clock() < self._rediscover_at)
+            ):
+                return info
+            return await self._discover_locked()
+
+    async def _wait_for_listing(self) -> ServerInfo:
+        """The model is unknown because ``/v1/models`` did not answer: a call must not go out
+        without one. Ask again until it answers: while nothing at all answers, wait for the
+        server like an outage (``outage_wait``); while it answers but not ``/v1/models``, give it
+        ``Retry.attempts`` tries with backoff, then fail. Bounded by the call's own timeout."""
+        reach = self._path.reach
+        tries = 0
+        while True:
+            info = self._info()
+            if info is not None and info.kind == "unknown" and not await self._path.probe_health():
+                reach.mark_down("discovery: nothing answered")
+                await reach.wait_up()
+            else:
+                tries += 1
+                if tries > self._retry.attempts:
+                    raise ConnectionError(
+                        f"{self._endpoint.url}/v1/models did not answer in {tries - 1} tries, so "
+                        "the model to ask for is unknown; pass model= to AsyncClient to send "
+                        "without it"
+                    )
+                if tries > 1:
+                    await self._sleep(_rediscover_backoff(tries - 1, self._rng))
+            info = await self._rediscover(now=True)
+            if info.complete or self._model is not None:
+                return info
+
+    async def _calibrate(self) -> None:
+        """One exact count of a fixed sample text fits the local estimate to the served model."""
+        try:
+            exact = await self._count_exact(CALIBRATION_TEXT)
+        except DSClientError as exc:  # a server that refuses the sample must not break discovery
+            logger.debug("dsclient: token calibration failed: %r", exc)
+            return
+        if exact is not None:
+            local = self._tokens.count(CALIBRATION_TEXT)
+            self._tokens.learn(local, exact)
+            logger.debug(
+                "dsclient: calibrated token estimate: sample %d local, %d served (x%.2f)",
+                local,
+                exact,
+                self._tokens.correction,
+            )
+
+    def _with_handle_facts(self, info: ServerInfo, url: str) -> ServerInfo:
+        """Fill what discovery could not find from the launched ``Server`` handle, if any."""
+        updates: dict[str, Any] = {}
+        sources = dict(info.sources)
+        for key, value in self._handle_facts.get(url, {}).items():
+            if sources.get(key) in (None, "default") or getattr(info, key) is None:
+                updates[key] = value
+                sources[key] = "launched Server handle"
+        if not updates:
+            return info
+        return dataclasses.replace(info, sources=sources, **updates)
+
+    # -- token budget ------------------------------------------------------------------------
+    async def count_tokens(self, prompt: Prompt, *, exact: bool = True) -> int:
+        """Tokens in a prompt or message list: exact via the server's ``/tokenize`` when it
+        has one and ``exact`` is true, else the local (corrected) estimate."""
+        if isinstance(prompt, str):
+            check_prompt(prompt)
+        else:
+            check_messages(prompt)
+        info = await self._ready()
+        local = self._tokens.count_any(prompt)
+        if exact and info.has_tokenize:
+            counted = await self._count_exact(prompt)
+            if counted is not None:
+                self._tokens.learn(local, counted)
+                return counted
+        return self._tokens.estimate_from(local)
+
+    def _tokenize_url(self) -> str:
+        """Where exact counts are asked: the server, or the first of the pool that serves the
+        model, is in rotation and has ``/tokenize``."""
+        pool = self._pool
+        if pool is None:
+            return self._endpoint.url
+        for endpoint in pool.serving(self._model):
+            info = endpoint.info
+            if info is not None and info.has_tokenize and pool.in_rotation(endpoint):
+                return endpoint.url
+        return self._endpoint.url
+
+    async def _probe_url(self, url: str) -> bool:
+        return await self._path.probe_url(url)
+
+    async def _count_exact(self, prompt: Prompt) -> int | None:
+        async with self._tokenize_limiter:
+            return await count_exact(
+                self._http,
+                self._tokenize_url(),
+                model=self._model,
+                prompt=prompt if isinstance(prompt, str) else None,
+                messages=None if isinstance(prompt, str) else [dict(m) for m in prompt],
+                timeout=10.0,
+            )
+
+    async def _plan(
+        self,
+        kind: Literal["completion", "chat"],
+        prompt: Prompt,
+        max_tokens: int | None,
+        sampling: dict[str, Any],
+    ) -> Plan:
+        info = await self._ready()
+        ctx = info.max_model_len
+        tokens = self._tokens
+        wanted = max_tokens if max_tokens is not None else self._default_max_tokens
+        margin = tokens.margin
+        threshold = self._long_threshold or default_long_threshold(ctx)
+        # Cheapest first: a byte bound (no tokenizer). When even that fits the context and the
+        # short lane, counting cannot change what is sent or where, so a short prompt never pays
+        # for tiktoken or /tokenize.
+        upper = tokens.upper_bound(prompt)
+        lane: Lane
+        if (
+            upper is not None
+            and upper + wanted <= threshold
+            and not needs_exact_count(
+                estimate=upper, error_bound=0, wanted=wanted, max_model_len=ctx, margin=margin
+            )
+        ):
+            send = wanted
+            lane = "short"
+            prompt_tokens = upper
+        else:
+            m = tokens.measure(prompt)
+            prompt_tokens = m.estimate
+            # The lane, like a context overflow, is an outcome the estimate's error can change:
+            # count exactly when its bound straddles the threshold.
+            if needs_exact_count(
+                estimate=m.estimate,
+                error_bound=m.error_bound,
+                wanted=wanted,
+                max_model_len=ctx,
+                margin=margin,
+            ) or lane_is_uncertain(
+                estimate=m.estimate, error_bound=m.error_bound, wanted=wanted, threshold=threshold
+            ):
+                counted = await self._count_exact(prompt) if info.has_tokenize else None
+                if counted is not None:
+                    tokens.learn(m.local, counted)
+                    prompt_tokens = counted
+                    send = plan_max_tokens(
+                        prompt_tokens=counted,
+                        requested=max_tokens,
+                        default=self._default_max_tokens,
+                        max_model_len=ctx,
+                        margin=margin,
+                    )
+                else:
+                    send = plan_from_estimate(
+                        estimate=m.estimate,
+                        error_bound=m.error_bound,
+                        requested=max_tokens,
+                        default=self._default_max_tokens,
+                        max_model_len=ctx,
+                        margin=margin,
+                    )
+            else:
+                send = wanted
+            lane = choose_lane(estimated_total_tokens=prompt_tokens + send, threshold=threshold)
+        body: dict[str, Any] = {"model": self._model} if self._model is not None else {}
+        if kind == "completion":
+            body["prompt"] = prompt
+        else:
+            body["messages"] = [dict(m) for m in prompt if not isinstance(m, str)]
+        body["max_tokens"] = send
+        body.update(sampling)
+        return Plan(kind, body, lane, send, prompt_tokens)
