@@ -75,6 +75,11 @@ from benchmarks._common import gauge, machine, percentile, say, words, write_res
 
 LEGS = ("dsclient", "round-robin", "router-rr", "router-cache")
 ROUTER_POLICY = {"router-rr": "round_robin", "router-cache": "cache_aware"}
+#: Opt-in diagnostic legs (``--legs``): dsclient with one option changed, to tell what a
+#: difference comes from. Not compared in the goal.
+DIAGNOSTIC_LEGS: dict[str, dict[str, Any]] = {
+    "dsclient-long1": {"long_share": 1.0},  # the long lane may take the whole limit
+}
 ROUTER_VENV = Path("~/.cache/dsclient/venvs/vllm-router").expanduser()
 ROUTER_PACKAGE = "vllm-router"
 MODEL = "tiny"
@@ -254,7 +259,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         if mine is None:
             continue
         for leg, other in by.items():
-            if leg == "dsclient":
+            if leg == "dsclient" or leg in DIAGNOSTIC_LEGS:
                 continue
             entry: dict[str, Any] = {"run": run, "against": leg}
             for key, higher_better in GOAL_METRICS:
@@ -496,10 +501,12 @@ async def sender(
     # round-robin (a router does not say which replica answered)
     finished: list[tuple[str, float]] = []
     facts["finished"] = finished
-    if leg == "dsclient":
+    if leg == "dsclient" or leg in DIAGNOSTIC_LEGS:
         import dsclient
 
-        async with dsclient.AsyncClient(list(urls), model=MODEL) as client:
+        options = DIAGNOSTIC_LEGS.get(leg, {})
+        facts["options"] = options
+        async with dsclient.AsyncClient(list(urls), model=MODEL, **options) as client:
             client.add_observer(lambda record: finished.append((record.server, time.monotonic())))
 
             async def send_ds(item: Item) -> None:
@@ -684,7 +691,7 @@ async def run_leg(
         args.background,
         args.background_prompt,
         args.background_tokens,
-        seed=run * 100 + LEGS.index(leg),
+        seed=run * 100 + [*LEGS, *DIAGNOSTIC_LEGS].index(leg),
     )
     async with (
         unbounded_http() as http,
@@ -814,9 +821,10 @@ def shape_of(args: argparse.Namespace) -> Shape:
 
 def legs_arg(text: str) -> list[str]:
     legs = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [x for x in legs if x not in LEGS]
+    known = (*LEGS, *DIAGNOSTIC_LEGS)
+    unknown = [x for x in legs if x not in known]
     if unknown or not legs:
-        raise argparse.ArgumentTypeError(f"legs must be among {', '.join(LEGS)}; got {text!r}")
+        raise argparse.ArgumentTypeError(f"legs must be among {', '.join(known)}; got {text!r}")
     return legs
 
 

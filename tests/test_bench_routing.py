@@ -230,3 +230,10 @@ def test_last_answers_per_server() -> None:
     finished = [("http://a", 10.5), ("http://b", 12.0), ("http://a", 11.25), ("http://b", 11.0)]
     assert last_answers(finished, t0=10.0) == {"http://a": 1.25, "http://b": 2.0}
     assert last_answers([], t0=0.0) == {}
+
+
+def test_diagnostic_legs_are_accepted_but_not_compared() -> None:
+    assert legs_arg("dsclient,dsclient-long1") == ["dsclient", "dsclient-long1"]
+    rows = [row("dsclient", 1, 10.0, 0.5, 0.8), row("dsclient-long1", 1, 8.0, 0.4, 0.9)]
+    rows.append(row("round-robin", 1, 20.0, 5.0, 0.4))
+    assert [s["against"] for s in summarize(rows)] == ["round-robin"]
