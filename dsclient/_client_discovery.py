@@ -75,8 +75,9 @@ class DiscoveryMixin:
     _long_threshold: int | None
     _default_max_tokens: int
 
-    async def _ready(self) -> ServerInfo:
-        raise NotImplementedError  # the client's: discovery, then its background tasks
+    if TYPE_CHECKING:  # the client's: discovery, then its background tasks
+
+        async def _ready(self) -> ServerInfo: ...
 
     def _limit_now(self) -> int:
         if self._pool is not None:

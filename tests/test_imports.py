@@ -19,11 +19,8 @@ import dsclient
 
 PACKAGE_DIR = Path(dsclient.__file__).parent
 
-# TEMPORARY EXCEPTION (issue 16, item 6): `_batch` <-> `_client`, the one cycle left. Today
-# `_client` imports `_batch` only inside functions, so the module-level graph shows no cycle; the
-# entry covers the client rewrite, which breaks the cycle for good and then removes this entry.
-# Add nothing here.
-ALLOWED_CYCLES: list[frozenset[str]] = [frozenset({"dsclient._batch", "dsclient._client"})]
+# No cycle is allowed; add nothing here.
+ALLOWED_CYCLES: list[frozenset[str]] = []
 
 
 def _module_name(path: Path) -> str:
