@@ -189,3 +189,33 @@ def test_url_defaults_to_the_environment(tmp_path, monkeypatch):
 )
 def test_error_codes(error, code):
     assert error_code(error) == code
+
+
+def test_several_urls_spread_the_batch_over_every_server(tmp_path, monkeypatch):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(src, [batch_request(f"r{i}", f"hello {i}", max_tokens=4) for i in range(20)])
+    server = EchoServer()
+    hosts: list[str] = []
+    inner = server.transport
+
+    class Recording(type(inner)):  # type: ignore[misc]
+        async def handle_async_request(self, request):
+            hosts.append(request.url.host)
+            return await inner.handle_async_request(request)
+
+    recording = Recording.__new__(Recording)
+    recording.__dict__.update(inner.__dict__)
+    err = io.StringIO()
+    args = parse(
+        str(src), "-o", str(out), "--model", "tiny", "--no-progress",
+        "--url", "http://a.local:8000", "--url", "http://b.local:8000",
+    )  # fmt: skip
+    code = run(args, transport=recording, stderr=err)
+    assert code == 0, err.getvalue()
+    assert len(read_lines(out)) == 20
+    assert {"a.local", "b.local"} <= set(hosts)
+    monkeypatch.setenv("DSCLIENT_URL", "http://a.local:8000, http://b.local:8000")
+    hosts.clear()
+    args = parse(str(src), "-o", str(tmp_path / "again.jsonl"), "--model", "tiny", "--no-progress")
+    assert run(args, transport=recording, stderr=io.StringIO()) == 0
+    assert {"a.local", "b.local"} <= set(hosts)

@@ -243,7 +243,13 @@ def add_map_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", help="requests, one JSON object per line")
     parser.add_argument("-o", "--output", required=True, help="results, one JSON line per item")
-    parser.add_argument("--url", default=None, help="the server's URL (default: $DSCLIENT_URL)")
+    parser.add_argument(
+        "--url",
+        action="append",
+        default=None,
+        help="the server's URL; repeat it for several servers, each request then goes to one "
+        "of them (default: $DSCLIENT_URL, comma-separated for several)",
+    )
     parser.add_argument(
         "--resume",
         action="store_true",
@@ -268,10 +274,12 @@ def run(
     def report(message: str) -> None:
         print(f"dsclient map: {message}", file=err, flush=True)
 
-    url = args.url or os.environ.get("DSCLIENT_URL")
-    if not url:
+    given = args.url or os.environ.get("DSCLIENT_URL", "").split(",")
+    urls = [u.strip() for u in given if u.strip()]
+    if not urls:
         report("no server: pass --url or set DSCLIENT_URL")
         return 2
+    url: str | list[str] = urls[0] if len(urls) == 1 else urls
     if args.max_tokens is not None and args.max_tokens < 1:
         report(f"--max-tokens must be >= 1, got {args.max_tokens}")
         return 2
@@ -303,7 +311,7 @@ def run(
 
 
 async def _run(
-    url: str,
+    url: str | list[str],
     args: argparse.Namespace,
     requests: Iterator[dict[str, Any] | InvalidItem],
     store: JsonlStore,
