@@ -30,9 +30,14 @@ The rules, in order (each one tested in ``tests/test_routing.py``):
 5. **Balance escape** (vllm-router's / SGLang's cache-aware policy): when the busiest and the
    least busy candidates differ by more than ``balance_abs`` requests *and* the busiest has more
    than ``balance_rel`` times the least, prefix affinity is ignored and the least loaded wins.
-6. **Score** (llm-d's endpoint picker weights): ``2 x queue + 2 x KV + 3 x prefix`` plus
-   ``2 x room`` (the client's own view, which llm-d does not have), among the unsaturated
-   candidates first. A server is saturated when ``max(waiting / 5, kv_usage / 0.8) >= 1`` or
+6. **Prefix** (the cache-aware policy of vllm-router and SGLang's router), among the
+   unsaturated candidates (all of them when every one is): when the best share of the
+   request's leading blocks a candidate holds reaches ``cache_threshold`` (0.5), the candidates
+   with that best match are the only ones left (the score breaks their ties). Below it, no
+   server holds the prefix: the score spreads the new prefix by load.
+7. **Score** (llm-d's endpoint picker weights): ``2 x queue + 2 x KV + 3 x prefix`` plus
+   ``2 x room`` (the client's own view, which llm-d does not have), among the same
+   candidates. A server is saturated when ``max(waiting / 5, kv_usage / 0.8) >= 1`` or
    when its metrics are older than ``stale_after``. Ties go to the random source.
 
 Prefix affinity is approximate, as in those routers: each server keeps an LRU set of the chained
@@ -210,6 +215,11 @@ class RoutingPolicy:
             ``/metrics`` every 0.25 s; 2 s is eight missed reads, not one slow answer.
         balance_abs, balance_rel: plain load balancing when ``max - min > 64`` and
             ``max > 1.5 x min`` in-flight requests (the cache-aware policy of vllm-router).
+        cache_threshold: the share of a request's leading blocks a server must hold for the
+            prefix alone to choose among the candidates (SGLang's router: 0.5). Scored as one
+            term among four, the prefix lost to one request's difference in queue length (the
+            queue term is normalised over the candidates), and the benchmark's hit rate was
+            below round-robin's.
         block_chars: characters per prefix block when hashing text prefixes.
         index_blocks: how many block hashes each server's :class:`PrefixIndex` keeps.
         eject_after: consecutive timeouts or 5xx that open a server's breaker (see
@@ -227,6 +237,7 @@ class RoutingPolicy:
     stale_after: float = 2.0
     balance_abs: int = 64
     balance_rel: float = 1.5
+    cache_threshold: float = 0.5
     block_chars: int = 256
     index_blocks: int = 8192
     eject_after: int = 3
@@ -245,6 +256,10 @@ class RoutingPolicy:
                 f"RoutingPolicy.backoff_cap ({self.backoff_cap}) must be >= backoff_base"
                 f" ({self.backoff_base})"
             )
+        if not 0 < self.cache_threshold <= 1:
+            raise ValueError(
+                f"RoutingPolicy.cache_threshold must be in (0, 1], got {self.cache_threshold!r}"
+            )
         if self.balance_abs < 0 or self.balance_rel < 1:
             raise ValueError("RoutingPolicy.balance_abs must be >= 0 and balance_rel >= 1")
         for name in ("block_chars", "index_blocks", "eject_after"):
@@ -259,13 +274,14 @@ class RoutingPolicy:
 class Route:
     """Send the attempt to ``url``.
 
-    ``reason``: ``"score"`` (the weighted score chose), ``"balance"`` (the load-balance escape
-    chose the least loaded) or ``"only"`` (one candidate). ``prefix_match`` is the share of the
+    ``reason``: ``"score"`` (the weighted score chose), ``"prefix"`` (the only candidate holding
+    the request's prefix), ``"balance"`` (the load-balance escape chose the least loaded) or
+    ``"only"`` (one candidate). ``prefix_match`` is the share of the
     request's blocks the chosen server was known to hold; ``scores`` every candidate's score.
     """
 
     url: str
-    reason: Literal["score", "balance", "only"]
+    reason: Literal["score", "prefix", "balance", "only"]
     prefix_match: float = 0.0
     scores: Mapping[str, float] = field(default_factory=dict)
 
@@ -627,9 +643,18 @@ class Router:
             match = self._match(chosen.url, blocks)
             return self._route(chosen.url, "balance", match, blocks, {})
 
-        # Rule 6: the weighted score, unsaturated servers first.
+        # Rules 6 and 7 among the unsaturated candidates (all of them when every one is).
         fresh = [s for s in candidates if not self.saturated(s)]
         pool = fresh or candidates
+        # Rule 6: a server that holds the prefix wins over those that do not.
+        if blocks:
+            matches = {s.url: self._match(s.url, blocks) for s in pool}
+            best_match = max(matches.values())
+            if best_match >= p.cache_threshold:
+                pool = [s for s in pool if math.isclose(matches[s.url], best_match, abs_tol=1e-9)]
+                if len(pool) == 1:
+                    return self._route(pool[0].url, "prefix", best_match, blocks, {})
+        # Rule 7: the weighted score.
         scores = self._scores(pool, blocks)
         best = max(scores.values())
         top = [s for s in pool if math.isclose(scores[s.url], best, abs_tol=1e-9)]
@@ -672,7 +697,7 @@ class Router:
     def _route(
         self,
         url: str,
-        reason: Literal["score", "balance", "only"],
+        reason: Literal["score", "prefix", "balance", "only"],
         match: float,
         blocks: Sequence[Hashable],
         scores: Mapping[str, float],

@@ -220,9 +220,9 @@ def test_the_balance_escape_overrides_the_prefix():
     # 100 vs 30: difference 70 > 64 and 100 > 1.5 x 30: plain load balancing.
     assert (decide(100, 30, 200).url, decide(100, 30, 200).reason) == (B, "balance")
     # 100 vs 40: difference 60 <= 64: the prefix keeps it on A.
-    assert (decide(100, 40, 200).url, decide(100, 40, 200).reason) == (A, "score")
+    assert (decide(100, 40, 200).url, decide(100, 40, 200).reason) == (A, "prefix")
     # 300 vs 210: difference 90 > 64 but 300 < 1.5 x 210: still the prefix.
-    assert (decide(300, 210, 400).url, decide(300, 210, 400).reason) == (A, "score")
+    assert (decide(300, 210, 400).url, decide(300, 210, 400).reason) == (A, "prefix")
 
 
 def test_the_chosen_server_learns_the_prefix_even_when_balanced_there():
@@ -397,3 +397,22 @@ def test_a_retry_goes_back_when_no_other_server_is_in_rotation():
     retry = RouteRequest(model="tiny", avoid=frozenset({A}))
     assert routed(r.choose(servers, retry)).url == A
     assert routed(r.choose([state(A)], retry)).url == A
+
+
+def test_a_held_prefix_beats_a_shorter_queue_and_more_room():
+    """The prefix rule (SGLang's cache_threshold, 0.5): scored as one term of four, the prefix
+    lost to more room and a lighter KV cache; now a server holding the prefix takes it while it
+    has room, no queue of its own beside an idle server, and is not saturated."""
+    r, _ = router()
+    r.index(A).add(prefix_blocks(SYSTEM))
+    # B is idle; A is busier but has no queue of its own (a queue at A would send it to B).
+    servers = [state(A, in_flight=3, waiting=0, kv_usage=0.5), state(B, in_flight=0, waiting=0)]
+    decision = routed(r.choose(servers, RouteRequest(model="tiny", prefix=SYSTEM + "q?")))
+    assert (decision.url, decision.reason) == (A, "prefix")
+    # Under the threshold (a quarter of the blocks held) the load decides.
+    r2, _ = router()
+    r2.index(A).add(prefix_blocks(SYSTEM)[:1])
+    decision = routed(r2.choose(servers, RouteRequest(model="tiny", prefix=SYSTEM)))
+    assert decision.url == B and decision.reason == "score"
+    with pytest.raises(ValueError, match="cache_threshold"):
+        RoutingPolicy(cache_threshold=0)
