@@ -79,6 +79,9 @@ ROUTER_POLICY = {"router-rr": "round_robin", "router-cache": "cache_aware"}
 #: difference comes from. Not compared in the goal.
 DIAGNOSTIC_LEGS: dict[str, dict[str, Any]] = {
     "dsclient-long1": {"long_share": 1.0},  # the long lane may take the whole limit
+    # the prefix index sized to vLLM's cache here: 96 blocks x 128 tokens ~ 46 kB of this
+    # workload's text ~ 180 blocks of 256 characters (the default keeps 8192)
+    "dsclient-index": {"routing": {"index_blocks": 180}},
 }
 ROUTER_VENV = Path("~/.cache/dsclient/venvs/vllm-router").expanduser()
 ROUTER_PACKAGE = "vllm-router"
@@ -101,6 +104,7 @@ class Shape:
     long_tokens: int = 32
     short_tokens: int = 16
     short_window_s: float = 10.0
+    long_window_s: float = 0.0  # 0: all long requests at once; else uniformly over it
 
     def __post_init__(self) -> None:
         for name in ("long", "short", "prefixes", "prefix_words", "question_words", "short_words"):
@@ -110,8 +114,9 @@ class Shape:
             raise ValueError("prefixes must be >= 1 when there are long requests")
         if self.long_tokens < 1 or self.short_tokens < 1:
             raise ValueError("long_tokens and short_tokens must be >= 1")
-        if self.short_window_s < 0:
-            raise ValueError(f"short_window_s must be >= 0, got {self.short_window_s}")
+        for name in ("short_window_s", "long_window_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -132,9 +137,10 @@ def make_workload(shape: Shape, seed: int, salt: str = "") -> list[Item]:
         items = make_workload(Shape(long=8, short=2, prefixes=2), seed=1, salt="Leg one.")
 
     Long requests use the prefixes in turn (request ``i`` the prefix ``i % prefixes``), in a
-    shuffled order, all at ``at=0``. Short requests arrive uniformly at random within
-    ``short_window_s``. The same ``seed`` gives the same texts whatever the salt; the salt
-    starts every prompt, so two salts share no prefix at all (vLLM hashes blocks in a chain).
+    shuffled order, all at ``at=0`` (or, with ``long_window_s``, uniformly at random within
+    it). Short requests arrive uniformly at random within ``short_window_s``. The same
+    ``seed`` gives the same texts whatever the salt; the salt starts every prompt, so two salts
+    share no prefix at all (vLLM hashes blocks in a chain).
     """
     rng = random.Random(seed)
     lead = f"{salt} " if salt else ""
@@ -145,7 +151,9 @@ def make_workload(shape: Shape, seed: int, salt: str = "") -> list[Item]:
     for p in uses:
         question = words(rng, shape.question_words)
         prompt = f"{lead}{prefixes[p]}\n\nQuestion: {question}\nAnswer:"
-        items.append(Item(0, "long", prompt, shape.long_tokens, 0.0, p))
+        # drawn only for a window, so that the default workload stays as it was
+        at = round(rng.uniform(0.0, shape.long_window_s), 3) if shape.long_window_s else 0.0
+        items.append(Item(0, "long", prompt, shape.long_tokens, at, p))
     for _ in range(shape.short):
         at = round(rng.uniform(0.0, shape.short_window_s), 3)
         items.append(
@@ -504,8 +512,10 @@ async def sender(
     if leg == "dsclient" or leg in DIAGNOSTIC_LEGS:
         import dsclient
 
-        options = DIAGNOSTIC_LEGS.get(leg, {})
-        facts["options"] = options
+        options = dict(DIAGNOSTIC_LEGS.get(leg, {}))
+        facts["options"] = dict(options)
+        if "routing" in options:
+            options["routing"] = dsclient.RoutingPolicy(**options["routing"])
         async with dsclient.AsyncClient(list(urls), model=MODEL, **options) as client:
             client.add_observer(lambda record: finished.append((record.server, time.monotonic())))
 
@@ -816,6 +826,7 @@ def shape_of(args: argparse.Namespace) -> Shape:
         prefixes=args.prefixes,
         prefix_words=args.prefix_words,
         short_window_s=args.short_window,
+        long_window_s=args.long_window,
     )
 
 
@@ -840,6 +851,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefixes", type=int, default=Shape.prefixes)
     p.add_argument("--prefix-words", type=int, default=Shape.prefix_words)
     p.add_argument("--short-window", type=float, default=Shape.short_window_s, help="seconds")
+    p.add_argument(
+        "--long-window",
+        type=float,
+        default=0.0,
+        help="seconds over which long requests arrive (default 0: all at once)",
+    )
     p.add_argument("--blocks", type=int, default=96, help="KV blocks per replica (128 tokens each)")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument(

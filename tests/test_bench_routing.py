@@ -237,3 +237,25 @@ def test_diagnostic_legs_are_accepted_but_not_compared() -> None:
     rows = [row("dsclient", 1, 10.0, 0.5, 0.8), row("dsclient-long1", 1, 8.0, 0.4, 0.9)]
     rows.append(row("round-robin", 1, 20.0, 5.0, 0.4))
     assert [s["against"] for s in summarize(rows)] == ["round-robin"]
+
+
+def test_long_window_spreads_long_arrivals_and_keeps_the_default_workload() -> None:
+    at_once = make_workload(Shape(long=20, short=4, prefixes=4, prefix_words=10), seed=5)
+    spread = make_workload(
+        Shape(long=20, short=4, prefixes=4, prefix_words=10, long_window_s=8.0), seed=5
+    )
+    longs = [it for it in spread if it.kind == "long"]
+    assert all(0.0 <= it.at <= 8.0 for it in longs) and len({it.at for it in longs}) > 1
+    assert [it.at for it in spread] == sorted(it.at for it in spread)
+    assert all(it.at == 0.0 for it in at_once if it.kind == "long")
+    with pytest.raises(ValueError, match="long_window_s"):
+        Shape(long_window_s=-1.0)
+    assert parse_args(["--long-window", "15"]).long_window == 15.0
+
+
+def test_diagnostic_index_leg_builds_a_routing_policy_argument() -> None:
+    import dsclient
+    from benchmarks.bench_routing import DIAGNOSTIC_LEGS
+
+    policy = dsclient.RoutingPolicy(**DIAGNOSTIC_LEGS["dsclient-index"]["routing"])
+    assert policy.index_blocks == 180
