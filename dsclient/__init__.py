@@ -6,12 +6,6 @@ async with dsclient.AsyncClient("http://127.0.0.1:8000") as client:
     result = await client.generate("Hello", max_tokens=16)
 """
 
-from ._batch import BatchResults
-from ._client import USE_DEFAULT, AsyncClient, Stream
-from ._control import ControlStats
-from ._degrade import Degrade
-from ._discovery import ServerInfo
-from ._endpoint import ServerView
 from ._exceptions import (
     ConnectionError,
     ContextOverflow,
@@ -24,15 +18,21 @@ from ._exceptions import (
     TimeoutError,
     TransportError,
 )
-from ._governor import GovernorStats, LaneStats
-from ._health import Reachability
-from ._load import Load
 from ._models import ChatResult, CompletionResult, Failure, Result, Usage
 from ._observe import CallRecord
-from ._pool import NoServerError
-from ._retry import Retry, compute_backoff
-from ._routing import RoutingPolicy
-from ._sync import Client, SyncStream
+from .batch._batch import BatchResults
+from .client._client import USE_DEFAULT, AsyncClient, Stream
+from .client._degrade import Degrade
+from .client._discovery import ServerInfo
+from .client._retry import Retry, compute_backoff
+from .client._sync import Client, SyncStream
+from .governor._control import ControlStats
+from .governor._endpoint import ServerView
+from .governor._governor import GovernorStats, LaneStats
+from .governor._health import Reachability
+from .governor._load import Load
+from .governor._pool import NoServerError
+from .governor._routing import RoutingPolicy
 
 __version__ = "0.1.0"
 

@@ -24,7 +24,8 @@ class CallRecord:
     time spent waiting for slots; ``lane`` is ``None`` when the call failed before planning.
     For a stream, ``completion_tokens`` counts the text deltas received (vLLM sends one a token)
     and ``prompt_tokens`` is ``None``. Calls through ``client.openai()`` / ``client.httpx()``
-    (:mod:`dsclient._transport`) give the tokens of the answer's ``usage`` instead (a stream's
+    (:mod:`dsclient.client._transport`) give the tokens of the answer's ``usage`` instead (a
+    stream's
     last chunk, when it carried one), and ``kind`` ``"embedding"`` for embeddings.
     """
 

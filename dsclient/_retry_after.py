@@ -1,7 +1,7 @@
 """The server's wait hint: ``retry-after-ms`` (milliseconds) or ``Retry-After`` (seconds or a date).
 
 Pure, and imports nothing from dsclient: :mod:`dsclient._exceptions` reads the hint into the
-error it builds, and :mod:`dsclient._retry` re-exports the parser for the retry policy.
+error it builds, and :mod:`dsclient.client._retry` re-exports the parser for the retry policy.
 
     >>> parse_retry_after(None, "2")
     2.0

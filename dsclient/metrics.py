@@ -64,8 +64,8 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import CollectorRegistry
 
-    from ._client import AsyncClient
-    from ._sync import Client
+    from .client._client import AsyncClient
+    from .client._sync import Client
 
 __all__ = [
     "LATENCY_BUCKETS",
@@ -99,7 +99,7 @@ def _require(module: str, what: str) -> ModuleType:
 
 def _async_of(client: AsyncClient | Client) -> AsyncClient:
     """The async client behind a sync ``dsclient.Client`` (or the client itself)."""
-    from ._sync import Client
+    from .client._sync import Client
 
     return client.aclient if isinstance(client, Client) else client
 

@@ -62,8 +62,8 @@ except ImportError as exc:  # tests/test_ray.py blocks the import to see this me
         f"dsclient.ray needs Ray Data ({exc.name or 'ray'} is missing): pip install 'dsclient[ray]'"
     ) from exc
 
-from ._client import USE_DEFAULT, AsyncClient
 from ._models import Failure, Result
+from .client._client import USE_DEFAULT, AsyncClient
 
 __all__ = ["OUTPUT_COLUMNS", "Generate", "error_text", "map_dataset", "outcome_table", "to_item"]
 

@@ -13,11 +13,12 @@ import httpx
 import pytest
 
 import dsclient
-from dsclient import AsyncClient, Failure, RequestRefused, _batch
-from dsclient._batch import BatchResults, iter_map_blocking, read_ahead
+from dsclient import AsyncClient, Failure, RequestRefused
 from dsclient._display import stats_html
-from dsclient._jsonl import JsonlStore, derive_id, item_id, valid_length
-from dsclient._progress import wanted
+from dsclient.batch import _batch
+from dsclient.batch._batch import BatchResults, iter_map_blocking, read_ahead
+from dsclient.batch._jsonl import JsonlStore, derive_id, item_id, valid_length
+from dsclient.batch._progress import wanted
 
 from .fakes import FakeServer, chat_body, completion_body
 

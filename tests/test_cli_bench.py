@@ -12,7 +12,6 @@ import anyio
 import httpx
 import pytest
 
-from dsclient._load import Load
 from dsclient.cli import build_parser
 from dsclient.cli.bench import (
     Bench,
@@ -32,6 +31,7 @@ from dsclient.cli.bench import (
     summarize_load,
     summarize_step,
 )
+from dsclient.governor._load import Load
 
 URL = "http://bench.test:8000"
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from dsclient._exceptions import ContextOverflow, TimeoutError
-from dsclient._jsonl import derive_id
+from dsclient.batch._jsonl import derive_id
 from dsclient.cli.map import add_map_parser, error_code, run
 
 from .test_batch import EchoServer

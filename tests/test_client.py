@@ -23,7 +23,7 @@ from dsclient import (
     Retry,
     TimeoutError,
 )
-from dsclient._tokens import CALIBRATION_TEXT
+from dsclient.client._tokens import CALIBRATION_TEXT
 
 from .fakes import FakeServer, RecordedSleep, chat_body, completion_body
 

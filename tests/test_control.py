@@ -1,4 +1,4 @@
-"""Tests for dsclient._control: the limit controller's rules and the capacity learner.
+"""Tests for dsclient.governor._control: the limit controller's rules and the capacity learner.
 
 Pure: every signal is scripted and ``now`` is driven by hand. The closed-loop tests run the
 controller against a small simulated server (a batch of ``C`` sequences, a first-come queue,
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from dsclient import _control
-from dsclient._control import (
+from dsclient.governor import _control
+from dsclient.governor._control import (
     CEILING_FLOOR,
     OVERLOAD_CUT,
     CapacityLearner,
@@ -970,7 +970,7 @@ def test_two_clients_converge_to_fair_shares(capacity: int, starts: str) -> None
         "the whole server's room, so n clients together add n/2 x the room per period. With a "
         "known capacity the server's queue p90 is about 4-6x the target with 4 clients and "
         "8-14x with 8 (mean 1.7-2.5x and 4-6x), against at most 1x with one. A shared budget "
-        "(dsclient._shared) is the fix"
+        "(dsclient.governor._shared) is the fix"
     ),
 )
 def test_four_clients_hold_the_server_queue_near_the_target() -> None:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 import dsclient
-from dsclient._degrade import MIN_SAMPLES, Degrade, Pace, predict_s
+from dsclient.client._degrade import MIN_SAMPLES, Degrade, Pace, predict_s
 from tests.fakes import completion_body
 
 pytestmark = pytest.mark.anyio

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from dsclient._discovery import (
+from dsclient.client._discovery import (
     DEFAULT_MAX_NUM_SEQS,
     OLLAMA_DEFAULT_PARALLEL,
     ServerInfo,
@@ -649,7 +649,7 @@ def test_a_count_of_thousands_of_digits_is_not_taken() -> None:
 async def test_an_absurd_limit_is_not_taken() -> None:
     # Found: TGI's max_concurrent_requests of 10**400 became max_num_seqs, and seeding the
     # endpoint with it raised OverflowError (int too large to convert to float).
-    from dsclient._endpoint import ControlOptions, Endpoint
+    from dsclient.governor._endpoint import ControlOptions, Endpoint
 
     assert parse_tgi_info({"max_concurrent_requests": 10**400}).max_num_seqs is None  # type: ignore[union-attr]
     assert parse_sglang_loads(

@@ -1,4 +1,4 @@
-"""Tests for dsclient._endpoint: seeding, learning the capacity, the limit applied to the real
+"""Tests for dsclient.governor._endpoint: seeding, learning the capacity, the limit applied to the real
 governor (no leaked slots), raise callbacks, and the /metrics poller.
 
 Everything but the poller runs on a hand-driven clock; the poller tests use anyio's real clock
@@ -15,10 +15,10 @@ import anyio
 import httpx
 import pytest
 
-from dsclient._discovery import ServerInfo
-from dsclient._endpoint import LEARNED_SOURCE, ControlOptions, Endpoint, fetch_load
-from dsclient._governor import Slot
-from dsclient._load import Load
+from dsclient.client._discovery import ServerInfo
+from dsclient.governor._endpoint import LEARNED_SOURCE, ControlOptions, Endpoint, fetch_load
+from dsclient.governor._governor import Slot
+from dsclient.governor._load import Load
 
 pytestmark = pytest.mark.anyio
 

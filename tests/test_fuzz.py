@@ -29,7 +29,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsclient import AsyncClient, DSClientError, MalformedResponse, Retry
-from dsclient._discovery import (
+from dsclient._exceptions import (
+    ContextOverflow,
+    Overloaded,
+    RequestRefused,
+    context_overflow_from_response,
+    error_from_response,
+)
+from dsclient._models import CompletionResult, Failure, Result, Usage
+from dsclient.batch._jsonl import MAP_RECORDS, JsonlStore, explicit_id, item_id, scan_records
+from dsclient.client._discovery import (
     ServerInfo,
     discover,
     parse_llamacpp_props,
@@ -42,19 +51,10 @@ from dsclient._discovery import (
     parse_version,
     parse_vllm_server_info,
 )
-from dsclient._endpoint import ControlOptions, Endpoint
-from dsclient._exceptions import (
-    ContextOverflow,
-    Overloaded,
-    RequestRefused,
-    context_overflow_from_response,
-    error_from_response,
-)
-from dsclient._jsonl import MAP_RECORDS, JsonlStore, explicit_id, item_id, scan_records
-from dsclient._load import Load, parse_load, parse_prometheus
-from dsclient._models import CompletionResult, Failure, Result, Usage
-from dsclient._retry import compute_backoff, parse_retry_after
-from dsclient._streaming import delta_of, iter_sse_data
+from dsclient.client._retry import compute_backoff, parse_retry_after
+from dsclient.client._streaming import delta_of, iter_sse_data
+from dsclient.governor._endpoint import ControlOptions, Endpoint
+from dsclient.governor._load import Load, parse_load, parse_prometheus
 
 from .fakes import FakeServer
 
@@ -943,7 +943,7 @@ def test_a_success_line_with_odd_fields_still_rebuilds(tmp_path):
 
 # -- found in cli/map.py and _tokens.py by the fuzzing, fixed there ------------------------------
 def test_an_input_line_nested_past_the_recursion_limit_is_an_invalid_item():
-    from dsclient._batch import InvalidItem
+    from dsclient.batch._batch import InvalidItem
     from dsclient.cli.map import read_requests
 
     items = list(read_requests(io.StringIO("[" * 50_000 + "\n"), drop_model=False, report=print))
@@ -983,7 +983,7 @@ def test_a_refusal_body_nested_past_the_recursion_limit_is_written_as_text():
     ids=["rot13-charset", "deep-json"],
 )
 def test_a_hostile_tokenize_answer_is_no_count(response):
-    from dsclient._tokens import count_exact
+    from dsclient.client._tokens import count_exact
 
     async def main() -> int | None:
         transport = httpx.MockTransport(lambda _: response())

@@ -1,4 +1,4 @@
-"""Tests for dsclient._governor: cap, lanes, urgency, groups, queue bound, stats, cancellation."""
+"""Tests for dsclient.governor._governor: cap, lanes, urgency, groups, queue bound, stats, cancellation."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from dsclient._exceptions import Overloaded
-from dsclient._governor import (
+from dsclient.governor._governor import (
     Governor,
     GovernorStats,
     Lane,

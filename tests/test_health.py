@@ -8,7 +8,7 @@ import random
 import anyio
 import pytest
 
-from dsclient._health import Reachability
+from dsclient.governor._health import Reachability
 
 pytestmark = pytest.mark.anyio
 

@@ -150,8 +150,8 @@ def test_the_cycle_finder_finds_cycles() -> None:
 
 def test_the_graph_reads_relative_imports_and_skips_type_checking() -> None:
     graph = import_graph()
-    assert "dsclient._exceptions" in graph["dsclient._retry"]
-    assert "dsclient._retry" not in graph["dsclient._exceptions"]
+    assert "dsclient._exceptions" in graph["dsclient.client._retry"]
+    assert "dsclient.client._retry" not in graph["dsclient._exceptions"]
     # _retry_after is a leaf: it imports nothing from dsclient.
     assert graph["dsclient._retry_after"] == set()
 
@@ -164,7 +164,7 @@ def test_exceptions_does_not_import_retry_even_lazily() -> None:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             named |= _resolve("dsclient._exceptions", False, node)
     assert not any(
-        name.startswith("dsclient._retry.") or name == "dsclient._retry" for name in named
+        name.startswith("dsclient.client._retry.") or name == "dsclient.client._retry" for name in named
     )
 
 
@@ -207,10 +207,10 @@ def test_every_module_imports_first_and_in_any_order() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("name", ["dsclient._retry", "dsclient._exceptions"])
+@pytest.mark.parametrize("name", ["dsclient.client._retry", "dsclient._exceptions"])
 def test_retry_names_the_request_path_imports_stay(name: str) -> None:
     module = __import__(name, fromlist=["_"])
-    if name == "dsclient._retry":
+    if name == "dsclient.client._retry":
         for attr in ("retry_after_of", "compute_backoff", "is_retryable", "describe"):
             assert callable(getattr(module, attr))
         assert module.parse_retry_after("1000", None) == 1.0

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from dsclient._jsonl import derive_id, item_id
+from dsclient.batch._jsonl import derive_id, item_id
 
 GOLDEN = [
     ("Hello", 0, "0-c25bf945aaff"),

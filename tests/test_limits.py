@@ -31,13 +31,13 @@ from dsclient import (
     RequestRefused,
     Retry,
 )
-from dsclient._discovery import PROBE_BODY_BYTES, discover
-from dsclient._endpoint import METRICS_BODY_BYTES, ControlOptions, Endpoint, fetch_load
 from dsclient._exceptions import ERROR_BODY_BYTES, ResponseTooLarge
 from dsclient._models import Failure
-from dsclient._pipeline import RequestPath
-from dsclient._retry import RetryBudget
-from dsclient._streaming import MAX_BODY_BYTES, sse_events
+from dsclient.client._discovery import PROBE_BODY_BYTES, discover
+from dsclient.client._pipeline import RequestPath
+from dsclient.client._retry import RetryBudget
+from dsclient.client._streaming import MAX_BODY_BYTES, sse_events
+from dsclient.governor._endpoint import METRICS_BODY_BYTES, ControlOptions, Endpoint, fetch_load
 
 from .fakes import FakeServer, RecordedSleep, completion_body
 
@@ -503,9 +503,9 @@ async def test_the_outage_probe_reads_no_body():
         return httpx.Response(200, stream=body)
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
-        from dsclient._endpoint import ControlOptions, Endpoint
-        from dsclient._pipeline import RequestPath
-        from dsclient._retry import RetryBudget
+        from dsclient.client._pipeline import RequestPath
+        from dsclient.client._retry import RetryBudget
+        from dsclient.governor._endpoint import ControlOptions, Endpoint
 
         endpoint = Endpoint("http://x", ControlOptions(), {}, start=1)
         path = RequestPath(http, endpoint, Retry(), RetryBudget(), sleep=anyio.sleep, rng=random.Random(0))

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from dsclient._load import Load, parse_load, parse_prometheus
+from dsclient.governor._load import Load, parse_load, parse_prometheus
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 OTHER = "meta-llama/Llama-3.2-1B-Instruct"

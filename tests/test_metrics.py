@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 import dsclient
 import dsclient.metrics
 from dsclient import AsyncClient, DSClientError, RequestRefused
-from dsclient._load import Load
 from dsclient._observe import CallRecord
+from dsclient.governor._load import Load
 
 from .fakes import FakeServer, RecordedSleep, completion_body
 

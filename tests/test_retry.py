@@ -14,7 +14,13 @@ from dsclient._exceptions import (
     RequestRefused,
     TimeoutError,
 )
-from dsclient._retry import Retry, RetryBudget, compute_backoff, is_retryable, parse_retry_after
+from dsclient.client._retry import (
+    Retry,
+    RetryBudget,
+    compute_backoff,
+    is_retryable,
+    parse_retry_after,
+)
 
 
 def test_backoff_is_full_jitter_under_an_exponential_cap():

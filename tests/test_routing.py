@@ -1,4 +1,4 @@
-"""The routing policy (dsclient._routing): pure, with a fake clock and a seeded random source."""
+"""The routing policy (dsclient.governor._routing): pure, with a fake clock and a seeded random source."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from dsclient._routing import (
+from dsclient.governor._routing import (
     CircuitBreaker,
     NoServer,
     PrefixIndex,
@@ -351,7 +351,7 @@ def test_overloaded_answers_are_not_failures_by_construction():
     # FailureKind has no overload member: the governor handles 429/503, not the breaker.
     import typing
 
-    from dsclient._routing import FailureKind
+    from dsclient.governor._routing import FailureKind
 
     assert set(typing.get_args(FailureKind)) == {"connect", "timeout", "server_error"}
 

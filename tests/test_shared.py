@@ -1,4 +1,4 @@
-"""Tests for dsclient._shared: the fair-share policy and the fall-back state (pure, fake clock),
+"""Tests for dsclient.governor._shared: the fair-share policy and the fall-back state (pure, fake clock),
 then the lease script and the client's wiring against a real redis-server (marked integration:
 they need ``redis-server`` on PATH, which ``.ci/run`` installs; the vLLM is not involved: the
 server is an in-process counting fake behind ``httpx.MockTransport``)."""
@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from dsclient import AsyncClient
-from dsclient._shared import (
+from dsclient.governor._shared import (
     LEASE_S,
     Peer,
     SharedBudget,
@@ -447,7 +447,7 @@ def test_the_sync_client_takes_shared_too(redis_url: str) -> None:
 
 
 def test_a_new_leader_takes_over_the_shared_limit_without_slow_start() -> None:
-    from dsclient._endpoint import ControlOptions, Endpoint
+    from dsclient.governor._endpoint import ControlOptions, Endpoint
 
     endpoint = Endpoint("http://fake:1", ControlOptions(), {}, start=16)
     endpoint.use_shared(_budget_stub())
@@ -472,7 +472,7 @@ def _budget_stub() -> SharedBudget:
 
 
 def test_the_leader_counts_a_rise_of_the_shared_limit_as_in_flight_while_anyone_waits() -> None:
-    from dsclient._endpoint import ControlOptions, Endpoint
+    from dsclient.governor._endpoint import ControlOptions, Endpoint
 
     endpoint = Endpoint("http://fake:1", ControlOptions(), {}, start=16)
     budget = _budget_stub()

@@ -5,7 +5,7 @@ Without one, four clients each run their own loop on the same queue and hold it 
 target: ``test_control.py::test_four_clients_hold_the_server_queue_near_the_target`` stays a
 strict xfail that documents it (each grows by half the room it sees, and each sees all of it).
 With the budget there is one controller (the leader's), fed the server's gauges and the TOTAL in
-flight, and each client's limit is its block: its fair share (:func:`dsclient._shared.fair_shares`),
+flight, and each client's limit is its block: its fair share (:func:`dsclient.governor._shared.fair_shares`),
 grown only into leases nobody holds and never under its own in flight, as the lease script does.
 """
 
@@ -16,8 +16,8 @@ from collections import deque
 
 import pytest
 
-from dsclient._control import LimitController, target_waiting
-from dsclient._shared import fair_shares
+from dsclient.governor._control import LimitController, target_waiting
+from dsclient.governor._shared import fair_shares
 from tests.test_control import (
     PERIOD,
     PERIODS,

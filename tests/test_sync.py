@@ -79,7 +79,7 @@ def test_client_takes_exactly_the_async_clients_parameters():
 
 
 def test_client_map_and_imap_take_the_batch_runners_parameters():
-    from dsclient._batch import iter_map, run_map
+    from dsclient.batch._batch import iter_map, run_map
 
     assert _parameters(dsclient.Client.map, drop=("self",)) == _parameters(
         run_map, drop=("client",)

@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from dsclient import _tokens
 from dsclient._exceptions import ContextOverflow
-from dsclient._tokens import (
+from dsclient.client import _tokens
+from dsclient.client._tokens import (
     BYTES_PER_TOKEN,
     CHAT_PRIMING_TOKENS,
     DEFAULT_MARGIN,
@@ -407,7 +407,7 @@ async def test_count_exact_needs_one_input() -> None:
 
 
 def test_lane_is_uncertain_only_when_the_bound_straddles_the_threshold():
-    from dsclient._tokens import lane_is_uncertain
+    from dsclient.client._tokens import lane_is_uncertain
 
     assert lane_is_uncertain(estimate=240, error_bound=128, wanted=256, threshold=512)
     assert not lane_is_uncertain(estimate=100, error_bound=58, wanted=64, threshold=512)

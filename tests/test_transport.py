@@ -1,4 +1,4 @@
-"""The governed transport under the openai SDK and httpx (dsclient/_transport.py), against a
+"""The governed transport under the openai SDK and httpx (dsclient/client/_transport.py), against a
 stub server behind ``httpx.MockTransport``: the limit holds, streams keep their slot until
 closed, the server's errors come back as the SDK's own types, max_tokens that cannot fit is
 refused (or cut), and the client's options never reach the server."""
@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from dsclient import AsyncClient, Client, Retry
-from dsclient._transport import overflow_message, parse_options, usage_of
+from dsclient.client._transport import overflow_message, parse_options, usage_of
 
 from .fakes import RecordedSleep, chat_body, completion_body
 

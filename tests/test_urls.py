@@ -5,9 +5,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from dsclient._discovery import discover
 from dsclient._records import normalize_url
 from dsclient._urls import root_url, url_label
+from dsclient.client._discovery import discover
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Griffe extension for the docs build: turn the docstrings' reST into Markdown.
 
 dsclient's docstrings are Google style with a little reST: cross-references (``:func:`launch```,
-``:class:`~dsclient._retry.Retry```), simple tables (``====  ====`` borders) and doctest lines.
+``:class:`~dsclient.client._retry.Retry```), simple tables (``====  ====`` borders) and doctest lines.
 mkdocstrings renders Markdown, where those show as ``:func:`` before code, a run of ``=`` signs
 and a paragraph. Before mkdocstrings parses a docstring, this rewrites:
 

@@ -17,7 +17,7 @@ Output lines follow OpenAI's batch output::
      "error": {"code": "timeout_error", "message": "call did not finish within ..."}}
 
 (a refused request keeps its HTTP status and body in ``response``). Lines without an id get
-``custom_id`` ``"<index>-<hash>"`` (see :mod:`dsclient._jsonl`); an unreadable line gets
+``custom_id`` ``"<index>-<hash>"`` (see :mod:`dsclient.batch._jsonl`); an unreadable line gets
 ``"line-<n>"``, is reported on stderr with its line number and written as a failure.
 """
 
@@ -36,11 +36,11 @@ from typing import IO, Any
 import anyio
 import httpx
 
-from .._batch import InvalidItem, Outcome, _Options, _run_direct
-from .._client import USE_DEFAULT, AsyncClient
 from .._exceptions import DSClientError, RequestRefused, parse_json
-from .._jsonl import JsonlStore, derive_id, explicit_id
 from .._models import ChatResult, CompletionResult, Failure, Result, Usage
+from ..batch._batch import InvalidItem, Outcome, _Options, _run_direct
+from ..batch._jsonl import JsonlStore, derive_id, explicit_id
+from ..client._client import USE_DEFAULT, AsyncClient
 
 __all__ = ["BATCH_RECORDS", "BatchRecords", "add_map_parser", "main", "read_requests", "run"]
 

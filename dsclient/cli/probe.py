@@ -30,7 +30,7 @@ def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _run_probe(args: argparse.Namespace) -> int:
     import anyio
 
-    from .._client import AsyncClient
+    from ..client._client import AsyncClient
 
     async def probe() -> tuple[Any, Any, Any]:
         async with AsyncClient(

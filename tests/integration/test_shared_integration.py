@@ -22,7 +22,7 @@ import httpx
 import pytest
 import redis
 
-from dsclient._shared import LEASE_S
+from dsclient.governor._shared import LEASE_S
 from tests.integration.test_closed_loop_integration import _gauge
 from tests.redis_server import RedisServer
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..._load import Load
+from ...governor._load import Load
 
 #: Tokens a plain English word costs when the server cannot count them (``/tokenize`` absent).
 DEFAULT_TOKENS_PER_WORD = 1.3

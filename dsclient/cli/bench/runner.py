@@ -12,7 +12,7 @@ from typing import IO, Any
 import anyio
 import httpx
 
-from ..._load import Load
+from ...governor._load import Load
 from .policy import (
     DEFAULT_TOKENS_PER_WORD,
     Knee,
@@ -74,7 +74,7 @@ class Bench:
     async def request(self, request: BenchRequest) -> RequestSample:
         """Send one streamed request and time it."""
         from ..._exceptions import MalformedResponse
-        from ..._streaming import delta_of, sse_events
+        from ...client._streaming import delta_of, sse_events
 
         body = {
             **request.body,
@@ -129,7 +129,7 @@ class Bench:
 
     async def _scrape(self, loads: list[Load]) -> None:
         """Scrape ``/metrics`` a few times a second until cancelled; once if there is none."""
-        from ..._endpoint import fetch_load
+        from ...governor._endpoint import fetch_load
 
         if self.has_metrics is False:
             return
@@ -236,8 +236,8 @@ class Bench:
         self, knee: Knee, max_concurrency: int, transport: httpx.AsyncBaseTransport | None
     ) -> dict[str, Any]:
         """Drive the workload through ``AsyncClient`` for one step; where its limit ended."""
-        from ..._client import AsyncClient
         from ..._exceptions import DSClientError
+        from ...client._client import AsyncClient
 
         latencies: list[float] = []
         service: list[float] = []

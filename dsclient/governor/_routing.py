@@ -1,7 +1,7 @@
 """Which server takes the next attempt: load, prefix affinity and a circuit breaker, no I/O.
 
 :class:`Router` is the policy the multi-server client asks for each attempt
-(``dsclient._pool``); it holds no connection and never sleeps.
+(``dsclient.governor._pool``); it holds no connection and never sleeps.
 
 Typical use (the caller owns the I/O: it reads ``/metrics`` and ``/health``, sends, and reports)::
 

@@ -24,23 +24,23 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from ._batch import BatchResults
+from .._models import ChatResult, CompletionResult, Failure, Result
+from ..batch._batch import BatchResults
+from ..governor._governor import GovernorStats
 from ._client import USE_DEFAULT, AsyncClient, Messages, Prompt, Stream
 from ._discovery import ServerInfo
-from ._governor import GovernorStats
-from ._models import ChatResult, CompletionResult, Failure, Result
 from ._streaming import MAX_BODY_BYTES
 
 if TYPE_CHECKING:
     import httpx
     import openai
 
-    from ._batch import OnError
+    from ..batch._batch import OnError
+    from ..batch._jsonl import JsonlStore
+    from ..governor._routing import RoutingPolicy
     from ._client import UseDefault
     from ._degrade import Degrade
-    from ._jsonl import JsonlStore
     from ._retry import Retry
-    from ._routing import RoutingPolicy
 
 __all__ = ["Client", "SyncStream"]
 
@@ -222,7 +222,7 @@ class Client:
 
             results = client.map(["Hello", "Bonjour"], max_tokens=16, output="out.jsonl")
 
-        Parameters are those of :meth:`AsyncClient.map` (:func:`dsclient._batch.run_map`).
+        Parameters are those of :meth:`AsyncClient.map` (:func:`dsclient.batch._batch.run_map`).
         """
         return self._portal.call(
             lambda: self._async.map(
@@ -259,9 +259,9 @@ class Client:
             for index, result in client.imap(prompts, output="out.jsonl"):
                 ...
 
-        Parameters are those of :meth:`AsyncClient.imap` (:func:`dsclient._batch.iter_map`).
+        Parameters are those of :meth:`AsyncClient.imap` (:func:`dsclient.batch._batch.iter_map`).
         """
-        from ._batch import iter_map_blocking
+        from ..batch._batch import iter_map_blocking
 
         return iter_map_blocking(
             self._portal,

@@ -7,7 +7,8 @@ Each attempt takes its own slot from the endpoint's governor, sends once, and re
 with what happened (``ok``, ``overloaded``, ``error``, ``cancelled``); the governor passes that and
 the attempt's service time to the limit controller. A retry's backoff sleeps *outside* any slot,
 so a sleeping call holds no capacity and service times never include sleeps. Retries follow
-:class:`~dsclient._retry.Retry` (the loop is :meth:`RequestPath._retry_loop`); a retry spends one
+:class:`~dsclient.client._retry.Retry` (the loop is :meth:`RequestPath._retry_loop`); a retry
+spends one
 token of the retry budget, and only a retry that happens spends one.
 
 One exception: under an adaptive limit, a refusal for load (429 / 503) is congestion, not a
@@ -21,7 +22,7 @@ the budget, or giving them four tries, lost requests in a burst.)
 
 A server that stops answering (a connection fails or drops) is marked down in :attr:`reach`;
 every attempt first waits at that gate, so calls wait on the client while one of them probes
-``/health`` (:class:`~dsclient._health.Reachability`), instead of spending attempts and the
+``/health`` (:class:`~dsclient.governor._health.Reachability`), instead of spending attempts and the
 budget on a dead server. Any answer opens the gate again. The calls whose connections died with
 the server (in flight when it was killed) are victims of the same outage: once a failed probe has
 confirmed it, they wait at the gate with the rest and then try again, outside the budget and the
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import httpx
 
-from ._exceptions import (
+from .._exceptions import (
     ConnectionError,
     DSClientError,
     Overloaded,
@@ -48,14 +49,14 @@ from ._exceptions import (
     redact,
     translate_request_error,
 )
-from ._health import Reachability
+from ..governor._health import Reachability
 from ._retry import Retry, RetryBudget, compute_backoff, describe, is_retryable, retry_after_of
 from ._streaming import MAX_BODY_BYTES, read_body, read_json, read_prefix
 
 if TYPE_CHECKING:
-    from ._endpoint import Endpoint
-    from ._governor import Lane, Slot
-    from ._pool import PoolSlot, ServerPool
+    from ..governor._endpoint import Endpoint
+    from ..governor._governor import Lane, Slot
+    from ..governor._pool import PoolSlot, ServerPool
 
     Lease = Slot | PoolSlot
 
@@ -68,7 +69,7 @@ T = TypeVar("T")
 class WouldMiss(Exception):
     """A call still waits for its first slot at the time it gave itself (``miss_at``): waiting
     longer would miss its deadline. Internal: the client degrades the call and sends it again
-    (``dsclient._degrade``)."""
+    (``dsclient.client._degrade``)."""
 
     def __init__(self, waited_s: float) -> None:
         super().__init__(f"waited {waited_s:.2f} s for a slot")
@@ -91,9 +92,10 @@ class RequestPath:
         sleep, rng: injectable for tests (backoff sleeps, jitter).
         max_body_bytes: the most bytes of an answer read (default :data:`MAX_BODY_BYTES`,
             16 MiB); a longer one ends the call in ``ResponseTooLarge``, unread and not retried.
-            Streams apply it to each line and event (:func:`~dsclient._streaming.sse_events`).
+            Streams apply it to each line and event
+            (:func:`~dsclient.client._streaming.sse_events`).
         outage_wait: seconds calls wait for a server that stopped answering (see
-            :class:`~dsclient._health.Reachability`); ``None``: only their own timeouts.
+            :class:`~dsclient.governor._health.Reachability`); ``None``: only their own timeouts.
     """
 
     def __init__(
@@ -330,11 +332,13 @@ class RequestPath:
         prefix: str | None = None,
     ) -> Answer:
         """Send a caller's request attempt by attempt, as :meth:`send_json` does, and give back
-        the server's answer instead of raising for its status (``dsclient/_transport.py`` hands
+        the server's answer instead of raising for its status (``dsclient/client/_transport.py``
+        hands
         it to another SDK, which maps statuses to its own errors).
 
         ``request`` is built once by the caller (URL, headers, body: see
-        :meth:`GovernedTransport <dsclient._transport.GovernedTransport>`) and sent as it is by
+        :meth:`GovernedTransport <dsclient.client._transport.GovernedTransport>`) and sent as it is
+        by
         every attempt, straight to the shared client's transport (:meth:`_exchange`); with a
         pool, an attempt the router sends to another server gets a copy aimed at that server. A
         2xx body is read under the cap and its slot released; with ``stream`` the response comes

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from ._exceptions import (
+from .._exceptions import (
     ERROR_BODY_BYTES,
     MalformedResponse,
     ResponseTooLarge,

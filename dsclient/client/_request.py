@@ -1,8 +1,8 @@
 """A call before and after the wire: its arguments checked, what it will send (:class:`Plan`),
 and the server's answer made into a result (:func:`build_result`, the one place that does it).
 
-No I/O here: the client plans (``dsclient._client``), the request path sends
-(``dsclient._pipeline``), and both use these.
+No I/O here: the client plans (``dsclient.client._client``), the request path sends
+(``dsclient.client._pipeline``), and both use these.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any, Final, Literal
 import anyio
 import sniffio
 
-from ._exceptions import MalformedResponse
-from ._models import ChatResult, CompletionResult, Result, Usage
+from .._exceptions import MalformedResponse
+from .._models import ChatResult, CompletionResult, Result, Usage
 
 __all__ = [
     "USE_DEFAULT",

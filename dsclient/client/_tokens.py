@@ -42,7 +42,7 @@ from typing import Any
 
 import httpx
 
-from ._exceptions import (
+from .._exceptions import (
     ContextOverflow,
     DSClientError,
     context_overflow_from_response,

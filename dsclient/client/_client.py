@@ -1,8 +1,9 @@
 """The async client: validation, discovery, token budget and the request path, wired to httpx.
 
-The per-server state (governor, limit controller, load) lives in :class:`~dsclient._endpoint.
+The per-server state (governor, limit controller, load) lives in
+:class:`~dsclient.governor._endpoint.
 Endpoint`; the per-attempt path (slot, send once, release with the outcome, retry outside the
-slot) in :mod:`dsclient._pipeline`. :meth:`AsyncClient._request` and
+slot) in :mod:`dsclient.client._pipeline`. :meth:`AsyncClient._request` and
 :meth:`AsyncClient._open_stream` are the one internal entry point that calls, streams, ``map()``
 and ``dsclient map`` go through.
 """
@@ -33,20 +34,23 @@ import anyio
 import httpx
 import sniffio
 
-from ._batch import BatchResults, OnError, iter_map, run_map
+from .._models import ChatResult, CompletionResult, Failure, Result
+from .._observe import Observer
+from .._urls import root_url
+from ..batch._batch import BatchResults, OnError, iter_map, run_map
+from ..batch._jsonl import JsonlStore
+from ..governor._endpoint import ControlOptions, Endpoint, ServerView
+from ..governor._governor import GovernorStats, compute_limit
+from ..governor._health import Reachability
+from ..governor._pool import ServerPool
+from ..governor._routing import Router, RoutingPolicy
+from ..governor._shared import SharedBudget
 from ._client_calls import CallsMixin
 from ._client_discovery import DiscoveryMixin
 from ._degrade import Degrade, Pace
 from ._discovery import DEFAULT_MAX_NUM_SEQS, ServerInfo
-from ._endpoint import ControlOptions, Endpoint, ServerView
-from ._governor import GovernorStats, compute_limit
-from ._health import Reachability
-from ._jsonl import JsonlStore
-from ._models import ChatResult, CompletionResult, Failure, Result
-from ._observe import Observer
 from ._options import check_options
 from ._pipeline import RequestPath
-from ._pool import ServerPool
 from ._request import (
     USE_DEFAULT,
     Messages,
@@ -57,14 +61,11 @@ from ._request import (
     check_prompt,
 )
 from ._retry import Retry, RetryBudget
-from ._routing import Router, RoutingPolicy
-from ._shared import SharedBudget
 from ._stream import Stream
 from ._streaming import MAX_BODY_BYTES
 from ._tokens import (
     TokenCounter,
 )
-from ._urls import root_url
 
 if TYPE_CHECKING:
     import openai
@@ -704,7 +705,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
 
             results = await client.map(["Hello", "Bonjour"], max_tokens=16, output="out.jsonl")
 
-        Parameters are those of :func:`dsclient._batch.run_map` (``docs/batch.md``): items are
+        Parameters are those of :func:`dsclient.batch._batch.run_map` (``docs/batch.md``): items are
         prompts, message lists or request dicts; ``output`` a JSONL file that ``resume=True``
         continues; ``on_error="raise"`` stops at the first failure; ``sampling`` goes into every
         request body.
@@ -739,7 +740,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         **sampling: Any,
     ) -> AsyncIterator[tuple[int, Result | Failure]]:
         """Yield ``(index, result)`` as each item finishes (completion order). Parameters are
-        those of :meth:`map`, without ``ordered``; see :func:`dsclient._batch.iter_map`.
+        those of :meth:`map`, without ``ordered``; see :func:`dsclient.batch._batch.iter_map`.
 
             async for index, result in client.imap(prompts, output="out.jsonl"):
                 ...
@@ -767,7 +768,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
             )
         return float(timeout) if timeout is not None else None
 
-    # -- other SDKs over this client (dsclient/_transport.py) --------------------------------
+    # -- other SDKs over this client (dsclient/client/_transport.py) ------------------------
     def openai(
         self,
         *,

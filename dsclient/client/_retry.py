@@ -1,7 +1,7 @@
 """Retry policy: which failures to retry, how long to wait, and how many retries to allow.
 
 Everything here is pure (no network, no sleeping); the request path
-(:class:`~dsclient._pipeline.RequestPath`) asks and sleeps.
+(:class:`~dsclient.client._pipeline.RequestPath`) asks and sleeps.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ._exceptions import (
+from .._exceptions import (
     ConnectionError,
     Overloaded,
     RequestRefused,
     TimeoutError,
 )
-from ._retry_after import parse_retry_after
+from .._retry_after import parse_retry_after
 
 __all__ = [
     "RETRYABLE_STATUSES",

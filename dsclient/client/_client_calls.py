@@ -1,9 +1,11 @@
 """One call of :class:`~dsclient.AsyncClient` from its plan to its result: the timeout around
-it, degradation on deadline, the attempts (``dsclient._pipeline``), the result, the observers.
+it, degradation on deadline, the attempts (``dsclient.client._pipeline``), the result, the
+observers.
 
 :class:`CallsMixin` is part of :class:`~dsclient.AsyncClient`: ``generate``, ``chat``,
 ``map()``, streams and ``dsclient map`` all come through :meth:`CallsMixin._request` or
-:meth:`CallsMixin._open_stream`; the client (``dsclient._client``) sets every attribute declared
+:meth:`CallsMixin._open_stream`; the client (``dsclient.client._client``) sets every attribute
+declared
 here.
 """
 
@@ -17,20 +19,20 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import httpx
 
+from .._exceptions import TimeoutError
+from .._models import Result
+from .._observe import CallRecord, Observer
+from ..governor._endpoint import Endpoint
+from ..governor._pool import NoServerError
+from ..governor._routing import prefix_text
 from ._degrade import Degrade, Pace, predict_s
-from ._endpoint import Endpoint
-from ._exceptions import TimeoutError
-from ._models import Result
-from ._observe import CallRecord, Observer
 from ._pipeline import RequestPath, WouldMiss
-from ._pool import NoServerError
 from ._request import USE_DEFAULT, Plan, Prompt, UseDefault, build_result, deadline
-from ._routing import prefix_text
 from ._tokens import TokenCounter, plan_max_tokens
 
 if TYPE_CHECKING:
+    from ..governor._pool import ServerPool
     from ._pipeline import Lease
-    from ._pool import ServerPool
 
 __all__ = ["CallsMixin"]
 
@@ -77,8 +79,8 @@ class CallsMixin:
         degrade: Degrade | UseDefault | None = USE_DEFAULT,
     ) -> Result:
         """The one internal entry point of a call (``generate``, ``chat``, ``map()``): plan,
-        then attempts under the governor (see :mod:`dsclient._pipeline`), within the timeout;
-        degraded (``dsclient._degrade``) rather than miss it, when the call says so."""
+        then attempts under the governor (see :mod:`dsclient.client._pipeline`), within the timeout;
+        degraded (``dsclient.client._degrade``) rather than miss it, when the call says so."""
         limit_s = self._timeout_of(timeout)
         option = self._degrade if isinstance(degrade, UseDefault) else degrade
         if option is not None and not isinstance(option, Degrade):

@@ -3,7 +3,7 @@ after an unanswered ``/v1/models``, per server of a pool), and the token budget 
 call needs (exact counts, the calibrated estimate, ``max_tokens`` and the lane).
 
 :class:`DiscoveryMixin` is half of :class:`~dsclient.AsyncClient`: the client's wiring and public
-calls are in ``dsclient._client``, which sets every attribute declared here.
+calls are in ``dsclient.client._client``, which sets every attribute declared here.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import httpx
 
+from .._exceptions import ConnectionError, DSClientError
+from ..governor._endpoint import Endpoint, fetch_load
+from ..governor._governor import choose_lane, default_long_threshold
 from ._discovery import ServerInfo, discover
-from ._endpoint import Endpoint, fetch_load
-from ._exceptions import ConnectionError, DSClientError
-from ._governor import choose_lane, default_long_threshold
 from ._request import Lane, Plan, Prompt, check_messages, check_prompt
 from ._retry import Retry
 from ._tokens import (
@@ -35,8 +35,8 @@ from ._tokens import (
 )
 
 if TYPE_CHECKING:
+    from ..governor._pool import ServerPool
     from ._pipeline import RequestPath
-    from ._pool import ServerPool
 
 __all__ = ["DiscoveryMixin"]
 

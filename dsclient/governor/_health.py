@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from ._exceptions import ConnectionError
+from .._exceptions import ConnectionError
 
 __all__ = ["Reachability"]
 

@@ -12,7 +12,8 @@ to release), which is how the client's limit controller hears about every attemp
 
 **The cap.** At most ``limit`` requests are in flight. It starts at
 ``max(1, floor(headroom * max_num_seqs))`` (:func:`compute_limit`) and the client's limit
-controller (``dsclient._control``) moves it with ``set_limit``; the governor does not care where
+controller (``dsclient.governor._control``) moves it with ``set_limit``; the governor does not care
+where
 the number comes from. A client cap does not make the server faster; it moves the queue from the
 server to the client, where it can be ordered. Raising the cap admits waiters at once, lowering
 it never cancels running work, it only admits nobody until in-flight drops below the new cap.
@@ -73,7 +74,7 @@ from typing import TYPE_CHECKING, Final, Literal
 
 import anyio
 
-from ._exceptions import Overloaded
+from .._exceptions import Overloaded
 
 if TYPE_CHECKING:
     from ._control import ControlStats
@@ -213,7 +214,7 @@ class GovernorStats:
     control: ControlStats | None = None
 
     def _repr_html_(self) -> str:  # notebooks show a table, not a dataclass repr
-        from ._display import stats_html
+        from .._display import stats_html
 
         return stats_html(self)
 

@@ -8,7 +8,8 @@ load as last seen, with the one task that scrapes that load.
         ...                                  # calls take slots from endpoint.governor
 
 Only the controller sets the governor's limit, except under a shared budget (``shared=``, see
-``dsclient._shared``): there the governor's limit is the block of leases this process holds, the
+``dsclient.governor._shared``): there the governor's limit is the block of leases this process
+holds, the
 leader's controller sets the shared limit, and the others' controllers wait (they take over from
 the shared limit when they become the leader, or from their own share when Redis goes away).
 Discovery seeds the controller (the start, the mode, the known ``max_num_seqs``); the poller
@@ -30,12 +31,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import httpx
 
+from .._exceptions import DSClientError, decode_text
+from ..client._discovery import ServerInfo
+from ..client._streaming import read_body
 from ._control import SLOW_START, CapacityLearner, ControlStats, LimitController, Mode
-from ._discovery import ServerInfo
-from ._exceptions import DSClientError, decode_text
 from ._governor import Governor, GovernorStats, Slot, compute_limit
 from ._load import Load, parse_load
-from ._streaming import read_body
 
 if TYPE_CHECKING:
     from ._shared import SharedBudget, SyncResult
@@ -149,7 +150,7 @@ class Endpoint:
     Parameters:
         url: the server's root URL.
         options: how the limit is controlled.
-        governor_options: keyword arguments for :class:`~dsclient._governor.Governor`
+        governor_options: keyword arguments for :class:`~dsclient.governor._governor.Governor`
             (lanes, groups, queue bound).
         clock: seconds from a monotonic source.
     """

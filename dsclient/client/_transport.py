@@ -11,7 +11,8 @@ does with one request the SDK hands it:
   JSON body is read, its ``prompt`` / ``messages`` / ``input`` and ``max_tokens`` (or
   ``max_completion_tokens``) planned with the client's own planning (:meth:`AsyncClient._plan`:
   the lane, whether ``max_tokens`` fits), and the request goes through the client's
-  :class:`~dsclient._pipeline.RequestPath` attempt by attempt: a slot, one send, the slot back
+  :class:`~dsclient.client._pipeline.RequestPath` attempt by attempt: a slot, one send, the slot
+  back
   with its outcome, retries with backoff outside the slot under the retry budget, the outage
   gate, the response-size cap. Everything else in the body (tools, ``response_format``, vLLM's
   own fields) is sent as the SDK wrote it.
@@ -75,7 +76,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 import anyio
 import httpx
 
-from ._exceptions import (
+from .._exceptions import (
     ContextOverflow,
     DSClientError,
     MalformedResponse,
@@ -85,17 +86,17 @@ from ._exceptions import (
     TransportError,
     parse_json,
 )
-from ._governor import choose_lane, default_long_threshold
-from ._observe import CallRecord
+from .._observe import CallRecord
+from ..governor._governor import choose_lane, default_long_threshold
+from ..governor._routing import prefix_text
 from ._request import deadline
-from ._routing import prefix_text
 from ._streaming import MAX_BODY_BYTES
 
 if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
 
+    from ..governor._governor import Lane
     from ._client import AsyncClient
-    from ._governor import Lane
     from ._pipeline import Answer, Lease
 
 __all__ = [

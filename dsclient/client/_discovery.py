@@ -41,9 +41,9 @@ import anyio
 import anyio.to_thread
 import httpx
 
-from ._exceptions import DSClientError, ResponseTooLarge, parse_json
+from .._exceptions import DSClientError, ResponseTooLarge, parse_json
+from .._urls import root_url
 from ._streaming import read_body
-from ._urls import root_url
 
 __all__ = [
     "DEFAULT_MAX_NUM_SEQS",
@@ -461,7 +461,7 @@ class RecordSource(Protocol):
 
 def _default_records() -> RecordSource | None:
     try:
-        from . import _records  # type: ignore[attr-defined, unused-ignore]
+        from .. import _records  # type: ignore[attr-defined, unused-ignore]
     except ImportError:
         return None
     return _records  # type: ignore[no-any-return, unused-ignore]

@@ -34,8 +34,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from ._exceptions import RequestRefused, parse_json
-from ._models import ChatResult, CompletionResult, Failure, Result, Usage
+from .._exceptions import RequestRefused, parse_json
+from .._models import ChatResult, CompletionResult, Failure, Result, Usage
 
 __all__ = [
     "MAP_RECORDS",

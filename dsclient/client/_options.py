@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..governor._routing import RoutingPolicy
+from ..governor._shared import redact_url
 from ._degrade import Degrade
-from ._routing import RoutingPolicy
-from ._shared import redact_url
 
 __all__ = ["check_options"]
 

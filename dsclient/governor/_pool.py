@@ -17,7 +17,8 @@ How an attempt gets a server:
    the sum of the limits of the servers that serve the model and are in rotation, so holding a
    front slot means that some server has room (lane caps and a limit cut in between aside: then
    the call waits, holding its place, until a server has room).
-2. The **router** (:mod:`dsclient._routing`, pure) chooses among the servers whose own governor
+2. The **router** (:mod:`dsclient.governor._routing`, pure) chooses among the servers whose own
+governor
    admits the call now: load (room under the closed-loop limit, the server's queue and KV cache
    from its ``/metrics``), prefix affinity, and the circuit breaker.
 3. It takes a slot of **that server's governor**, whose release feeds that server's limit
@@ -32,7 +33,7 @@ answers that are not overload (429 / 503 say "busy": the limit controller handle
 breaker then waits a jittered backoff (1 s doubling to 30 s), and :meth:`ServerPool.run_health`
 probes ``/health``; an answer that is not a 5xx brings it back, its limit where it was and its
 prefix index empty. With every server for a model out, calls wait at :attr:`ServerPool.reach`
-(a :class:`~dsclient._health.Reachability` whose probe asks every server): bounded by their
+(a :class:`~dsclient.governor._health.Reachability` whose probe asks every server): bounded by their
 timeout and ``outage_wait``, after which they fail with :class:`~dsclient.ConnectionError`.
 """
 
@@ -47,8 +48,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._exceptions import ConnectionError, DSClientError, Overloaded, ServerError
-from ._exceptions import TimeoutError as DSTimeoutError
+from .._exceptions import ConnectionError, DSClientError, Overloaded, ServerError
+from .._exceptions import TimeoutError as DSTimeoutError
 from ._governor import Governor, Lane, Slot
 from ._health import Reachability
 from ._routing import NoServer, Route, Router, RouteRequest, ServerState
@@ -128,7 +129,8 @@ class ServerPool:
     """The servers of one client, a front governor per model, the router and the breakers.
 
     Parameters:
-        endpoints: one :class:`~dsclient._endpoint.Endpoint` per server, in the caller's order.
+        endpoints: one :class:`~dsclient.governor._endpoint.Endpoint` per server, in the caller's
+        order.
         router: the routing policy and its per-server state (breakers, prefix indexes).
         governor_options: keyword arguments of the front governors (lanes, groups, queue bound),
             the same the servers' own governors got.

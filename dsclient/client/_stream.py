@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import httpx
 
-from ._exceptions import DSClientError, TimeoutError, translate_transport_error
-from ._observe import CallRecord
+from .._exceptions import DSClientError, TimeoutError, translate_transport_error
+from .._observe import CallRecord
 from ._pipeline import outcome_of
 from ._request import Lane, Prompt, deadline
 from ._streaming import delta_of, sse_events

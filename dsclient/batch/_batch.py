@@ -21,7 +21,7 @@ Items are prompts (``str``), message lists, or request dicts::
 
 where ``id``/``custom_id`` names the item (for ``output=`` and resume), ``max_tokens`` and
 every other key override the call's own for that item. Resume matching and id rules are in
-:mod:`dsclient._jsonl`.
+:mod:`dsclient.batch._jsonl`.
 """
 
 from __future__ import annotations
@@ -47,15 +47,21 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from .._models import Failure, Result
+from ..client._request import (
+    USE_DEFAULT,
+    UseDefault,
+    check_max_tokens,
+    check_messages,
+    check_prompt,
+)
 from ._jsonl import JsonlStore, derive_id, explicit_id
-from ._models import Failure, Result
 from ._progress import Progress, open_progress
-from ._request import USE_DEFAULT, UseDefault, check_max_tokens, check_messages, check_prompt
 
 if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
 
-    from ._client import AsyncClient
+    from ..client._client import AsyncClient
 
 __all__ = ["BatchResults", "InvalidItem", "iter_map", "iter_map_blocking", "run_map"]
 
@@ -137,7 +143,7 @@ class BatchResults(list[Outcome]):
         )
 
     def _repr_html_(self) -> str:
-        from ._display import batch_html
+        from .._display import batch_html
 
         return batch_html(self.summary(), self.failures)
 
