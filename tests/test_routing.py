@@ -416,3 +416,16 @@ def test_a_held_prefix_beats_a_shorter_queue_and_more_room():
     assert decision.url == B and decision.reason == "score"
     with pytest.raises(ValueError, match="cache_threshold"):
         RoutingPolicy(cache_threshold=0)
+
+
+def test_the_prefix_index_is_sized_to_the_servers_kv_cache():
+    """An index larger than vLLM's cache claims prefixes vLLM has evicted: each server's index
+    holds what its KV cache holds (4 characters a token, blocks of 256 characters)."""
+    r, _ = router()
+    r.index(A).add(f"h{i}" for i in range(100))
+    r.size_index(A, kv_cache_tokens=1536)  # 96 vLLM blocks of 16 tokens
+    assert r.index(A).capacity == 24 and len(r.index(A)) == 24
+    assert r.index(A).match(["h99"]) == 1 and r.index(A).match(["h0"]) == 0  # oldest went
+    fixed, _ = router(index_blocks=500)
+    fixed.size_index(A, kv_cache_tokens=1536)
+    assert fixed.index(A).capacity == 500  # a size the policy names stays

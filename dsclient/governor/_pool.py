@@ -269,6 +269,8 @@ class ServerPool:
             age = None
             if load is not None and e.load_at is not None and e.controller.mode == "metrics":
                 age = max(0.0, now - e.load_at)
+            if load is not None and load.kv_cache_size_tokens:
+                self.router.size_index(e.url, kv_cache_tokens=load.kv_cache_size_tokens)
             governor = e.governor
             states.append(
                 ServerState(

@@ -81,6 +81,13 @@ BreakerState = Literal["closed", "open", "half_open"]
 FailureKind = Literal["connect", "timeout", "server_error"]
 
 
+#: Prefix-index size per server until its KV cache size is known (``RoutingPolicy.index_blocks``).
+_DEFAULT_INDEX_BLOCKS = 8192
+
+#: Characters per token, to size an index of character blocks to a cache counted in tokens.
+CHARS_PER_TOKEN = 4.0
+
+
 # --- inputs ------------------------------------------------------------------------------------
 
 
@@ -221,7 +228,10 @@ class RoutingPolicy:
             queue term is normalised over the candidates), and the benchmark's hit rate was
             below round-robin's.
         block_chars: characters per prefix block when hashing text prefixes.
-        index_blocks: how many block hashes each server's :class:`PrefixIndex` keeps.
+        index_blocks: how many block hashes each server's :class:`PrefixIndex` keeps; ``None``
+            (default): as many as the server's KV cache holds, from its ``/metrics``
+            (:meth:`Router.size_index`; about 4 characters a token), and 8192 until that is known.
+            An index larger than the cache claims prefixes vLLM has evicted.
         eject_after: consecutive timeouts or 5xx that open a server's breaker (see
             :class:`CircuitBreaker` for why 3).
         backoff_base, backoff_cap: seconds before the first / at most before any half-open
@@ -239,7 +249,7 @@ class RoutingPolicy:
     balance_rel: float = 1.5
     cache_threshold: float = 0.5
     block_chars: int = 256
-    index_blocks: int = 8192
+    index_blocks: int | None = None
     eject_after: int = 3
     backoff_base: float = 1.0
     backoff_cap: float = 30.0
@@ -262,7 +272,9 @@ class RoutingPolicy:
             )
         if self.balance_abs < 0 or self.balance_rel < 1:
             raise ValueError("RoutingPolicy.balance_abs must be >= 0 and balance_rel >= 1")
-        for name in ("block_chars", "index_blocks", "eject_after"):
+        if self.index_blocks is not None and self.index_blocks < 1:
+            raise ValueError(f"RoutingPolicy.index_blocks must be >= 1, got {self.index_blocks!r}")
+        for name in ("block_chars", "eject_after"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RoutingPolicy.{name} must be >= 1, got {getattr(self, name)!r}")
 
@@ -496,6 +508,14 @@ class PrefixIndex:
         while len(self._blocks) > self.capacity:
             self._blocks.popitem(last=False)
 
+    def resize(self, capacity: int) -> None:
+        """Keep at most ``capacity`` blocks from now on (the least recently used go first)."""
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity!r}")
+        self.capacity = capacity
+        while len(self._blocks) > capacity:
+            self._blocks.popitem(last=False)
+
     def clear(self) -> None:
         """Forget everything (the server restarted: its cache is empty)."""
         self._blocks.clear()
@@ -550,9 +570,19 @@ class Router:
         """The prefix index of ``url`` (empty on first use)."""
         found = self._indexes.get(url)
         if found is None:
-            found = PrefixIndex(self.policy.index_blocks)
+            found = PrefixIndex(self.policy.index_blocks or _DEFAULT_INDEX_BLOCKS)
             self._indexes[url] = found
         return found
+
+    def size_index(self, url: str, *, kv_cache_tokens: int) -> None:
+        """Size ``url``'s prefix index to its KV cache of ``kv_cache_tokens`` tokens, unless the
+        policy names a size (``index_blocks``)."""
+        if self.policy.index_blocks is not None or kv_cache_tokens < 1:
+            return
+        blocks = max(1, int(kv_cache_tokens * CHARS_PER_TOKEN) // self.policy.block_chars)
+        index = self.index(url)
+        if index.capacity != blocks:
+            index.resize(blocks)
 
     def record_success(self, url: str) -> None:
         """An attempt on ``url`` succeeded."""
