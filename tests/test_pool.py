@@ -275,3 +275,14 @@ def test_a_url_named_twice_is_refused() -> None:
         dsclient.AsyncClient(["http://a:1/v1", "http://a:1"])
     with pytest.raises(ValueError, match="empty list"):
         dsclient.AsyncClient([])
+
+
+def test_the_sync_client_takes_a_list_of_urls_too() -> None:
+    a, b = Replica("a"), Replica("b")
+    with dsclient.Client(
+        [a.url, b.url], transport=make_transport([a, b]), max_num_seqs=4, adaptive=False
+    ) as client:
+        assert client.urls == (a.url, b.url)
+        results = client.map([f"p{i}" for i in range(20)], max_tokens=4)
+        assert [s.url for s in client.servers] == [a.url, b.url]
+    assert all(r.ok for r in results) and {r.server for r in results} == {a.url, b.url}

@@ -556,8 +556,8 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         scraped and its age, health and per-lane stats (:class:`~dsclient.ServerView`)."""
         pool = self._pool
         if pool is None:
-            return (self._endpoint.view("down" if self._path.reach.down else "up"),)
-        return tuple(e.view(pool.health(e)) for e in pool.endpoints)
+            return (self._endpoint.view(),)
+        return tuple(e.view() for e in pool.endpoints)
 
     def on_limit_raise(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call ``callback()`` (no arguments, on the event loop) whenever the in-flight limit

@@ -133,6 +133,9 @@ class RequestPath:
                 self.probe_health, sleep=sleep, rng=rng, label=endpoint.url, max_wait=outage_wait
             )
         )
+        if pool is None:  # the server's health is its gate's (a pool's servers: their breakers)
+            reach = self.reach
+            endpoint.watch_health(lambda: "down" if reach.down else "up")
 
     async def probe_health(self) -> bool:
         """Whether the server answers again (with a pool: whether any does; those that answer

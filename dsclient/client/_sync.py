@@ -26,6 +26,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .._models import ChatResult, CompletionResult, Failure, Result
 from ..batch._batch import BatchResults
+from ..governor._endpoint import ServerView
 from ..governor._governor import GovernorStats
 from ._client import USE_DEFAULT, AsyncClient, Messages, Prompt, Stream
 from ._discovery import ServerInfo
@@ -143,6 +144,16 @@ class Client:
     @property
     def url(self) -> str:
         return self._async.url
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """Every server's root URL, in the order given."""
+        return self._async.urls
+
+    @property
+    def servers(self) -> tuple[ServerView, ...]:
+        """Each server as seen now (see :attr:`AsyncClient.servers`)."""
+        return self._async.servers
 
     @property
     def model(self) -> str | None:

@@ -183,6 +183,7 @@ class Endpoint:
         #: servers sets it to the pool's traffic, so that every server's gauges stay fresh for
         #: the router while any of them is busy.
         self.traffic: Callable[[], bool] = self._own_traffic
+        self._health: Callable[[], Health] = lambda: "up"
         self._logged_at = -math.inf
         self._silenced = 0
         #: The shared budget (``None``: this client's own limit). While ``_shared_active`` the
@@ -485,8 +486,20 @@ class Endpoint:
     def control_stats(self) -> ControlStats:
         return self.controller.stats(learned=self.learner.value)
 
-    def view(self, health: Health) -> ServerView:
+    @property
+    def health(self) -> Health:
+        """Whether this server is in rotation: ``"down"`` while it does not answer (one server:
+        its :class:`~dsclient.governor._health.Reachability` gate is closed; in a pool: its
+        circuit breaker is open). Set by whoever watches it (:meth:`watch_health`)."""
+        return self._health()
+
+    def watch_health(self, health: Callable[[], Health]) -> None:
+        """Where :attr:`health` comes from: the request path's gate, or a pool's breaker."""
+        self._health = health
+
+    def view(self) -> ServerView:
         """A snapshot of this server for ``client.servers``."""
+        health = self.health
         governor = self.governor
         load_at = self.load_at
         return ServerView(

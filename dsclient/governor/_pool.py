@@ -52,7 +52,7 @@ from .._exceptions import ConnectionError, DSClientError, Overloaded, ServerErro
 from .._exceptions import TimeoutError as DSTimeoutError
 from ._governor import Governor, Lane, Slot
 from ._health import Reachability
-from ._routing import NoServer, Route, Router, RouteRequest, ServerState
+from ._routing import CircuitBreaker, NoServer, Route, Router, RouteRequest, ServerState
 
 if TYPE_CHECKING:
     from ._endpoint import Endpoint, Health
@@ -125,6 +125,11 @@ def failure_kind(exc: BaseException) -> str | None:
     return None
 
 
+def _health_of(breaker: CircuitBreaker) -> Callable[[], Health]:
+    """A server of a pool is up while its breaker lets requests through."""
+    return lambda: "up" if breaker.allows_requests else "down"
+
+
 class ServerPool:
     """The servers of one client, a front governor per model, the router and the breakers.
 
@@ -171,6 +176,7 @@ class ServerPool:
         for endpoint in self.endpoints:
             endpoint.on_change(self.refresh)
             endpoint.traffic = self.traffic
+            endpoint.watch_health(_health_of(router.breaker(endpoint.url)))
 
     def __repr__(self) -> str:
         up = sum(self.in_rotation(e) for e in self.endpoints)
