@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from dsclient import AsyncClient, Client, Retry
-from dsclient.client._transport import overflow_message, parse_options, usage_of
+from dsclient.client._sdk_plan import overflow_message, parse_options, usage_of
 
 from .fakes import RecordedSleep, chat_body, completion_body
 

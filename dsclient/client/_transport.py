@@ -71,7 +71,7 @@ import builtins
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 import httpx
@@ -84,18 +84,25 @@ from .._exceptions import (
     ResponseTooLarge,
     TimeoutError,
     TransportError,
-    parse_json,
 )
 from .._observe import CallRecord
-from ..governor._governor import choose_lane, default_long_threshold
-from ..governor._routing import prefix_text
 from ._request import deadline
+from ._sdk_plan import (
+    GROUP,
+    OVERFLOW,
+    URGENCY,
+    Governed,
+    Overflow,
+    parse_options,
+    plan_request,
+    refusal,
+    usage_of,
+)
 from ._streaming import MAX_BODY_BYTES
 
 if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
 
-    from ..governor._governor import Lane
     from ._client import AsyncClient
     from ._pipeline import Answer, Lease
 
@@ -109,8 +116,6 @@ __all__ = [
 
 logger = logging.getLogger("dsclient")
 
-Overflow = Literal["refuse", "cut"]
-
 #: The routes that are governed (a slot per attempt); every other request passes through.
 INFERENCE_PATHS: Final = {
     "/v1/completions": "completion",
@@ -118,11 +123,8 @@ INFERENCE_PATHS: Final = {
     "/v1/embeddings": "embedding",
 }
 
-_URGENCY: Final = "x-dsclient-urgency"
-_GROUP: Final = "x-dsclient-group"
-_OVERFLOW: Final = "x-dsclient-overflow"
 #: The option headers (read, never forwarded), as the lower-case bytes httpx keeps.
-_OPTIONS_RAW: Final = frozenset({_URGENCY.encode(), _GROUP.encode(), _OVERFLOW.encode()})
+_OPTIONS_RAW: Final = frozenset({URGENCY.encode(), GROUP.encode(), OVERFLOW.encode()})
 #: Request headers never forwarded: what is recomputed for the request actually sent.
 _DROP_REQUEST: Final = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection"})
 _RETRY_COUNT: Final = b"x-stainless-retry-count"
@@ -134,260 +136,6 @@ _TAIL_BYTES: Final = 4096
 _DECODER: Final = json.JSONDecoder()
 
 
-# -- options (pure) -----------------------------------------------------------------------------
-def parse_options(
-    headers: Mapping[str, str],
-    field: Any,
-    *,
-    urgency: int,
-    group: str | None,
-    overflow: Overflow,
-) -> tuple[int, str | None, Overflow]:
-    """The call's ``(urgency, group, overflow)`` from its headers and its body's ``"dsclient"``
-    field, over the transport's defaults; the body wins.
-
-        parse_options({"x-dsclient-urgency": "3"}, None, urgency=0, group=None,
-                      overflow="refuse")                     # (3, None, "refuse")
-        parse_options({}, {"group": "batch", "overflow": "cut"}, urgency=0, group=None,
-                      overflow="refuse")                     # (0, "batch", "cut")
-
-    Parameters:
-        headers: the request's headers (case-insensitive lookup, as ``httpx.Headers``).
-        field: the body's ``"dsclient"`` value, or ``None``.
-        urgency, group, overflow: the defaults (the transport's).
-
-    Raises:
-        ValueError: a value of the wrong kind (a programmer mistake: not sent, not retried).
-    """
-    values: dict[str, Any] = {}
-    for name, key in ((_URGENCY, "urgency"), (_GROUP, "group"), (_OVERFLOW, "overflow")):
-        raw = headers.get(name)
-        if raw is not None:
-            values[key] = raw.strip()
-    if field is not None:
-        if not isinstance(field, Mapping):
-            raise ValueError(f'the body\'s "dsclient" field must be an object, got {field!r:.80}')
-        unknown = set(field) - {"urgency", "group", "overflow"}
-        if unknown:
-            raise ValueError(
-                f'unknown keys in the body\'s "dsclient" field: {sorted(unknown)}; '
-                "known: urgency, group, overflow"
-            )
-        values.update(field)
-    if "urgency" in values:
-        value = values["urgency"]
-        try:
-            if isinstance(value, (bool, float)):
-                raise TypeError
-            urgency = int(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"urgency must be an integer, got {value!r:.80}") from None
-    if "group" in values:
-        value = values["group"]
-        if value is not None and (not isinstance(value, str) or not value):
-            raise ValueError(f"group must be a non-empty string or null, got {value!r:.80}")
-        group = value
-    if "overflow" in values:
-        value = values["overflow"]
-        if value not in ("refuse", "cut"):
-            raise ValueError(f"overflow must be 'refuse' or 'cut', got {value!r:.80}")
-        overflow = value
-    return urgency, group, overflow
-
-
-def _requested(kind: str, body: Mapping[str, Any]) -> tuple[str, int | None]:
-    """The body's output-token field and its value (``None``: absent or not a positive int)."""
-    names = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
-    for name in names:
-        if name in body:
-            value = body[name]
-            ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-            return name, value if ok else None
-    return names[-1], None
-
-
-def _prompt_of(kind: str, body: Mapping[str, Any]) -> str | list[Mapping[str, Any]] | None:
-    """What :meth:`AsyncClient._plan` can plan: a prompt string or a message list, else None
-    (token ids, batches of prompts: sent as written, in the short lane)."""
-    if kind == "chat":
-        messages = body.get("messages")
-        if (
-            isinstance(messages, list)
-            and messages
-            and all(isinstance(m, Mapping) and "role" in m for m in messages)
-        ):
-            return messages
-        return None
-    prompt = body.get("prompt") if kind == "completion" else body.get("input")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if isinstance(prompt, str) and prompt:
-        return prompt
-    if kind == "embedding" and isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-        return "\n".join(prompt) or None
-    return None
-
-
-def _refusal(status: int, message: str, *, why: str, param: str | None) -> httpx.Response:
-    """The client's own refusal, in the OpenAI error shape the SDKs parse."""
-    error_type = "RateLimitError" if status == 429 else "BadRequestError"
-    return httpx.Response(
-        status,
-        headers={"x-dsclient-refused": why},
-        json={"error": {"message": message, "type": error_type, "param": param, "code": status}},
-    )
-
-
-def overflow_message(*, prompt_tokens: int, requested: int, context: int, field: str) -> str:
-    """The refusal's text: the counts, the room left, and how to get a cut instead."""
-    room = max(0, context - prompt_tokens)
-    return (
-        f"dsclient: {field}={requested} cannot fit: the prompt has {prompt_tokens} tokens and "
-        f"the model's context is {context} tokens, which leaves room for {room} output tokens "
-        f"({prompt_tokens} + {requested} > {context}). Ask for at most {room}, or let dsclient "
-        f'cut it (header "x-dsclient-overflow: cut", or extra_body={{"dsclient": '
-        f'{{"overflow": "cut"}}}}).'
-    )
-
-
-def usage_of(body: bytes) -> tuple[int | None, int | None]:
-    """``(prompt_tokens, completion_tokens)`` from the last ``"usage"`` object of an answer (a
-    JSON body, or the end of an SSE stream), without parsing the rest of it.
-
-        usage_of(b'{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2}}')  # (5, 2)
-        usage_of(b'{"choices":[]}')                                                   # (None, None)
-
-    A ``"usage"`` inside a string cannot match: its quotes are escaped there. Anything that is
-    not an object of integers gives ``None`` for the count it lacks.
-    """
-    at = body.rfind(b'"usage"')
-    if at < 0:
-        return None, None
-    colon = body.find(b":", at + 7)
-    if colon < 0:
-        return None, None
-    try:
-        value, _ = _DECODER.raw_decode(body[colon + 1 :].decode("utf-8", "replace").lstrip())
-    except (ValueError, RecursionError):
-        return None, None
-    if not isinstance(value, dict):
-        return None, None
-    counts = [value.get("prompt_tokens"), value.get("completion_tokens")]
-    ok = [n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None for n in counts]
-    return ok[0], ok[1]
-
-
-# -- planning ---------------------------------------------------------------------------------
-class _Governed:
-    """What one inference request will send: the body's bytes, its lane and options."""
-
-    __slots__ = ("content", "group", "lane", "model", "prefix", "stream", "urgency")
-
-    def __init__(
-        self,
-        content: bytes,
-        lane: Lane,
-        urgency: int,
-        group: str | None,
-        stream: bool,
-        model: str | None = None,
-        prefix: str | None = None,
-    ) -> None:
-        self.content = content
-        self.lane = lane
-        self.urgency = urgency
-        self.group = group
-        self.stream = stream
-        self.model = model  # the body's, for a pool's router
-        self.prefix = prefix  # the prompt's text, for a pool's prefix affinity
-
-
-async def _plan(
-    client: AsyncClient,
-    kind: str,
-    content: bytes,
-    headers: Mapping[str, str],
-    defaults: tuple[int, str | None, Overflow],
-) -> _Governed | httpx.Response:
-    """Plan one inference request, or answer it with the client's refusal."""
-    try:
-        body = parse_json(content)
-    except ValueError:
-        body = None
-    if not isinstance(body, dict):  # not ours to judge: the server answers it
-        urgency, group, _ = parse_options(
-            headers, None, urgency=defaults[0], group=defaults[1], overflow=defaults[2]
-        )
-        return _Governed(content, "short", urgency, group, False)
-    changed = "dsclient" in body
-    field = body.pop("dsclient", None)
-    urgency, group, overflow = parse_options(
-        headers, field, urgency=defaults[0], group=defaults[1], overflow=defaults[2]
-    )
-    stream = body.get("stream") is True
-    prompt = _prompt_of(kind, body)
-    lane: Lane = "short"
-    if prompt is not None and kind == "embedding":
-        info = await client._ready()
-        threshold = client._long_threshold or default_long_threshold(info.max_model_len)
-        upper = client._tokens.upper_bound(prompt) or 0
-        if upper > threshold:
-            estimate = client._tokens.estimate(prompt)
-            lane = choose_lane(estimated_total_tokens=estimate, threshold=threshold)
-    elif prompt is not None:
-        field, requested = _requested(kind, body)
-        plan_kind: Literal["completion", "chat"] = "chat" if kind == "chat" else "completion"
-        try:
-            plan = await client._plan(plan_kind, prompt, requested, {})
-        except ContextOverflow as exc:
-            return _overflow_refusal(exc, requested, field)
-        lane = plan.lane
-        if requested is not None and plan.max_tokens < requested:
-            if overflow == "cut":
-                body[field] = plan.max_tokens
-                changed = True
-            else:
-                refusal = await _check_fit(client, prompt, requested, field)
-                if refusal is not None:
-                    return refusal
-    if changed:
-        content = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
-    model = body.get("model")
-    prefix = prefix_text(prompt) if prompt is not None and client._pool is not None else None
-    return _Governed(
-        content, lane, urgency, group, stream, model if isinstance(model, str) else None, prefix
-    )
-
-
-async def _check_fit(
-    client: AsyncClient, prompt: str | list[Mapping[str, Any]], requested: int, field: str
-) -> httpx.Response | None:
-    """The planner would cut ``requested``: refuse when the server's own count says it cannot
-    fit (the margin not counted), else let the request go as written."""
-    info = await client._ready()
-    ctx = info.max_model_len
-    counted = await client._count_exact(prompt) if info.has_tokenize else None
-    if counted is None or ctx is None or counted + requested <= ctx:
-        return None
-    message = overflow_message(prompt_tokens=counted, requested=requested, context=ctx, field=field)
-    return _refusal(400, message, why="context", param=field)
-
-
-def _overflow_refusal(exc: ContextOverflow, requested: int | None, field: str) -> httpx.Response:
-    """The prompt alone cannot fit (dsclient counted it, or ``/tokenize`` refused it)."""
-    if exc.prompt_tokens is not None and exc.context_length is not None:
-        message = overflow_message(
-            prompt_tokens=exc.prompt_tokens,
-            requested=requested if requested is not None else 1,
-            context=exc.context_length,
-            field=field,
-        )
-    else:
-        message = f"dsclient: the prompt cannot fit the model's context: {exc}"
-    return _refusal(400, message, why="context", param="messages")
-
-
-# -- the async transport ------------------------------------------------------------------------
 class GovernedTransport(httpx.AsyncBaseTransport):
     """An httpx transport that sends inference requests through an :class:`AsyncClient`'s
     governor and request path (see the module docstring); the rest passes through.
@@ -450,10 +198,10 @@ class GovernedTransport(httpx.AsyncBaseTransport):
             )
         start = client._clock()
         ends_at, limit_s = _deadline_of(request)
-        planned: _Governed | None = None
+        planned: Governed | None = None
         try:
             async with _scope(limit_s):
-                plan = await _plan(client, kind, content, options, self._defaults)
+                plan = await plan_request(client, kind, content, options, self._defaults)
                 if isinstance(plan, httpx.Response):
                     if client._observers:
                         self._observe(kind, None, None, plan, start)
@@ -479,7 +227,7 @@ class GovernedTransport(httpx.AsyncBaseTransport):
                 raise httpx.ReadTimeout(f"dsclient: {failure}", request=request) from exc
             if isinstance(exc, Overloaded) and exc.status == 0:
                 message = f"dsclient: the client's queue is full: {exc}"
-                return _refusal(429, message, why="queue-full", param=None)
+                return refusal(429, message, why="queue-full", param=None)
             if isinstance(exc, DSClientError):
                 raise _as_httpx(exc, request) from exc
             raise
@@ -583,7 +331,7 @@ class GovernedTransport(httpx.AsyncBaseTransport):
     def _observe(
         self,
         kind: str,
-        planned: _Governed | None,
+        planned: Governed | None,
         error: Exception | None,
         sent: Answer | httpx.Response | None,
         start: float,
