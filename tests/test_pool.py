@@ -33,6 +33,9 @@ class Replica:
     drop_in_flight: bool = False  # answers fail with a dropped connection (the process died)
     status: int = 200
     seen: list[str] = field(default_factory=list)  # prompts answered
+    metrics: list[str] = field(default_factory=list)  # /metrics bodies in order (last repeats)
+    delay: float = 0.0  # seconds each answer takes
+    scrapes: int = 0
     running: int = 0
     peak: int = 0
 
@@ -55,6 +58,10 @@ def make_transport(replicas: list[Replica]) -> httpx.MockTransport:
             )
         if path == "/health":
             return httpx.Response(200)
+        if path == "/metrics" and replica.metrics:
+            body = replica.metrics[min(replica.scrapes, len(replica.metrics) - 1)]
+            replica.scrapes += 1
+            return httpx.Response(200, text=body)
         if path != "/v1/completions":
             return httpx.Response(404)
         body = json.loads(request.content)
@@ -63,6 +70,8 @@ def make_transport(replicas: list[Replica]) -> httpx.MockTransport:
         try:
             if replica.gate is not None:
                 await replica.gate.wait()
+            if replica.delay:
+                await anyio.sleep(replica.delay)
             if replica.drop_in_flight or not replica.up:
                 raise httpx.ReadError("connection reset by peer", request=request)
             if replica.status != 200:
@@ -286,3 +295,27 @@ def test_the_sync_client_takes_a_list_of_urls_too() -> None:
         results = client.map([f"p{i}" for i in range(20)], max_tokens=4)
         assert [s.url for s in client.servers] == [a.url, b.url]
     assert all(r.ok for r in results) and {r.server for r in results} == {a.url, b.url}
+
+
+def gauges(waiting: int) -> str:
+    return (
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0\n'
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f'vllm:num_requests_waiting{{engine="0",model_name="tiny"}} {waiting}.0\n'
+    )
+
+
+async def test_a_queue_seen_at_discovery_does_not_keep_a_server_out_under_a_fixed_limit() -> None:
+    """Under a fixed limit nothing is scraped for the limit's sake; a pool scrapes anyway (the
+    router compares queues), and gauges older than ``stale_after`` count as unknown: a queue of
+    5 seen at discovery kept the hand-started server of the two-server integration test out of
+    almost every call (4 of 160)."""
+    a = Replica("a", metrics=[gauges(5), gauges(0)], delay=0.02)
+    b = Replica("b", metrics=[gauges(0)], delay=0.02)
+    async with client_for([a, b], limit=2) as client:
+        await anyio.sleep(0.05)
+        results = await client.map([f"p{i}" for i in range(60)], max_tokens=4)
+    assert all(r.ok for r in results)
+    assert a.scrapes > 1 and b.scrapes > 1  # scraped while the batch ran
+    assert len(a.seen) >= 10, (len(a.seen), len(b.seen))

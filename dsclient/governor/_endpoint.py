@@ -184,6 +184,9 @@ class Endpoint:
         #: the router while any of them is busy.
         self.traffic: Callable[[], bool] = self._own_traffic
         self._health: Callable[[], Health] = lambda: "up"
+        #: Scrape ``/metrics`` under a fixed limit too: a pool's router compares the servers'
+        #: queues and KV caches, and gauges from discovery alone go stale at once.
+        self.scrape_for_routing = False
         self._logged_at = -math.inf
         self._silenced = 0
         #: The shared budget (``None``: this client's own limit). While ``_shared_active`` the
@@ -470,7 +473,7 @@ class Endpoint:
             if self._shared_active and not self.shared_leader:
                 await anyio.sleep(interval)  # the leader runs the loop for everyone
                 continue
-            if mode == "metrics":
+            if mode == "metrics" or (self.scrape_for_routing and mode == "fixed"):
                 model = self.info.model if self.info is not None else None
                 load = await fetch_load(http, self.url, model=model, timeout=max(1.0, interval * 4))
                 if load is not None:

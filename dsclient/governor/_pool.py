@@ -177,6 +177,7 @@ class ServerPool:
             endpoint.on_change(self.refresh)
             endpoint.traffic = self.traffic
             endpoint.watch_health(_health_of(router.breaker(endpoint.url)))
+            endpoint.scrape_for_routing = True
 
     def __repr__(self) -> str:
         up = sum(self.in_rotation(e) for e in self.endpoints)
@@ -272,9 +273,13 @@ class ServerPool:
                 continue
             models = frozenset((*info.models, *((info.model,) if info.model else ())))
             load = e.load
-            age = None
-            if load is not None and e.load_at is not None and e.controller.mode == "metrics":
-                age = max(0.0, now - e.load_at)
+            age = None if e.load_at is None or load is None else max(0.0, now - e.load_at)
+            waiting = load.waiting if load is not None else None
+            kv_usage = load.kv_usage if load is not None else None
+            if age is not None and age > self.router.policy.stale_after:
+                # Old gauges say nothing about the server's queue now (the router counts the
+                # server as saturated); a queue seen at discovery kept a server out for good.
+                waiting = kv_usage = None
             if load is not None and load.kv_cache_size_tokens:
                 self.router.size_index(e.url, kv_cache_tokens=load.kv_cache_size_tokens)
             governor = e.governor
@@ -285,8 +290,8 @@ class ServerPool:
                     limit=governor.limit,
                     in_flight=governor.in_flight,
                     running=load.running if load is not None else None,
-                    waiting=load.waiting if load is not None else None,
-                    kv_usage=load.kv_usage if load is not None else None,
+                    waiting=waiting,
+                    kv_usage=kv_usage,
                     metrics_age=age,
                     room=governor.admits(lane=lane, group=group),
                 )
