@@ -771,3 +771,41 @@ async def test_long_calls_borrowing_up_to_the_limit_are_held_back_by_it() -> Non
         assert governor.stats().lanes["long"].in_flight == 3  # limit - 1
         assert governor.held_back  # a higher limit would run more of them
         await crowd.release_all()
+
+
+async def test_pick_chooses_among_the_first_waiters_and_never_starves_the_head() -> None:
+    """``pick`` (a pool's prefix affinity) may admit a waiter past the head, within the head's
+    urgency and ``pick_window``; a head passed over ``pick_window`` times goes next anyway."""
+    from dsclient.governor._governor import Governor
+
+    admitted: list[str] = []
+    wanted = {"x"}
+
+    def pick(waiters) -> int:  # the first waiter tagged with a wanted name
+        for i, slot in enumerate(waiters):
+            if slot.tag in wanted:
+                return i
+        return 0
+
+    governor = Governor(1, pick=pick, pick_window=2)
+    hold = governor.slot()
+    await hold.__aenter__()
+
+    async def wait(tag: str, urgency: int = 0) -> None:
+        slot = governor.slot(urgency=urgency)
+        slot.tag = tag
+        async with slot:
+            admitted.append(tag)
+
+    async with anyio.create_task_group() as group:
+        for tag in ("a", "b", "x", "c", "x"):
+            group.start_soon(wait, tag)
+            await anyio.sleep(0)
+        await anyio.sleep(0.01)
+        await hold.__aexit__(None, None, None)
+    # "x" is third: within the window of 2? No: the window is the first two ("a", "b"), so "a"
+    # goes; then ("b", "x"): "x" goes past "b" (passed once); then ("b", "c"); ...
+    assert admitted[0] == "a" and admitted[1] == "x"
+    assert sorted(admitted) == ["a", "b", "c", "x", "x"]
+    # "b" was passed over once, then twice by the second "x" at most: it never waits forever.
+    assert admitted.index("b") <= 3

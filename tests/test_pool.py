@@ -35,6 +35,7 @@ class Replica:
     seen: list[str] = field(default_factory=list)  # prompts answered
     metrics: list[str] = field(default_factory=list)  # /metrics bodies in order (last repeats)
     delay: float = 0.0  # seconds each answer takes
+    tickets: anyio.Semaphore | None = None  # when set, each answer waits for one ticket
     scrapes: int = 0
     running: int = 0
     peak: int = 0
@@ -72,6 +73,8 @@ def make_transport(replicas: list[Replica]) -> httpx.MockTransport:
                 await replica.gate.wait()
             if replica.delay:
                 await anyio.sleep(replica.delay)
+            if replica.tickets is not None:
+                await replica.tickets.acquire()
             if replica.drop_in_flight or not replica.up:
                 raise httpx.ReadError("connection reset by peer", request=request)
             if replica.status != 200:
@@ -319,3 +322,42 @@ async def test_a_queue_seen_at_discovery_does_not_keep_a_server_out_under_a_fixe
     assert all(r.ok for r in results)
     assert a.scrapes > 1 and b.scrapes > 1  # scraped while the batch ran
     assert len(a.seen) >= 10, (len(a.seen), len(b.seen))
+
+
+async def test_a_freed_slot_goes_to_a_waiting_call_whose_prefix_that_server_holds() -> None:
+    """Under saturation the first slot freed anywhere went to the head of the line, whatever
+    its prefix: affinity decided only while two servers had room. Now the front queue lets the
+    freed server take a call whose prefix it holds (within 32 calls of the head)."""
+    a = Replica("a", tickets=anyio.Semaphore(0))
+    b = Replica("b", tickets=anyio.Semaphore(0))
+    p_doc = "Document P. " * 60  # 720 characters: 2 blocks
+    q_doc = "Document Q. " * 60
+    async with client_for([a, b], limit=1) as client:
+        results: dict[str, dsclient.CompletionResult] = {}
+
+        async def call(name: str, doc: str) -> None:
+            results[name] = await client.generate(doc + name, max_tokens=4)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(call, "p0", p_doc)
+            with anyio.fail_after(5):
+                while a.running + b.running < 1:
+                    await anyio.sleep(0.01)
+            x, y = (a, b) if a.running else (b, a)  # x holds P
+            group.start_soon(call, "q0", q_doc)
+            with anyio.fail_after(5):
+                while y.running < 1:
+                    await anyio.sleep(0.01)
+            for name, doc in (("q1", q_doc), ("q2", q_doc), ("p1", p_doc)):
+                group.start_soon(call, name, doc)
+                await anyio.sleep(0.02)  # in this order in the line
+            assert x.tickets is not None and y.tickets is not None
+            x.tickets.release()  # p0 finishes on x: x's slot goes to p1, not to q1
+            with anyio.fail_after(5):
+                while len(x.seen) < 2 and x.running < 1:
+                    await anyio.sleep(0.01)
+            for _ in range(3):
+                x.tickets.release()
+                y.tickets.release()
+    assert x.seen[:2] == [p_doc + "p0", p_doc + "p1"], x.seen
+    assert results["q1"].server == y.url or results["q2"].server == y.url

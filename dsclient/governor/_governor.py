@@ -67,7 +67,7 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Final, Literal
@@ -320,7 +320,9 @@ class Slot:
         "_state",
         "group",
         "lane",
+        "passed",
         "queued_s",
+        "tag",
         "urgency",
     )
 
@@ -337,6 +339,10 @@ class Slot:
         self.urgency = urgency
         self.group = group
         self.queued_s = 0.0
+        #: The caller's note for a ``pick`` function (a pool: the call's prefix blocks).
+        self.tag: object = None
+        #: Times a waiter admitted after it went first (``pick``); bounded by ``pick_window``.
+        self.passed = 0
         self._governor = governor
         self._lane_state = lane_state
         self._group_state = group_state
@@ -431,6 +437,12 @@ class Governor:
         clock: seconds from a monotonic source, for ``queued_s`` and latencies.
         on_release: called as ``on_release(slot, outcome, service_s)`` when a slot is released
             (``service_s``: admission to release); it must not raise.
+        pick: which waiter goes next among the first ``pick_window`` of the best urgency of
+            a class: ``pick(waiters)`` returns an index into them (0: the head, arrival order);
+            a pool of servers picks a call whose prefix the server with room holds. It must
+            not raise; ``None`` (default): always the head.
+        pick_window: how far past the head ``pick`` may look, and how often a waiter may be
+            passed over before it goes next regardless.
     """
 
     __slots__ = (
@@ -445,6 +457,8 @@ class Governor:
         "_long_share",
         "_max_queue",
         "_on_release",
+        "_pick",
+        "_pick_window",
         "_queues",
         "_seq",
         "_short",
@@ -464,8 +478,11 @@ class Governor:
         latency_window: int = 1000,
         clock: Callable[[], float] = time.monotonic,
         on_release: Callable[[Slot, str, float], None] | None = None,
+        pick: Callable[[Sequence[Slot]], int] | None = None,
+        pick_window: int = 32,
     ) -> None:
         _check_int("limit", limit, 1)
+        _check_int("pick_window", pick_window, 1)
         _check_share("long_share", long_share)
         if long_idle_borrow is not None and not (
             isinstance(long_idle_borrow, (int, float)) and long_idle_borrow >= 0
@@ -486,6 +503,8 @@ class Governor:
         self._max_queue = max_queue
         self._clock = clock
         self._on_release = on_release
+        self._pick = pick
+        self._pick_window = pick_window
         self._groups = groups
         self._lanes: dict[str, _LaneState] = {
             "short": _LaneState("short", limit, latency_window),
@@ -717,6 +736,33 @@ class Governor:
         if self._on_release is not None:
             self._on_release(slot, outcome, now - slot._admitted)
 
+    def _pop(self, queue: _Queue) -> Slot:
+        """The waiter of ``queue`` to admit: its head, or with ``pick`` the one ``pick`` chooses
+        among the first ``pick_window`` waiters of the head's urgency (arrival order). A waiter
+        passed over ``pick_window`` times goes next whatever ``pick`` says, so none starves."""
+        heap = queue.heap
+        pick = self._pick
+        if pick is None or queue.live < 2:
+            return heapq.heappop(heap)[2]
+        head = queue.head()
+        if head[2].passed >= self._pick_window:
+            return heapq.heappop(heap)[2]
+        dead = len(heap) - queue.live
+        window = [
+            entry
+            for entry in heapq.nsmallest(self._pick_window + dead, heap)
+            if not entry[2]._cancelled and entry[0] == head[0]
+        ][: self._pick_window]
+        index = pick([entry[2] for entry in window])
+        if not 0 < index < len(window):
+            return heapq.heappop(heap)[2]
+        chosen = window[index]
+        for entry in window[:index]:
+            entry[2].passed += 1
+        heap.remove(chosen)
+        heapq.heapify(heap)
+        return chosen[2]
+
     def _dispatch(self) -> None:
         """Admit waiters, best (urgency, arrival) first, while any of them fits its caps.
 
@@ -744,7 +790,7 @@ class Governor:
                     best, best_key = queue, key
             if best is None:
                 return
-            slot = heapq.heappop(best.heap)[2]
+            slot = self._pop(best)
             best.live -= 1
             if not best.live:
                 best.heap.clear()  # only tombstones are left

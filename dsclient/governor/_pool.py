@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -233,7 +233,11 @@ class ServerPool:
         """The governor calls for ``model`` wait in (made on first use)."""
         governor = self._fronts.get(model)
         if governor is None:
-            governor = Governor(limit=1, clock=self._clock, **self._options)
+
+            def pick(waiters: Sequence[Slot], model: str | None = model) -> int:
+                return self._pick(model, waiters)
+
+            governor = Governor(limit=1, clock=self._clock, pick=pick, **self._options)
             self._fronts[model] = governor
             self._size(model, governor)
         return governor
@@ -298,6 +302,25 @@ class ServerPool:
             )
         return states
 
+    def _pick(self, model: str | None, waiters: Sequence[Slot]) -> int:
+        """Which waiting call a freed slot goes to: the first (in line) whose prefix a server
+        with room for it holds, else the head. Under saturation the first slot freed anywhere
+        goes to the head of the line, and the router then has one server to choose: affinity
+        would decide only while two servers have room, which in a batch is rarely."""
+        threshold = self.router.policy.cache_threshold
+        for index, slot in enumerate(waiters):
+            blocks = slot.tag
+            if not isinstance(blocks, tuple) or not blocks:
+                continue
+            for endpoint in self.serving(model):
+                if not self.in_rotation(endpoint):
+                    continue
+                if not endpoint.governor.admits(lane=slot.lane, group=slot.group):
+                    continue
+                if self.router.match(endpoint.url, blocks) >= threshold:
+                    return index
+        return 0
+
     # -- one attempt ---------------------------------------------------------------------------
     async def gate(self, model: str | None) -> None:
         """Return at once while a server for ``model`` is in rotation; else wait (probing every
@@ -330,9 +353,13 @@ class ServerPool:
     ) -> PoolSlot:
         """A place in the front queue of ``model``, then a server with room for the call."""
         front = self.front(model).slot(lane=lane, urgency=urgency, group=group)
+        request = RouteRequest(model=model, prefix=prefix, avoid=avoid)
+        blocks = request.block_keys(self.router.policy.block_chars)
+        if blocks:
+            request = RouteRequest(model=model, blocks=blocks, avoid=avoid)
+            front.tag = blocks
         await front.__aenter__()
         try:
-            request = RouteRequest(model=model, prefix=prefix, avoid=avoid)
             while True:
                 decision = self.router.choose(self.states(model, lane, group), request)
                 if isinstance(decision, Route):

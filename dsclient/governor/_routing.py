@@ -699,6 +699,10 @@ class Router:
         """Requests the client has at the server, plus its queue beyond them."""
         return state.in_flight + max(0, (state.waiting or 0) - state.in_flight)
 
+    def match(self, url: str, blocks: Sequence[Hashable]) -> float:
+        """The share of ``blocks``' leading entries ``url`` is known to hold (0 to 1)."""
+        return self._match(url, blocks)
+
     def _match(self, url: str, blocks: Sequence[Hashable]) -> float:
         if not blocks:
             return 0.0
