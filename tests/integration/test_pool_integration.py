@@ -169,9 +169,17 @@ async def test_map_through_a_kill_and_a_restart_answers_every_item_once(
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(batch)
-            with anyio.fail_after(300):
+            with anyio.fail_after(180):
                 while True:
                     view = _view(client, killable_url)
+                    if _lines(out) >= HOLD_FOR_KILL:
+                        pytest.fail(
+                            f"all {HOLD_FOR_KILL} items before the kill were answered, but the"
+                            f" killable server never had {KILLED_ANSWERED} answered and"
+                            f" {AT_KILL} in flight at once: {_answered(view)} answered there;"
+                            f" servers: {client.servers}",
+                            pytrace=False,
+                        )
                     if (
                         _lines(out) >= KILL_AFTER
                         and _answered(view) >= KILLED_ANSWERED
@@ -187,7 +195,7 @@ async def test_map_through_a_kill_and_a_restart_answers_every_item_once(
             killed.set()
             _progress(f"killed {killable_url} with {in_flight_at_kill} calls in flight on it")
             # Failover: everything read so far is answered while the server is still dead.
-            with anyio.fail_after(240):
+            with anyio.fail_after(120):
                 while _lines(out) < HOLD_FOR_RETURN:
                     await anyio.sleep(0.1)
             down = _view(client, killable_url)
@@ -289,8 +297,12 @@ async def test_each_server_runs_no_more_than_its_client_limit(servers: Servers) 
     assert results.failures == []
     answered = Counter(r.server for r in results)
     _progress(f"per-server limit {limit}: peaks {peak}, answers {dict(answered)}")
-    assert set(answered) == set(peak)  # both servers took part
-    assert all(0 < seen <= limit for seen in peak.values()), peak
+    # Never more at a server than the client's limit for it.
+    assert all(seen <= limit for seen in peak.values()), (peak, dict(answered))
+    # And a call does not wait behind one server while the other has room: both take part.
+    assert set(answered) == set(peak) and all(seen > 0 for seen in peak.values()), (
+        f"per-server limit {limit}: gauge peaks {peak}, answers {dict(answered)}"
+    )
 
 
 async def test_every_server_down_fails_typed_within_outage_wait() -> None:
