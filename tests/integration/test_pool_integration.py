@@ -299,8 +299,10 @@ async def test_each_server_runs_no_more_than_its_client_limit(servers: Servers) 
     _progress(f"per-server limit {limit}: peaks {peak}, answers {dict(answered)}")
     # Never more at a server than the client's limit for it.
     assert all(seen <= limit for seen in peak.values()), (peak, dict(answered))
-    # And a call does not wait behind one server while the other has room: both take part.
-    assert set(answered) == set(peak) and all(seen > 0 for seen in peak.values()), (
+    # And a call does not wait behind one server while the other has room: with the same limit
+    # at both, each answers a fair part (runs that routed by room: 72/88, 68/92, 40/120; a
+    # server left idle with its slots free for the whole batch: 4/156, twice).
+    assert all(answered[url] >= len(results) // 6 for url in peak), (
         f"per-server limit {limit}: gauge peaks {peak}, answers {dict(answered)}"
     )
 
