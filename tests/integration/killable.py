@@ -12,6 +12,7 @@ Used by tests/integration/test_pool_integration.py; the shared ``vllm_server`` i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -21,6 +22,7 @@ import anyio
 import httpx
 
 from dsclient.launcher import Server, launch
+from dsclient.launcher._hardware import detect_hardware
 from dsclient.launcher._server import _group_alive
 
 __all__ = ["KillableServer", "gauges", "metric_sum", "success_total"]
@@ -41,12 +43,17 @@ class KillableServer:
             is chosen once here, so that every incarnation answers at the same URL).
     """
 
-    def __init__(self, model: Any, **options: Any) -> None:
+    def __init__(
+        self, model: Any, *, engine_cpus: tuple[int, ...] | None = None, **options: Any
+    ) -> None:
         if "port" in options:
             raise TypeError("KillableServer chooses its own port")
         self.port = _free_port()
         self._model = model
         self._options = options
+        #: Where its engine (worker and EngineCore) runs, as a replica's would (``None``: as
+        #: the launcher plans it for the whole machine).
+        self._engine_cpus = engine_cpus
         self.server: Server | None = None
         self.kills = 0
         self.starts = 0
@@ -63,8 +70,14 @@ class KillableServer:
         if self.server is not None:
             # The killed one: forget it (its launch record and exit hook) before the next.
             self.server.stop()
-        server = launch(self._model, port=self.port, **self._options)
+        options = dict(self._options)
+        cpus = self._engine_cpus
+        if cpus is not None:
+            options["hardware"] = dataclasses.replace(detect_hardware(), cpu_ids=cpus)
+        server = launch(self._model, port=self.port, **options)
         assert isinstance(server, Server)
+        if cpus is not None:  # as launch_replicas does with one CPU per replica
+            server.plan = dataclasses.replace(server.plan, engine_core_cpus=cpus)
         return server
 
     def start(self) -> None:

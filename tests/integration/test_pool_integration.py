@@ -11,6 +11,7 @@ under the machine's vLLM lock:
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import threading
@@ -66,8 +67,13 @@ def servers(request: pytest.FixtureRequest) -> Iterator[Servers]:
     except LaunchError as exc:
         pytest.fail(f"the integration tests need the vLLM server venv: {exc}", pytrace=False)
     model = make_tiny_model(python=install.python)
+    # The hand-started server's engine is on CPU 0 (plain_vllm.py); this one's goes on the
+    # last CPU, as two replicas would be placed. Both on CPU 0 (the launcher's plan for a whole
+    # 2-core machine), each starved the other: one answered 4 calls in a whole batch.
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     killable = KillableServer(
         model,
+        engine_cpus=(cpus[-1],) if len(cpus) >= 2 else None,
         python=install.python,
         max_num_seqs=8,
         max_model_len=2048,
@@ -266,10 +272,18 @@ async def test_a_model_neither_server_serves_is_a_clear_error(servers: Servers) 
 
 async def test_each_server_runs_no_more_than_its_client_limit(servers: Servers) -> None:
     """With a fixed per-server limit, neither server's own gauges (running + waiting, from its
-    /metrics) ever show more of the batch than that limit, and both servers take part."""
+    /metrics) ever show more of the batch than that limit; both servers take part; and no call
+    waits on the client while a server has room (sampled from the client's own state).
+
+    How many each server answers is not asserted: on these 2 cores the hand-started server's
+    EngineCore shares CPU 0 with the launched one's, and in some runs its first 4 answers took
+    the whole batch (4 / 156) while in others the split was 72 / 88. Routing by room sends the
+    calls to the server that frees slots, which is the point.
+    """
     await servers.ensure_up()
     limit = 4
     peak: dict[str, int] = {}
+    violations: list[str] = []
     async with AsyncClient(
         [servers.plain, servers.killable.url], model="tiny", limit=limit
     ) as client:
@@ -284,9 +298,23 @@ async def test_each_server_runs_no_more_than_its_client_limit(servers: Servers) 
                 peak[url] = max(peak[url], running + waiting)
                 await anyio.sleep(0.05)
 
+        async def invariant() -> None:
+            # One snapshot between two awaits. A freed slot is handed on in the same step, but
+            # the call it went to takes its server's slot when it runs: until then it holds a
+            # place in line (the front's in flight) and no server's slot.
+            while not done.is_set():
+                stats = client.stats()
+                views = client.servers
+                room = [v.url for v in views if v.health == "up" and v.in_flight < v.limit]
+                between = stats.in_flight - sum(v.in_flight for v in views)
+                if stats.waiting and room and not between:
+                    violations.append(f"{stats.waiting} waiting while {room} had room: {views}")
+                await anyio.sleep(0.01)
+
         async with anyio.create_task_group() as tg:
             for url in client.urls:
                 tg.start_soon(watch, url)
+            tg.start_soon(invariant)
             results = await client.map(
                 [f"Item {i}: a long way" for i in range(160)],
                 max_tokens=32,
@@ -299,12 +327,9 @@ async def test_each_server_runs_no_more_than_its_client_limit(servers: Servers) 
     _progress(f"per-server limit {limit}: peaks {peak}, answers {dict(answered)}")
     # Never more at a server than the client's limit for it.
     assert all(seen <= limit for seen in peak.values()), (peak, dict(answered))
-    # And a call does not wait behind one server while the other has room: with the same limit
-    # at both, each answers a fair part (runs that routed by room: 72/88, 68/92, 40/120; a
-    # server left idle with its slots free for the whole batch: 4/156, twice).
-    assert all(answered[url] >= len(results) // 6 for url in peak), (
-        f"per-server limit {limit}: gauge peaks {peak}, answers {dict(answered)}"
-    )
+    assert set(answered) == set(peak), dict(answered)  # both servers took part
+    # A call never waited on the client while a server had room.
+    assert violations == [], violations[:3]
 
 
 async def test_every_server_down_fails_typed_within_outage_wait() -> None:
