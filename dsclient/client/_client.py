@@ -27,7 +27,6 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
@@ -36,7 +35,6 @@ import sniffio
 
 from .._models import ChatResult, CompletionResult, Failure, Result
 from .._observe import Observer
-from .._urls import root_url
 from ..batch._batch import BatchResults, OnError, iter_map, run_map
 from ..batch._jsonl import JsonlStore
 from ..governor._endpoint import ControlOptions, Endpoint, ServerView
@@ -49,7 +47,7 @@ from ._client_calls import CallsMixin
 from ._client_discovery import DiscoveryMixin
 from ._degrade import Degrade, Pace
 from ._discovery import DEFAULT_MAX_NUM_SEQS, ServerInfo
-from ._options import check_options
+from ._options import Secret, check_options, handle_tokenizer, servers_of
 from ._pipeline import RequestPath
 from ._request import (
     USE_DEFAULT,
@@ -76,69 +74,9 @@ __all__ = ["USE_DEFAULT", "AsyncClient", "Messages", "Prompt", "Stream", "UseDef
 logger = logging.getLogger("dsclient")
 
 
-class _Secret:
-    """Holds the API key so that no repr, log line or traceback local shows it."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: str) -> None:
-        self._value = value
-
-    def reveal(self) -> str:
-        return self._value
-
-    def __repr__(self) -> str:
-        return "'***'"
-
-    __str__ = __repr__
-
-
 #: Seconds one attempt may take to connect (a retryable failure past it); the call's deadline
 #: still bounds the whole call.
 _CONNECT_TIMEOUT_S = 10.0
-
-
-def _handle_tokenizer(handle: Any) -> str | None:
-    """The launched model's own ``tokenizer.json``, when the handle's model is a local folder."""
-    model_path = getattr(handle, "model_path", None) if handle is not None else None
-    if not isinstance(model_path, str):
-        return None
-    candidate = Path(model_path) / "tokenizer.json"
-    return str(candidate) if candidate.is_file() else None
-
-
-def _servers_of(base_url: Any) -> list[tuple[str, Any]]:
-    """``(root URL, launched handle or None)`` for each server ``base_url`` names: a URL, a
-    launched ``Server``, a ``ServerGroup`` (its replicas), or a list or tuple of those."""
-    if isinstance(base_url, str):
-        return [(root_url(base_url), None)]
-    members = getattr(base_url, "servers", None)
-    if members is not None and not isinstance(base_url, (list, tuple)):
-        base_url = list(members)  # a launched ServerGroup
-    elif hasattr(base_url, "url"):
-        return [(root_url(base_url.url), base_url)]  # a launched Server
-    if not isinstance(base_url, (list, tuple)):
-        raise TypeError(
-            "base_url must be a URL, a list of URLs or a launched Server, got "
-            f"{type(base_url).__name__}"
-        )
-    if not base_url:
-        raise ValueError("base_url is an empty list; give at least one server URL")
-    found: list[tuple[str, Any]] = []
-    for item in base_url:
-        if isinstance(item, str):
-            found.append((root_url(item), None))
-        elif hasattr(item, "url") and isinstance(item.url, str):
-            found.append((root_url(item.url), item))
-        else:
-            raise TypeError(
-                f"each server must be a URL or a launched Server, got {type(item).__name__}"
-            )
-    urls = [url for url, _ in found]
-    if len(set(urls)) != len(urls):
-        dupes = sorted({u for u in urls if urls.count(u) > 1})
-        raise ValueError(f"a server is named twice: {', '.join(dupes)}")
-    return found
 
 
 class AsyncClient(CallsMixin, DiscoveryMixin):
@@ -252,7 +190,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        servers = _servers_of(base_url)
+        servers = servers_of(base_url)
         url, handle = servers[0]
         if model is None:
             # A launched handle names its model. Its limits back up discovery, which normally
@@ -285,7 +223,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         self._degrade = degrade
         self._pace = Pace()
         key = api_key or os.environ.get("DSCLIENT_API_KEY") or os.environ.get("OPENAI_API_KEY")
-        self._api_key = _Secret(key) if key else None
+        self._api_key = Secret(key) if key else None
         self._model = model
         self._timeout = float(timeout) if timeout is not None else None
         self._retry = retry if retry is not None else Retry()
@@ -323,10 +261,10 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         self._endpoint = self._endpoints[0]
         self._shared: SharedBudget | None = None
         if shared is not None:
-            self._shared = SharedBudget(_Secret(shared), key=shared_key, server_url=url)
+            self._shared = SharedBudget(Secret(shared), key=shared_key, server_url=url)
             self._endpoint.use_shared(self._shared)
         self._tokens = TokenCounter(
-            tokenizer if tokenizer is not None else _handle_tokenizer(handle)
+            tokenizer if tokenizer is not None else handle_tokenizer(handle)
         )
         request_headers = {"User-Agent": "dsclient/0.1"}
         request_headers.update(headers or {})

@@ -1,17 +1,19 @@
-"""The client's keyword arguments checked, each with an error that names it and what it got.
-
-Pure: :func:`check_options` raises ``TypeError`` / ``ValueError`` and returns nothing.
+"""The client's arguments read and checked, each with an error that names it and what it got:
+the servers ``base_url`` names (:func:`servers_of`), the keyword options (:func:`check_options`),
+the API key kept out of every repr (:class:`Secret`). Pure: no I/O.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from .._urls import root_url
 from ..governor._routing import RoutingPolicy
 from ..governor._shared import redact_url
 from ._degrade import Degrade
 
-__all__ = ["check_options"]
+__all__ = ["Secret", "check_options", "handle_tokenizer", "servers_of"]
 
 
 def check_options(
@@ -101,3 +103,63 @@ def check_options(
         )
     if not (isinstance(shared_key, str) and shared_key and "{" not in shared_key):
         raise ValueError(f"shared_key must be a non-empty str without braces, got {shared_key!r}")
+
+
+class Secret:
+    """Holds the API key so that no repr, log line or traceback local shows it."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "'***'"
+
+    __str__ = __repr__
+
+
+def handle_tokenizer(handle: Any) -> str | None:
+    """The launched model's own ``tokenizer.json``, when the handle's model is a local folder."""
+    model_path = getattr(handle, "model_path", None) if handle is not None else None
+    if not isinstance(model_path, str):
+        return None
+    candidate = Path(model_path) / "tokenizer.json"
+    return str(candidate) if candidate.is_file() else None
+
+
+def servers_of(base_url: Any) -> list[tuple[str, Any]]:
+    """``(root URL, launched handle or None)`` for each server ``base_url`` names: a URL, a
+    launched ``Server``, a ``ServerGroup`` (its replicas), or a list or tuple of those."""
+    if isinstance(base_url, str):
+        return [(root_url(base_url), None)]
+    members = getattr(base_url, "servers", None)
+    if members is not None and not isinstance(base_url, (list, tuple)):
+        base_url = list(members)  # a launched ServerGroup
+    elif hasattr(base_url, "url"):
+        return [(root_url(base_url.url), base_url)]  # a launched Server
+    if not isinstance(base_url, (list, tuple)):
+        raise TypeError(
+            "base_url must be a URL, a list of URLs or a launched Server, got "
+            f"{type(base_url).__name__}"
+        )
+    if not base_url:
+        raise ValueError("base_url is an empty list; give at least one server URL")
+    found: list[tuple[str, Any]] = []
+    for item in base_url:
+        if isinstance(item, str):
+            found.append((root_url(item), None))
+        elif hasattr(item, "url") and isinstance(item.url, str):
+            found.append((root_url(item.url), item))
+        else:
+            raise TypeError(
+                f"each server must be a URL or a launched Server, got {type(item).__name__}"
+            )
+    urls = [url for url, _ in found]
+    if len(set(urls)) != len(urls):
+        dupes = sorted({u for u in urls if urls.count(u) > 1})
+        raise ValueError(f"a server is named twice: {', '.join(dupes)}")
+    return found
