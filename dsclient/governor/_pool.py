@@ -73,16 +73,13 @@ class PoolSlot:
     """A call's admission to a pool: a front slot (its place in line) and a slot of the server
     the router chose (which that server's limit controller hears about)."""
 
-    __slots__ = ("_front", "_pool", "_server", "endpoint", "queued_s", "route")
+    __slots__ = ("_front", "_pool", "_server", "endpoint", "queued_s")
 
-    def __init__(
-        self, pool: ServerPool, front: Slot, server: Slot, endpoint: Endpoint, route: Route
-    ) -> None:
+    def __init__(self, pool: ServerPool, front: Slot, server: Slot, endpoint: Endpoint) -> None:
         self._pool = pool
         self._front = front
         self._server = server
         self.endpoint = endpoint
-        self.route = route
         self.queued_s = front.queued_s + server.queued_s
 
     def set_outcome(self, outcome: str) -> None:
@@ -91,10 +88,6 @@ class PoolSlot:
 
     async def __aenter__(self) -> PoolSlot:
         return self
-
-    @property
-    def url(self) -> str:
-        return self.endpoint.url
 
     async def __aexit__(
         self,
@@ -184,8 +177,6 @@ class ServerPool:
         return f"ServerPool({len(self.endpoints)} servers, {up} in rotation, limit={self.limit})"
 
     # -- state ---------------------------------------------------------------------------------
-    def endpoint(self, url: str) -> Endpoint:
-        return self._by_url[url]
 
     @staticmethod
     def serves(endpoint: Endpoint, model: str | None) -> bool:
@@ -200,9 +191,6 @@ class ServerPool:
 
     def in_rotation(self, endpoint: Endpoint) -> bool:
         return self.router.breaker(endpoint.url).allows_requests
-
-    def health(self, endpoint: Endpoint) -> Health:
-        return "up" if self.in_rotation(endpoint) else "down"
 
     @property
     def limit(self) -> int:
@@ -308,13 +296,12 @@ class ServerPool:
         goes to the head of the line, and the router then has one server to choose: affinity
         would decide only while two servers have room, which in a batch is rarely."""
         threshold = self.router.policy.cache_threshold
+        members = [e for e in self.serving(model) if self.in_rotation(e)]
         for index, slot in enumerate(waiters):
             blocks = slot.tag
             if not isinstance(blocks, tuple) or not blocks:
                 continue
-            for endpoint in self.serving(model):
-                if not self.in_rotation(endpoint):
-                    continue
+            for endpoint in members:
                 if not endpoint.governor.admits(lane=slot.lane, group=slot.group):
                     continue
                 if self.router.match(endpoint.url, blocks) >= threshold:
@@ -366,7 +353,7 @@ class ServerPool:
                     endpoint = self._by_url[decision.url]
                     server = endpoint.governor.slot(lane=lane, urgency=urgency, group=group)
                     await server.__aenter__()  # the router checked its room: at once
-                    return PoolSlot(self, front, server, endpoint, decision)
+                    return PoolSlot(self, front, server, endpoint)
                 if isinstance(decision, NoServer):
                     self._no_server(model)
                     await self.gate(model)
@@ -414,16 +401,21 @@ class ServerPool:
         return any(self.in_rotation(e) for e in self.serving(model) if e.url != url)
 
     # -- health --------------------------------------------------------------------------------
-    async def probe_all(self) -> bool:
-        """Probe every server now; those that answer are back in rotation. Whether any did."""
+    async def _probe_each(self, urls: Iterable[str]) -> dict[str, bool]:
+        """Probe ``urls`` at the same time: whether each answers."""
         answered: dict[str, bool] = {}
 
         async def one(url: str) -> None:
             answered[url] = await self._probe(url)
 
         async with anyio.create_task_group() as group:
-            for endpoint in self.endpoints:
-                group.start_soon(one, endpoint.url)
+            for url in urls:
+                group.start_soon(one, url)
+        return answered
+
+    async def probe_all(self) -> bool:
+        """Probe every server now; those that answer are back in rotation. Whether any did."""
+        answered = await self._probe_each(e.url for e in self.endpoints)
         back = [url for url, ok in answered.items() if ok]
         for url in back:
             if not self.router.breaker(url).allows_requests:
@@ -448,15 +440,7 @@ class ServerPool:
                 continue
             due = router.probes_due(out)
             if due:
-                answered: dict[str, bool] = {}
-
-                async def one(url: str, answered: dict[str, bool] = answered) -> None:
-                    answered[url] = await self._probe(url)
-
-                async with anyio.create_task_group() as group:
-                    for url in due:
-                        group.start_soon(one, url)
-                for url, ok in answered.items():
+                for url, ok in (await self._probe_each(due)).items():
                     router.record_probe(url, healthy=ok)
                     endpoint = self._by_url[url]
                     info = endpoint.info
