@@ -94,7 +94,10 @@ def machine() -> dict[str, Any]:
 
 
 def write_results(name: str, payload: dict[str, Any]) -> Path:
-    """Write ``benchmarks/results/<name>.json`` (the folder is gitignored) and return its path."""
+    """Write ``benchmarks/results/<name>.json`` (gitignored: traces) and return its path.
+
+    What is kept in git goes through :class:`benchmarks._results.Run` instead.
+    """
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
