@@ -193,9 +193,17 @@ def _count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
+#: The most seconds a results file's duration field is believed (a year): JSON integers have no
+#: bound, and ``math.isfinite(10**400)`` raises ``OverflowError`` (found by tests/test_fuzz.py).
+_MOST_SECONDS = 365 * 86400.0
+
+
 def _seconds(value: Any) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return float(value) if ok and value >= 0 else 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0.0
+    if isinstance(value, int) and not 0 <= value <= _MOST_SECONDS:
+        return 0.0
+    return float(value) if math.isfinite(value) and value >= 0 else 0.0
 
 
 def _text(value: Any) -> str | None:
