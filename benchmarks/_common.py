@@ -370,6 +370,7 @@ def tiny_vllm(
     model_name: str = "tiny",
     wait_s: float | None = None,
     startup_timeout: float | None = None,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[str]:
     """The server to benchmark: ``url`` as given, or the tiny random Llama launched through
     ``dsclient.launcher`` for the block (once no other vLLM runs), served as ``model_name``.
@@ -377,6 +378,8 @@ def tiny_vllm(
     ``wait_s`` bounds the wait for other vLLMs to finish: past it, the server starts anyway
     (the results then say how busy the machine was); ``None`` waits for ever.
     ``startup_timeout`` overrides the launcher's (a loaded machine starts vLLM slowly).
+    ``extra_args`` go to vLLM as they are (``--scheduling-policy priority``); a ``url`` given
+    is used as it runs.
     """
     if url:
         yield url.rstrip("/")
@@ -399,6 +402,7 @@ def tiny_vllm(
         max_model_len=max_model_len,
         served_model_name=model_name,
         dtype="float32",
+        extra_args=tuple(extra_args),
         progress=lambda m: say(f"[vllm] {m}"),
         **({} if startup_timeout is None else {"startup_timeout": startup_timeout}),
     )

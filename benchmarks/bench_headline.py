@@ -9,18 +9,25 @@ LiteLLM is in the ``bench`` extra (``pip install -e '.[bench]'``); a client whos
 missing is skipped with a note.
 
 Starts ONE vLLM server through ``dsclient.launcher`` (the tiny random Llama, ``max_num_seqs`` 8,
-``max_model_len`` 2048, served as ``"tiny"``) and stops it at the end. Clients:
+``max_model_len`` 2048, served as ``"tiny"``) with ``--scheduling-policy priority``, so that a
+client which sends vLLM's ``priority`` field (lower runs first) gets what it asks for; a request
+without the field has priority 0, and ties run first come, first served. Legs, each named with
+its settings:
 
 * ``dsclient``: ``dsclient.AsyncClient(url)`` with its defaults: ``client.map()`` for the batch,
   ``client.generate()`` per request online;
+* ``httpx``: the baseline, a plain unbounded ``asyncio.gather`` of ``httpx`` POSTs to
+  ``/v1/completions`` (no pool limit, timeout 600 s, no retries);
 * ``openai``: ``asyncio.gather`` over ``openai.AsyncOpenAI(base_url=url + "/v1")`` calls, its
   defaults (``max_retries`` 2, timeout 600 s);
-* ``openai-sem``: the same behind ``asyncio.Semaphore(floor(0.7 x max_num_seqs))`` (5 here);
-* ``litellm``: ``litellm.Router`` with one ``hosted_vllm/`` deployment whose
-  ``max_parallel_requests`` is the same 5, through ``router.atext_completion``; the Router's
-  other settings are its defaults;
-* ``httpx``: the baseline, a plain unbounded ``asyncio.gather`` of ``httpx`` POSTs to
-  ``/v1/completions`` (no pool limit, timeout 600 s, no retries).
+* ``openai+priority``: the same, sending ``priority`` 0 with short requests and 1 with long ones
+  (online only: in the batch every request is short, so it would be the ``openai`` leg again);
+* ``openai+priority+semN``: the same behind ``asyncio.Semaphore(N)`` for N = 5, 8, 16 (0.7x,
+  1x and 2x ``max_num_seqs``);
+* ``litellm+retries``: ``litellm.Router`` with one ``hosted_vllm/`` deployment,
+  ``num_retries=3`` and a ``RetryPolicy`` that retries timeouts, 429, 500 and 503 three times
+  and never a 400, 401 or 404, through ``router.atext_completion``;
+* ``litellm+retries+cap5``: the same with the deployment's ``max_parallel_requests=5``.
 
 Workloads, every request with ``ignore_eos`` so output lengths are exactly what was asked:
 
@@ -28,14 +35,15 @@ Workloads, every request with ``ignore_eos`` so output lengths are exactly what 
   makespan and failures.
 * **online**: the governor benchmark's mixed traffic: short requests as a Poisson stream at
   ``--rate`` (8/s) for ``--online-seconds`` (16), and at t = 1 s a burst of ``--burst`` (40)
-  long requests (~1000-token prompts, 256 out): short p99 counted from submission, makespan.
+  long requests (~1000-token prompts, 256 out): short and long latency from submission (p50, p95,
+  p99, max and the count), makespan.
 
-Legs run interleaved (every client once per round, ``--runs`` rounds, each round starting one
-client later), each with fresh prompts of the same sizes. Every figure is also given as a ratio
-to the ``httpx`` leg of the same workload and round. Each leg records how busy the shared
-machine was (cores used by this process, by the server, by everything else). Raw results:
-``benchmarks/results/headline.json`` (and a copy named by the time), a markdown summary on
-stdout.
+Legs run interleaved (every leg once per round, ``--runs`` rounds, 3 by default, each round
+starting one leg later), each with fresh prompts of the same sizes. The conditions (commit,
+versions, load) are recorded before the first leg; one summary row per leg and run goes to
+``benchmarks/results/headline/<UTC start>.json`` (kept in git) through
+:mod:`benchmarks._results`, and the per-request trace to ``benchmarks/results/headline.json``
+(gitignored). ``python -m benchmarks report`` renders the page's tables from the kept files.
 """
 
 from __future__ import annotations
@@ -47,7 +55,6 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -58,6 +65,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import _report as report
 from benchmarks._common import (
     busiest_processes,
     client_facts,
@@ -65,6 +73,7 @@ from benchmarks._common import (
     cpu_split,
     engine_sampler,
     machine,
+    percentile,
     sample_every,
     say,
     server_group,
@@ -73,6 +82,7 @@ from benchmarks._common import (
     vllm_processes,
     write_results,
 )
+from benchmarks._results import Run
 from benchmarks.bench_governor import (
     MODEL,
     WARM_UP,
@@ -82,7 +92,6 @@ from benchmarks.bench_governor import (
     execute,
     online_workload,
     short_request,
-    summarize,
     warm_up,
 )
 
@@ -90,19 +99,45 @@ MAX_NUM_SEQS = 8
 MAX_MODEL_LEN = 2048
 #: The cap people are told to use in front of vLLM: 0.7 x max_num_seqs, rounded down.
 CAP = math.floor(0.7 * MAX_NUM_SEQS)
-STRATEGIES = ("dsclient", "openai", "openai-sem", "litellm", "httpx")
+#: The semaphore peers: 0.7x, 1x and 2x max_num_seqs.
+SEMAPHORES = (CAP, MAX_NUM_SEQS, 2 * MAX_NUM_SEQS)
+#: The server's flags beyond the launcher's: vLLM honours the request field `priority` only so.
+SERVER_ARGS = ("--scheduling-policy", "priority")
+#: vLLM's `priority` per request kind: lower runs first.
+PRIORITY = {"short": 0, "long": 1}
+LITELLM_RETRIES = 3
+STRATEGIES = (
+    "dsclient",
+    "httpx",
+    "openai",
+    "openai+priority",
+    *(f"openai+priority+sem{n}" for n in SEMAPHORES),
+    "litellm+retries",
+    f"litellm+retries+cap{CAP}",
+)
+#: Legs that only differ from another in the online workload (the batch is all short).
+ONLINE_ONLY = ("openai+priority",)
 BASELINE = "httpx"
 WORKLOADS = ("batch", "online")
 TIMEOUT_S = 600.0
 #: vLLM took over 300 s (the launcher's default) to start beside other engineers' servers.
 STARTUP_TIMEOUT_S = 900.0
-#: What each client is, for the tables.
+#: How each semaphore relates to max_num_seqs, for the tables.
+SEMAPHORE_LABEL = {CAP: "0.7x", MAX_NUM_SEQS: "1x", 2 * MAX_NUM_SEQS: "2x"}
+#: What each leg is, for the tables.
 ABOUT = {
-    "dsclient": "dsclient `AsyncClient(url)` defaults (`map` / `generate`)",
-    "openai": "openai-python `AsyncOpenAI`, `asyncio.gather`, unbounded",
-    "openai-sem": f"openai-python behind `asyncio.Semaphore({CAP})` (0.7 x max_num_seqs)",
-    "litellm": f"LiteLLM `Router`, `max_parallel_requests={CAP}`",
-    "httpx": "plain `asyncio.gather` of httpx POSTs, unbounded (the baseline)",
+    "dsclient": "`AsyncClient(url)` defaults (`map` / `generate`)",
+    "httpx": "`asyncio.gather` of httpx POSTs, unbounded, no retries",
+    "openai": "`AsyncOpenAI` defaults, `asyncio.gather`, unbounded",
+    "openai+priority": "`AsyncOpenAI`, unbounded, `priority` 0 for shorts, 1 for longs",
+    **{
+        f"openai+priority+sem{n}": f"`AsyncOpenAI` + `priority` behind `asyncio.Semaphore({n})` "
+        f"({SEMAPHORE_LABEL[n]} max_num_seqs)"
+        for n in SEMAPHORES
+    },
+    "litellm+retries": f"LiteLLM `Router`, `num_retries={LITELLM_RETRIES}` + `RetryPolicy`, no cap",
+    f"litellm+retries+cap{CAP}": f"LiteLLM `Router`, retries as above, "
+    f"`max_parallel_requests={CAP}`",
 }
 
 
@@ -163,18 +198,21 @@ async def dsclient_leg(url: str) -> AsyncIterator[Leg]:
 
 
 @contextlib.asynccontextmanager
-async def openai_leg(url: str, cap: int | None) -> AsyncIterator[Leg]:
+async def openai_leg(url: str, cap: int | None, priority: bool = False) -> AsyncIterator[Leg]:
     import openai
 
     gate = asyncio.Semaphore(cap) if cap else None
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x") as client:
 
         async def send(request: Request) -> None:
+            body: dict[str, Any] = {"ignore_eos": True}
+            if priority:
+                body["priority"] = PRIORITY[request.kind]
             await client.completions.create(
                 model=MODEL,
                 prompt=request.prompt,
                 max_tokens=request.max_tokens,
-                extra_body={"ignore_eos": True},
+                extra_body=body,
             )
 
         async def call(request: Request) -> None:
@@ -184,33 +222,55 @@ async def openai_leg(url: str, cap: int | None) -> AsyncIterator[Leg]:
                 async with gate:
                     await send(request)
 
-        yield Leg(call, lambda: {"semaphore": cap, "openai": openai.__version__})
+        yield Leg(call, lambda: {"semaphore": cap, "priority": priority})
 
 
-def litellm_model_list(url: str, cap: int) -> list[dict[str, Any]]:
+def litellm_model_list(url: str, cap: int | None) -> list[dict[str, Any]]:
     """One vLLM deployment, as LiteLLM's docs write it: ``hosted_vllm/`` plus ``api_base``."""
-    return [
-        {
-            "model_name": MODEL,
-            "litellm_params": {
-                "model": f"hosted_vllm/{MODEL}",
-                "api_base": url + "/v1",
-                "api_key": "x",
-                "max_parallel_requests": cap,
-            },
-        }
-    ]
+    params: dict[str, Any] = {
+        "model": f"hosted_vllm/{MODEL}",
+        "api_base": url + "/v1",
+        "api_key": "x",
+        "timeout": TIMEOUT_S,
+    }
+    if cap is not None:
+        params["max_parallel_requests"] = cap
+    return [{"model_name": MODEL, "litellm_params": params}]
+
+
+def litellm_retry_policy(retries: int = LITELLM_RETRIES) -> dict[str, int]:
+    """LiteLLM's ``RetryPolicy`` fields as its docs set them: retry what is transient, only.
+
+    Timeouts, 429, 500 and 503 are retried ``retries`` times; a refused request (400, 401,
+    404, content policy) never is, as it would fail again.
+    """
+    return {
+        "TimeoutErrorRetries": retries,
+        "RateLimitErrorRetries": retries,
+        "InternalServerErrorRetries": retries,
+        "ServiceUnavailableErrorRetries": retries,
+        "BadRequestErrorRetries": 0,
+        "AuthenticationErrorRetries": 0,
+        "NotFoundErrorRetries": 0,
+        "ContentPolicyViolationErrorRetries": 0,
+    }
 
 
 @contextlib.asynccontextmanager
-async def litellm_leg(url: str, cap: int) -> AsyncIterator[Leg]:
+async def litellm_leg(url: str, cap: int | None) -> AsyncIterator[Leg]:
     # The cost map is fetched from the network at import unless this is set (none here).
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     import litellm
+    from litellm.types.router import RetryPolicy
 
     litellm.telemetry = False
     litellm.suppress_debug_info = True
-    router = litellm.Router(model_list=litellm_model_list(url, cap))
+    router = litellm.Router(
+        model_list=litellm_model_list(url, cap),
+        num_retries=LITELLM_RETRIES,
+        retry_policy=RetryPolicy(**litellm_retry_policy()),
+        timeout=TIMEOUT_S,
+    )
 
     async def call(request: Request) -> None:
         await router.atext_completion(
@@ -244,7 +304,7 @@ async def httpx_leg(url: str) -> AsyncIterator[Leg]:
             response.raise_for_status()
             json.loads(response.content)
 
-        yield Leg(call, lambda: {"httpx": httpx.__version__})
+        yield Leg(call, dict)
 
 
 def _version(dist: str) -> str | None:
@@ -257,25 +317,29 @@ def _version(dist: str) -> str | None:
 
 
 def leg(name: str, url: str) -> contextlib.AbstractAsyncContextManager[Leg]:
+    """The leg called ``name`` (see :data:`STRATEGIES`), pointed at ``url``."""
     if name == "dsclient":
         return dsclient_leg(url)
-    if name == "openai":
-        return openai_leg(url, None)
-    if name == "openai-sem":
-        return openai_leg(url, CAP)
-    if name == "litellm":
-        return litellm_leg(url, CAP)
     if name == "httpx":
         return httpx_leg(url)
+    if name == "openai":
+        return openai_leg(url, None)
+    if name == "openai+priority":
+        return openai_leg(url, None, priority=True)
+    if name.startswith("openai+priority+sem"):
+        return openai_leg(url, int(name.removeprefix("openai+priority+sem")), priority=True)
+    if name == "litellm+retries":
+        return litellm_leg(url, None)
+    if name.startswith("litellm+retries+cap"):
+        return litellm_leg(url, int(name.removeprefix("litellm+retries+cap")))
     raise ValueError(f"unknown client {name!r}")
 
 
 def missing(names: Sequence[str]) -> dict[str, str]:
     """Clients that cannot run here, with why: their library is not installed."""
-    needs = {"openai": "openai", "openai-sem": "openai", "litellm": "litellm"}
     found = {}
     for name in names:
-        module = needs.get(name)
+        module = name.split("+")[0] if name.startswith(("openai", "litellm")) else None
         if module and _version(module) is None:
             found[name] = f"{module} is not installed (pip install 'dsclient[bench]')"
     return found
@@ -293,67 +357,93 @@ def batch_row(outcomes: Sequence[Outcome], makespan: float) -> dict[str, Any]:
     }
 
 
-def online_row(outcomes: list[Outcome], makespan: float) -> dict[str, Any]:
-    """The governor benchmark's summary, plus ``failures`` under the batch's name."""
-    row = summarize(outcomes, makespan)
-    row["failures"] = row["errors"]
-    row["requests"] = len(outcomes)
+def latency_figures(outcomes: Sequence[Outcome], kind: str) -> dict[str, Any]:
+    """``<kind>_n`` (answered), p50, p95, p99 and max seconds from submission, of one kind.
+
+    All four are kept; the page shows the p99 only where ``n`` >= 200 (else the p95, or the
+    maximum under 20: :func:`benchmarks._report.tail_name`).
+    """
+    ok = [o.latency for o in outcomes if o.kind == kind and o.error is None and o.latency]
+    row: dict[str, Any] = {f"{kind}_n": len(ok)}
+    for name, value in (
+        ("p50", percentile(ok, 50)),
+        ("p95", percentile(ok, 95)),
+        ("p99", percentile(ok, 99)),
+        ("max", max(ok, default=None)),
+    ):
+        row[f"{kind}_{name}_s"] = None if value is None else round(value, 3)
     return row
 
 
+def online_row(outcomes: list[Outcome], makespan: float) -> dict[str, Any]:
+    """Makespan, failures, and short and long latency figures of an online leg."""
+    return {
+        "makespan_s": round(makespan, 2),
+        "requests": len(outcomes),
+        "failures": sum(o.error is not None for o in outcomes),
+        **latency_figures(outcomes, "short"),
+        **latency_figures(outcomes, "long"),
+    }
+
+
 TIMES = "\N{MULTIPLICATION SIGN}"
-#: The figures each workload is judged by, each also given as a ratio to the baseline.
-COMPARED = {"batch": ("makespan_s",), "online": ("short_p99_s", "makespan_s")}
 
 
-def ratio(value: float | None, base: float | None) -> float | None:
-    if value is None or not base:
-        return None
-    return round(value / base, 2)
+# -- the page (benchmarks/_report.py) ------------------------------------------------------------
+BATCH_COLUMNS = (
+    report.Column("makespan s", "makespan_s", 1),
+    report.Column("ok/s", "ok_per_s", 1),
+    report.Column("failures", "failures", 0),
+)
+ONLINE_COLUMNS = (
+    report.Column("short {tail} s", "short_{tail}_s", count="short_n"),
+    report.Column("long {tail} s", "long_{tail}_s", count="long_n"),
+    report.Column("short p50 s", "short_p50_s"),
+    report.Column("makespan s", "makespan_s", 1),
+    report.Column("failures", "failures", 0),
+)
 
 
-def add_ratios(rows: list[dict[str, Any]], baseline: str = BASELINE) -> list[dict[str, Any]]:
-    """Give each row ``<figure>_x``: its figure over the baseline's in the same workload and run.
-
-    A row whose workload and run have no baseline row (or a baseline of 0) gets ``None``.
-    """
-    bases = {(r["workload"], r["run"]): r for r in rows if r["client"] == baseline}
-    for row in rows:
-        base = bases.get((row["workload"], row["run"]))
-        for figure in COMPARED.get(row["workload"], ()):
-            row[f"{figure}_x"] = ratio(row.get(figure), base.get(figure) if base else None)
-    return rows
-
-
-def _cell(rows: list[dict[str, Any]], key: str, digits: int, suffix: str = "") -> str:
-    values = [r.get(key) for r in rows]
-    if not values or all(v is None for v in values):
-        return "-"
-    return " / ".join("-" if v is None else f"{v:.{digits}f}{suffix}" for v in values)
+def render(records: Sequence[dict[str, Any]]) -> str:
+    """The section's tables: batch, then online, one line per leg (median and range over runs)."""
+    record = report.latest(records)
+    assert record is not None
+    rows = record["rows"]
+    about = record.get("facts", {}).get("legs", ABOUT)
+    parts = []
+    for workload, columns in (("batch", BATCH_COLUMNS), ("online", ONLINE_COLUMNS)):
+        mine = report.select(rows, workload=workload)
+        if mine:
+            parts.append(f"**{workload}**\n\n" + report.leg_table(mine, columns, about=about))
+    parts.append(report.conditions(record, records))
+    return "\n\n".join(parts)
 
 
-def headline_table(rows: list[dict[str, Any]], clients: Sequence[str] = STRATEGIES) -> str:
-    """One line per client: batch and online figures, each run's value separated by ``/``."""
-    lines = [
-        "| client | batch makespan s | batch vs baseline | batch failures "
-        "| online short p99 s | short p99 vs baseline | online makespan vs baseline "
-        "| online failures |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for client in clients:
-        mine = [r for r in rows if r["client"] == client]
-        if not mine:
+def headline(records: Sequence[dict[str, Any]]) -> list[report.Versus]:
+    """dsclient over each peer, per run: batch makespan; online short tail, long tail, makespan."""
+    record = report.latest(records)
+    if record is None:
+        return []
+    rows = record["rows"]
+    online = report.select(rows, workload="online")
+    short = report.resolve(report.Column("", "short_{tail}_s", count="short_n"), online)[1]
+    long_ = report.resolve(report.Column("", "long_{tail}_s", count="long_n"), online)[1]
+    tail = {key: key.split("_")[1] for key in (short, long_)}
+    lines = []
+    for peer in report.legs(rows):
+        if peer == "dsclient":
             continue
-        batch = sorted((r for r in mine if r["workload"] == "batch"), key=lambda r: r["run"])
-        online = sorted((r for r in mine if r["workload"] == "online"), key=lambda r: r["run"])
-        x = TIMES
-        lines.append(
-            f"| {client} | {_cell(batch, 'makespan_s', 1)} | {_cell(batch, 'makespan_s_x', 2, x)} "
-            f"| {_cell(batch, 'failures', 0)} | {_cell(online, 'short_p99_s', 2)} "
-            f"| {_cell(online, 'short_p99_s_x', 2, x)} | {_cell(online, 'makespan_s_x', 2, x)} "
-            f"| {_cell(online, 'failures', 0)} |"
-        )
-    return "\n".join(lines)
+        figures = [
+            ("batch makespan", "makespan_s", "batch"),
+            (f"online short {tail[short]}", short, "online"),
+            (f"online long {tail[long_]}", long_, "online"),
+            ("online makespan", "makespan_s", "online"),
+        ]
+        for figure, key, workload in figures:
+            found = report.ratios(rows, key, peer, workload=workload)
+            if found:
+                lines.append(report.Versus("headline", peer, figure, found))
+    return lines
 
 
 def noise_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -420,13 +510,37 @@ async def run_leg(url: str, plan: Plan, server_pgid: int | None) -> dict[str, An
     }
 
 
-async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
+#: What each kept row holds beside the leg's own figures: where the CPU went, the engine's batch.
+KEPT_EXTRA = ("others_cores", "server_cores", "own_cores")
+
+
+def kept_row(row: dict[str, Any]) -> dict[str, Any]:
+    """The summary figures of a traced row, as :meth:`Run.add` keeps them (scalars only)."""
+    figures = {
+        key: value
+        for key, value in row.items()
+        if key not in ("client", "run", "cpu", "details", "error_samples", "outcomes")
+        and (value is None or isinstance(value, int | float | str | bool))
+    }
+    cpu = row.get("cpu") or {}
+    figures.update({key: cpu.get(key) for key in KEPT_EXTRA})
+    if row.get("error_samples"):
+        figures["first_error"] = str(row["error_samples"][0])[:200]
+    limit = (row.get("details") or {}).get("limit_samples") or {}
+    if limit:
+        figures["dsclient_limit_min"] = limit.get("min")
+        figures["dsclient_limit_max"] = limit.get("max")
+    return figures
+
+
+async def bench(url: str, args: argparse.Namespace, record: Run) -> dict[str, Any]:
     import dsclient
 
     names = [n for n in args.clients.split(",") if n]
     skipped = missing(names)
     for name, why in skipped.items():
         say(f"skipping {name}: {why}")
+        record.note(f"{name} skipped: {why}")
     names = [n for n in names if n not in skipped]
     workloads = [w for w in WORKLOADS if w in args.workloads.split(",")]
     server_pgid = server_group(url)
@@ -445,8 +559,9 @@ async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
         per_word = [1.5]
         plans: list[Plan] = []
         for workload in workloads:
+            here = [n for n in names if workload == "online" or n not in ONLINE_ONLY]
             for run in range(1, args.runs + 1):
-                for name in leg_order(names, run):
+                for name in leg_order(here, run):
                     seed = args.seed + 7919 * (len(plans) + 1)
                     if workload == "batch":
                         requests = batch_requests(seed, args.batch)
@@ -467,12 +582,12 @@ async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
         row = await run_leg(url, plan, server_pgid)
         say("  " + json.dumps({k: v for k, v in row.items() if k not in ("details", "outcomes")}))
         rows.append(row)
+        record.add(leg=plan.client, run=plan.run, **kept_row(row))
         await asyncio.sleep(args.pause)
-    if "litellm" in names:  # its cached aiohttp sessions, shared by every Router of the process
+    if any(n.startswith("litellm") for n in names):  # its cached aiohttp sessions
         import litellm
 
         await litellm.close_litellm_async_clients()
-    add_ratios(rows)
     return {
         "server": {"url": url, "max_num_seqs": MAX_NUM_SEQS, "max_model_len": MAX_MODEL_LEN},
         "cap": CAP,
@@ -484,21 +599,12 @@ async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def code_state() -> dict[str, Any]:
-    """The commit measured, and whether dsclient's files differed from it (a shared work tree)."""
-    import subprocess
+def server_version() -> dict[str, Any]:
+    """The vLLM the launcher will start (its own venv), for the record."""
+    from dsclient.launcher import resolve_server_python
 
-    def git(*argv: str) -> str:
-        done = subprocess.run(
-            ["git", *argv], cwd=Path(__file__).resolve().parents[1],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
-        return done.stdout.strip()
-
-    return {
-        "commit": git("rev-parse", "HEAD"),
-        "dsclient_changed": git("status", "--porcelain", "--", "dsclient").splitlines(),
-    }
+    install = resolve_server_python()
+    return {"dist": install.dist, "version": install.version}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -508,7 +614,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="1 run, a batch of 200, 8 s online, a burst of 20"
     )
-    parser.add_argument("--runs", type=int, default=2, help="runs of every leg")
+    parser.add_argument("--runs", type=int, default=3, help="runs of every leg")
     parser.add_argument("--clients", default=",".join(STRATEGIES),
                         help=f"comma-separated, from {', '.join(STRATEGIES)}")  # fmt: skip
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -518,7 +624,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--burst", type=int, default=40, help="long requests in the online burst")
     parser.add_argument("--pause", type=float, default=2.0, help="idle seconds between legs")
     parser.add_argument("--seed", type=int, default=20261203)
-    parser.add_argument("--url", help="use this running server instead of launching one")
+    parser.add_argument("--url", help="use this running server instead of launching one"
+                        " (it must run with --scheduling-policy priority)")  # fmt: skip
+    parser.add_argument("--no-save", action="store_true", help="keep no results file (a try-out)")
     parser.add_argument(
         "--wait-for-others",
         type=float,
@@ -532,9 +640,20 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.clients.split(","):
         if name not in STRATEGIES:
             parser.error(f"unknown client {name!r}")
-    if BASELINE not in args.clients.split(","):
-        parser.error(f"the baseline client {BASELINE!r} must run: ratios are against it")
 
+    # Everything the figures depend on is recorded before the first leg (and the server) starts.
+    record = Run.begin(
+        "headline",
+        params={
+            **{k: v for k, v in vars(args).items() if k != "no_save"},
+            "max_num_seqs": MAX_NUM_SEQS,
+            "max_model_len": MAX_MODEL_LEN,
+            "server_args": list(SERVER_ARGS),
+        },
+        peers=["openai", "litellm", "httpx"],
+        versions={"vllm (server)": None if args.url else server_version()["version"]},
+    )
+    record.fact("legs", {name: ABOUT[name] for name in args.clients.split(",")})
     started = time.monotonic()
     with tiny_vllm(
         args.url,
@@ -542,23 +661,26 @@ def main(argv: list[str] | None = None) -> None:
         max_model_len=MAX_MODEL_LEN,
         wait_s=args.wait_for_others,
         startup_timeout=STARTUP_TIMEOUT_S,
+        extra_args=() if args.url else SERVER_ARGS,
     ) as url:
         others_at_start = {"busiest": busiest_processes(), "vllm": vllm_processes()}
-        payload = asyncio.run(bench(url, args))
+        record.fact("busiest_at_start", others_at_start["busiest"])
+        if len(others_at_start["vllm"]) > 1:
+            record.note(f"{len(others_at_start['vllm'])} vLLM servers ran on the machine")
+        payload = asyncio.run(bench(url, args, record))
     payload.update(
         machine=machine(),
-        code=code_state(),
         at_start=others_at_start,
         args=vars(args),
         wall_s=round(time.monotonic() - started, 1),
     )
-    path = write_results("headline", payload)
-    stamped = path.with_name(f"headline-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    shutil.copyfile(path, stamped)
-    print(headline_table(payload["rows"]))
-    print("\n" + "\n".join(f"- {name}: {about}" for name, about in ABOUT.items()))
-    print(f"\nmachine: {json.dumps(payload['noise'])}")
-    print(f"wrote {path} and {stamped.name} in {payload['wall_s']:.0f} s")
+    trace = write_results("headline", payload)
+    print(render([{**record.payload(), "_file": "(this run)"}]))
+    if args.no_save:
+        print(f"\nwrote the trace {trace} only (--no-save)")
+        return
+    kept = record.save()
+    print(f"\nwrote {kept.relative_to(kept.parents[3])} (kept) and the trace {trace}")
 
 
 if __name__ == "__main__":

@@ -10,22 +10,44 @@ import pytest
 from benchmarks._common import CpuSnapshot, cpu_split, parse_proc_stat, process_cpu_s
 from benchmarks.bench_governor import Outcome
 from benchmarks.bench_headline import (
-    BASELINE,
+    ABOUT,
     CAP,
-    TIMES,
-    add_ratios,
+    ONLINE_ONLY,
+    PRIORITY,
+    SEMAPHORES,
+    SERVER_ARGS,
+    STRATEGIES,
     batch_row,
-    headline_table,
+    headline,
+    kept_row,
     leg_order,
     litellm_model_list,
+    litellm_retry_policy,
     noise_summary,
     online_row,
-    ratio,
+    render,
 )
 
 
-def test_the_cap_is_seven_tenths_of_max_num_seqs_rounded_down() -> None:
+def test_the_semaphores_are_seven_tenths_once_and_twice_max_num_seqs() -> None:
     assert CAP == 5
+    assert SEMAPHORES == (5, 8, 16)
+    assert {f"openai+priority+sem{n}" for n in SEMAPHORES} <= set(STRATEGIES)
+    assert set(ABOUT) == set(STRATEGIES)
+    assert ONLINE_ONLY == ("openai+priority",)
+
+
+def test_the_server_honours_priority_and_shorts_go_first() -> None:
+    assert SERVER_ARGS == ("--scheduling-policy", "priority")
+    assert PRIORITY["short"] < PRIORITY["long"]  # vLLM runs lower values first
+
+
+def test_litellm_retries_what_is_transient_and_never_a_refusal() -> None:
+    policy = litellm_retry_policy(3)
+    for transient in ("Timeout", "RateLimit", "InternalServer", "ServiceUnavailable"):
+        assert policy[f"{transient}ErrorRetries"] == 3
+    for refused in ("BadRequest", "Authentication", "NotFound", "ContentPolicyViolation"):
+        assert policy[f"{refused}ErrorRetries"] == 0
 
 
 def test_batch_row_counts_failures_and_throughput_of_the_successes() -> None:
@@ -40,81 +62,75 @@ def test_batch_row_counts_failures_and_throughput_of_the_successes() -> None:
     assert batch_row([], 0.0)["ok_per_s"] is None
 
 
-def test_online_row_reports_failures_and_percentiles_of_the_successes_only() -> None:
+def test_online_row_gives_short_and_long_tails_of_the_successes_only() -> None:
     outcomes = [Outcome("short", 0.0, 0.0, latency=0.1 * i) for i in range(1, 101)] + [
         Outcome("short", 0.0, 0.0, latency=9.0, error="boom")
     ]
+    outcomes += [Outcome("long", 0.0, 0.0, latency=float(i)) for i in range(1, 41)]
     row = online_row(outcomes, 12.0)
-    assert row["failures"] == row["errors"] == 1
-    assert row["requests"] == 101
+    assert row["failures"] == 1
+    assert row["requests"] == 141
+    assert row["short_n"] == 100
     assert row["short_p99_s"] == pytest.approx(9.9)
+    assert row["short_p95_s"] == pytest.approx(9.5)
+    assert row["short_max_s"] == pytest.approx(10.0)
+    assert row["long_n"] == 40
+    assert row["long_p95_s"] == 38.0
     assert row["makespan_s"] == 12.0
+    assert online_row([], 1.0)["long_p99_s"] is None
 
 
-def test_ratio_is_none_without_a_baseline() -> None:
-    assert ratio(3.0, 2.0) == 1.5
-    assert ratio(None, 2.0) is None
-    assert ratio(3.0, None) is None
-    assert ratio(3.0, 0.0) is None
+def test_the_kept_row_holds_scalars_only_and_where_the_cpu_went() -> None:
+    row = {
+        "workload": "batch", "run": 2, "client": "dsclient", "makespan_s": 3.0,
+        "cpu": {"others_cores": 0.4, "server_cores": 1.0, "own_cores": 0.3, "wall_s": 3.0},
+        "details": {"limit_samples": {"min": 5, "max": 8}}, "outcomes": [{"x": 1}],
+        "error_samples": ["ReadTimeout: x"], "lanes": ["short->fast"],
+    }  # fmt: skip
+    kept = kept_row(row)
+    assert kept == {
+        "workload": "batch", "makespan_s": 3.0, "others_cores": 0.4, "server_cores": 1.0,
+        "own_cores": 0.3, "first_error": "ReadTimeout: x", "dsclient_limit_min": 5,
+        "dsclient_limit_max": 8,
+    }  # fmt: skip
+
+
+def record(rows: list[dict]) -> dict:
+    return {
+        "benchmark": "headline", "_file": "x.json", "started_utc": "2026-12-04T18:00:00Z",
+        "code": {"commit": "abcdef1234567", "dirty": False, "changed": []},
+        "host": {"cores": 2, "python": "3.11.7", "cpu": "cpu"},
+        "versions": {"dsclient": "0.1"}, "load_before": [1.0], "load_after": [1.5],
+        "rows": rows, "notes": [], "facts": {},
+    }  # fmt: skip
 
 
 def rows() -> list[dict]:
-    return [
-        {"workload": "batch", "run": 1, "client": BASELINE, "makespan_s": 10.0, "failures": 0},
-        {"workload": "batch", "run": 1, "client": "dsclient", "makespan_s": 11.0, "failures": 0},
-        {"workload": "batch", "run": 2, "client": BASELINE, "makespan_s": 8.0, "failures": 0},
-        {"workload": "batch", "run": 2, "client": "dsclient", "makespan_s": 12.0, "failures": 0},
-        {"workload": "batch", "run": 3, "client": "dsclient", "makespan_s": 9.0, "failures": 1},
-        {
-            "workload": "online",
-            "run": 1,
-            "client": BASELINE,
-            "makespan_s": 16.0,
-            "short_p99_s": 6.0,
-            "failures": 0,
-        },
-        {
-            "workload": "online",
-            "run": 1,
-            "client": "dsclient",
-            "makespan_s": 16.8,
-            "short_p99_s": 0.3,
-            "failures": 0,
-        },
-    ]
+    found = []
+    for run, (ours, theirs) in enumerate([(10.0, 20.0), (12.0, 20.0), (9.0, 10.0)], start=1):
+        for leg, makespan in (("dsclient", ours), ("httpx", theirs)):
+            found.append({"leg": leg, "run": run, "workload": "batch", "makespan_s": makespan,
+                          "failures": 0, "load_1min": 1.0})  # fmt: skip
+            found.append({"leg": leg, "run": run, "workload": "online", "makespan_s": makespan,
+                          "short_n": 120, "short_p95_s": makespan / 10, "short_p99_s": 99.0,
+                          "long_n": 40, "long_p95_s": makespan, "failures": 0})  # fmt: skip
+    return found
 
 
-def test_add_ratios_divides_by_the_baseline_of_the_same_workload_and_run() -> None:
-    got = {(r["workload"], r["run"], r["client"]): r for r in add_ratios(rows())}
-    assert got["batch", 1, "dsclient"]["makespan_s_x"] == 1.1
-    assert got["batch", 2, "dsclient"]["makespan_s_x"] == 1.5
-    assert got["batch", 1, BASELINE]["makespan_s_x"] == 1.0
-    assert got["batch", 3, "dsclient"]["makespan_s_x"] is None  # no baseline in that run
-    assert got["online", 1, "dsclient"]["short_p99_s_x"] == 0.05
-    assert got["online", 1, "dsclient"]["makespan_s_x"] == 1.05
-    assert "short_p99_s_x" not in got["batch", 1, "dsclient"]
+def test_headline_gives_dsclient_over_each_peer_per_run_with_the_tail_the_counts_allow() -> None:
+    lines = {(v.peer, v.figure): v.ratios for v in headline([record(rows())])}
+    assert lines["httpx", "batch makespan"] == (0.5, 0.6, 0.9)
+    assert lines["httpx", "online short p95"] == (0.5, 0.6, 0.9)  # 120 samples: not p99
+    assert lines["httpx", "online long p95"] == (0.5, 0.6, 0.9)
+    assert all(peer != "dsclient" for peer, _ in lines)
 
 
-def test_headline_table_puts_each_runs_figure_side_by_side() -> None:
-    X = TIMES
-    table = headline_table(add_ratios(rows()), clients=("dsclient", BASELINE, "litellm"))
-    lines = table.splitlines()
-    assert len(lines) == 4  # header, rule, two clients that ran (litellm did not)
-    dsclient = lines[2]
-    assert dsclient.startswith(
-        f"| dsclient | 11.0 / 12.0 / 9.0 | 1.10{X} / 1.50{X} / - | 0 / 0 / 1 |"
-    )
-    assert f"| 0.30 | 0.05{X} | 1.05{X} | 0 |" in dsclient
-    assert lines[3].startswith(f"| {BASELINE} | 10.0 / 8.0 | 1.00{X} / 1.00{X} |")
-
-
-def test_litellm_is_pointed_at_vllm_as_an_openai_compatible_deployment() -> None:
-    (deployment,) = litellm_model_list("http://127.0.0.1:8011", 5)
-    assert deployment["model_name"] == "tiny"
-    params = deployment["litellm_params"]
-    assert params["model"] == "hosted_vllm/tiny"
-    assert params["api_base"] == "http://127.0.0.1:8011/v1"
-    assert params["max_parallel_requests"] == 5
+def test_render_shows_medians_with_their_range_and_where_they_come_from() -> None:
+    text = render([record(rows())])
+    assert "short p95 s" in text and "short p99" not in text
+    assert "| dsclient: " in text
+    assert "| 3 | 10.0 (9.0-12.0) |" in text  # runs, then the batch makespan's median (range)
+    assert "commit `abcdef1234`" in text
 
 
 PROC_STAT = """\
@@ -178,3 +194,14 @@ def test_each_round_starts_one_client_later() -> None:
     assert leg_order(names, 2) == ["b", "c", "a"]
     assert leg_order(names, 4) == ["a", "b", "c"]
     assert leg_order([], 2) == []
+
+
+def test_litellm_is_pointed_at_vllm_as_an_openai_compatible_deployment() -> None:
+    (capped,) = litellm_model_list("http://127.0.0.1:8011", 5)
+    assert capped["model_name"] == "tiny"
+    params = capped["litellm_params"]
+    assert params["model"] == "hosted_vllm/tiny"
+    assert params["api_base"] == "http://127.0.0.1:8011/v1"
+    assert params["max_parallel_requests"] == 5
+    (uncapped,) = litellm_model_list("http://127.0.0.1:8011", None)
+    assert "max_parallel_requests" not in uncapped["litellm_params"]

@@ -1,0 +1,326 @@
+"""``python -m benchmarks report``: the tables of ``docs/benchmarks.md``, from the kept results.
+
+    python -m benchmarks report            # rewrite the generated blocks of docs/benchmarks.md
+    python -m benchmarks report --check    # exit 1 if the page is not what the results give
+
+The page holds blocks between markers, each rewritten whole and nothing else touched::
+
+    <!-- BEGIN generated: headline-table -->   the table the page opens with
+    <!-- BEGIN generated: routing -->          one per benchmark with results
+    <!-- END generated: routing -->
+
+A benchmark's block comes from its module's ``render(records)``: ``records`` are its saved files
+(:func:`benchmarks._results.load_records`, oldest first), and ``render`` returns markdown. The
+helpers here make that a few lines::
+
+    def render(records):
+        return report.leg_table(records, [
+            report.Column("makespan s", "makespan_s"),
+            report.Column("failures", "failures", digits=0),
+        ])
+
+A module may also define ``headline(records)``, returning :class:`Versus` rows for the opening
+table (dsclient against each peer). Figures are medians over the runs of one invocation, with
+their range; a latency tail is the p99 only where every run had at least 200 samples, else the
+p95 (at least 20), else the maximum, and the column says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import statistics
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks._results import RESULTS_ROOT, load_records
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "benchmarks.md"
+HEADLINE = "headline-table"
+BLOCK = re.compile(
+    r"(<!-- BEGIN generated: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)"
+    r"(<!-- END generated: (?P=name) -->)",
+    re.DOTALL,
+)
+#: Samples a percentile needs before it is called that: fewer, and p99 is just the maximum.
+P99_MIN = 200
+P95_MIN = 20
+NONE = "-"
+
+
+# -- numbers -------------------------------------------------------------------------------------
+def summary(values: Iterable[float | None]) -> tuple[float, float, float, int] | None:
+    """Median, min, max and count of the values that are not ``None`` (``None`` if none are)."""
+    found = [float(v) for v in values if v is not None]
+    if not found:
+        return None
+    return statistics.median(found), min(found), max(found), len(found)
+
+
+def fmt(value: float, digits: int) -> str:
+    return f"{value:.{digits}f}"
+
+
+def spread_cell(values: Iterable[float | None], digits: int = 2, suffix: str = "") -> str:
+    """``median (min-max)``, or one value alone; ``-`` when there is none."""
+    found = summary(values)
+    if found is None:
+        return NONE
+    mid, low, high, n = found
+    if n == 1 or low == high:
+        return fmt(mid, digits) + suffix
+    return f"{fmt(mid, digits)}{suffix} ({fmt(low, digits)}-{fmt(high, digits)})"
+
+
+def tail_name(counts: Iterable[int | None]) -> str:
+    """Which tail every run can support: ``p99`` (>= 200 samples), ``p95`` (>= 20), ``max``."""
+    found = [c for c in counts if c is not None]
+    least = min(found, default=0)
+    if least >= P99_MIN:
+        return "p99"
+    if least >= P95_MIN:
+        return "p95"
+    return "max"
+
+
+# -- rows ----------------------------------------------------------------------------------------
+def latest(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The newest invocation (the one a table shows); earlier ones are listed by file name."""
+    return records[-1] if records else None
+
+
+def legs(rows: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Leg names in first-seen order."""
+    seen: dict[str, None] = {}
+    for row in rows:
+        seen.setdefault(str(row["leg"]), None)
+    return list(seen)
+
+
+def select(rows: Iterable[Mapping[str, Any]], **match: Any) -> list[Mapping[str, Any]]:
+    """The rows whose fields equal every ``match`` (``leg="dsclient", workload="batch"``)."""
+    return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a per-leg table: a figure's median (range) over the runs.
+
+    ``key`` names the row field; a ``key`` with ``{tail}`` in it (``"short_{tail}_s"``) is a
+    latency tail, chosen per table from ``count`` (``"short_n"``) by :func:`tail_name`, and the
+    heading's ``{tail}`` is filled in likewise.
+    """
+
+    heading: str
+    key: str
+    digits: int = 2
+    count: str | None = None
+    suffix: str = ""
+
+
+def resolve(column: Column, rows: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
+    """The heading and row key of ``column`` for these rows (the tail filled in)."""
+    if "{tail}" not in column.key:
+        return column.heading, column.key
+    tail = tail_name(r.get(column.count or "") for r in rows)
+    return column.heading.format(tail=tail), column.key.format(tail=tail)
+
+
+def leg_table(
+    rows: Sequence[Mapping[str, Any]],
+    columns: Sequence[Column],
+    *,
+    about: Mapping[str, str] | None = None,
+) -> str:
+    """One line per leg: its runs, then each column's median (min-max) over them."""
+    if not rows:
+        return "No rows."
+    resolved = [resolve(c, rows) for c in columns]
+    head = ["leg", "runs", *(h for h, _ in resolved)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in legs(rows):
+        mine = select(rows, leg=name)
+        runs = len({r.get("run") for r in mine})
+        cells = [
+            spread_cell((r.get(key) for r in mine), column.digits, column.suffix)
+            for column, (_, key) in zip(columns, resolved, strict=True)
+        ]
+        label = f"{name}: {about[name]}" if about and name in about else name
+        lines.append("| " + " | ".join([label, str(runs), *cells]) + " |")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Versus:
+    """A line of the opening table: dsclient's figure over a peer's, per run (median, range)."""
+
+    benchmark: str
+    peer: str
+    figure: str
+    ratios: tuple[float, ...]
+    note: str = ""
+
+
+def ratios(
+    rows: Sequence[Mapping[str, Any]],
+    key: str,
+    peer: str,
+    *,
+    ours: str = "dsclient",
+    **match: Any,
+) -> tuple[float, ...]:
+    """``ours / peer`` of ``key`` for each run where both have a figure (and peer's is not 0)."""
+    found = []
+    mine = {r.get("run"): r.get(key) for r in select(rows, leg=ours, **match)}
+    for row in select(rows, leg=peer, **match):
+        a, b = mine.get(row.get("run")), row.get(key)
+        if a is not None and b:
+            found.append(round(float(a) / float(b), 3))
+    return tuple(found)
+
+
+def headline_table(lines: Sequence[Versus]) -> str:
+    """The page's opening table: below 1 means dsclient's figure was smaller (better here)."""
+    if not lines:
+        return "No results committed yet."
+    out = [
+        "| benchmark | peer | figure (dsclient / peer) | median ratio (range) | runs |",
+        "|---|---|---|---|---|",
+    ]
+    for v in lines:
+        cell = spread_cell(v.ratios, 2, "\N{MULTIPLICATION SIGN}")
+        figure = v.figure + (f" ({v.note})" if v.note else "")
+        out.append(f"| {v.benchmark} | {v.peer} | {figure} | {cell} | {len(v.ratios)} |")
+    return "\n".join(out)
+
+
+# -- conditions ----------------------------------------------------------------------------------
+def loads(record: Mapping[str, Any]) -> list[float]:
+    """The 1-minute load averages recorded: before, at each row, after."""
+    found = [*record.get("load_before", [])[:1], *record.get("load_after", [])[:1]]
+    found += [r["load_1min"] for r in record.get("rows", []) if r.get("load_1min") is not None]
+    return [float(x) for x in found]
+
+
+def busy(record: Mapping[str, Any]) -> bool:
+    """Whether the machine was busy: the median 1-minute load over the rows above its cores."""
+    values = [r.get("load_1min") for r in record.get("rows", [])]
+    found = summary(values)
+    cores = record.get("host", {}).get("cores") or 1
+    return found is not None and found[0] > cores
+
+
+def conditions(record: Mapping[str, Any], records: Sequence[Mapping[str, Any]] = ()) -> str:
+    """Where the table's figures come from: file, commit, versions, machine, load."""
+    code = record.get("code", {})
+    commit = (code.get("commit") or "unknown")[:10]
+    dirty = code.get("dirty")
+    changed = code.get("changed") or []
+    tree = "clean tree" if dirty is False else "tree differed from the commit" if dirty else "?"
+    if dirty and changed:
+        shown = ", ".join(f"`{p}`" for p in changed[:6])
+        tree += f" ({shown}{', ...' if len(changed) > 6 else ''})"
+    host = record.get("host", {})
+    versions = ", ".join(
+        f"{name} {ver or 'absent'}" for name, ver in sorted(record.get("versions", {}).items())
+    )
+    found = loads(record)
+    load = (
+        f"1-minute load {min(found):.2f}-{max(found):.2f} on {host.get('cores')} cores"
+        if found
+        else "load not recorded"
+    )
+    lines = [
+        f"From `benchmarks/results/{record.get('benchmark')}/{record.get('_file')}`: "
+        f"started {record.get('started_utc')}, commit `{commit}`, {tree}; "
+        f"Python {host.get('python')}, {host.get('cpu', host.get('machine'))}; {versions}; "
+        f"{load}.",
+    ]
+    if busy(record):
+        lines.append(
+            "**Busy machine:** the median load over the legs was above the core count, so other "
+            "work shared the CPUs; read these figures as this machine on that day."
+        )
+    earlier = [r.get("_file") for r in records if r is not record]
+    if earlier:
+        lines.append("Earlier invocations kept: " + ", ".join(f"`{e}`" for e in earlier) + ".")
+    for note in record.get("notes", []):
+        lines.append(f"Note: {note}")
+    return "\n\n".join(lines)
+
+
+# -- the page ------------------------------------------------------------------------------------
+Renderer = Callable[[Sequence[Mapping[str, Any]]], str]
+
+
+def module_for(name: str) -> Any:
+    from benchmarks.__main__ import BENCHMARKS
+
+    if name not in BENCHMARKS:
+        raise KeyError(f"no benchmark named {name!r} (benchmarks/__main__.py)")
+    return importlib.import_module(BENCHMARKS[name][0])
+
+
+def render_block(name: str, root: Path) -> str:
+    """The markdown of one generated block: the headline table, or a benchmark's section."""
+    if name == HEADLINE:
+        return headline_table(headline_lines(root))
+    records = load_records(name, root)
+    if not records:
+        return "No results committed yet: run `python -m benchmarks " + name + "`."
+    render: Renderer = module_for(name).render
+    return render(records)
+
+
+def headline_lines(root: Path) -> list[Versus]:
+    from benchmarks.__main__ import BENCHMARKS
+
+    lines: list[Versus] = []
+    for name in BENCHMARKS:
+        records = load_records(name, root)
+        if not records:
+            continue
+        make = getattr(module_for(name), "headline", None)
+        if make is not None:
+            lines.extend(make(records))
+    return lines
+
+
+def render_page(text: str, root: Path = RESULTS_ROOT) -> str:
+    """``text`` with every generated block rewritten from the results under ``root``."""
+
+    def fill(match: re.Match[str]) -> str:
+        body = render_block(match["name"], root).rstrip("\n") + "\n"
+        return f"{match[1]}{body}{match[4]}"
+
+    return BLOCK.sub(fill, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks report", description=__doc__)
+    parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
+    parser.add_argument("--page", type=Path, default=PAGE)
+    parser.add_argument("--results", type=Path, default=RESULTS_ROOT, help="the results folder")
+    args = parser.parse_args(argv)
+    text = args.page.read_text()
+    fresh = render_page(text, args.results)
+    if args.check:
+        if fresh != text:
+            print(f"{args.page} is not what the results give: run python -m benchmarks report")
+            return 1
+        return 0
+    if fresh != text:
+        args.page.write_text(fresh)
+        print(f"rewrote the generated blocks of {args.page}")
+    else:
+        print(f"{args.page} is up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
