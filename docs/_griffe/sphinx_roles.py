@@ -1,25 +1,36 @@
 """Griffe extension for the docs build: turn the docstrings' reST into Markdown.
 
-dsclient's docstrings are Google style with a little reST: cross-references (``:func:`launch```,
-``:class:`~dsclient.client._retry.Retry```), simple tables (``====  ====`` borders) and doctest lines.
+dsclient's docstrings are Google style with a little reST: cross-references
+(``:func:`launch```, ``:class:`~dsclient.client._retry.Retry```), simple tables (``====  ====``
+borders) and doctest lines.
 mkdocstrings renders Markdown, where those show as ``:func:`` before code, a run of ``=`` signs
 and a paragraph. Before mkdocstrings parses a docstring, this rewrites:
 
+- each mention of a docs page (````docs/routing.md````) into a link to that page, when the page
+  exists;
 - each role into an optional autorefs link, resolved in the object's scope: a link when the
   target is rendered, plain code otherwise (private helpers), so it never fails ``--strict``;
 - each simple table into a Markdown table (the first row is the header when a border follows it);
-- each run of ``>>>`` lines and their output into a ``pycon`` code block.
+- each run of ``>>>`` lines and their output into a ``pycon`` code block;
+- each indented example (a Markdown indented block, or a reST literal block after ``::``) into a
+  fenced ``python`` block, so it is highlighted and gets a copy button; the ``::`` becomes ``:``.
+  A block right under a Google section header (``Parameters:``, ``Returns:``, ...) or inside
+  one is the section's content and stays as it is.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import griffe
 
 _ROLE = re.compile(r":(?:py:)?(?:class|func|meth|attr|mod|exc|data|obj):`([~!]?)([\w.]+)(?:\(\))?`")
 _BORDER = re.compile(r"^=+(?: +=+)+ *$")
+_DOCS = Path(__file__).resolve().parents[1]
+_PAGE = re.compile(r"``docs/([\w-]+)\.md(#[\w-]+)?``")
+_SECTION = re.compile(r"^[A-Z][A-Za-z ]*:\s*$")  # a Google section header: "Parameters:"
 
 
 def _target(obj: griffe.Object, name: str) -> str:
@@ -38,6 +49,16 @@ def _roles(obj: griffe.Object, text: str) -> str:
         return f'<autoref identifier="{_target(obj, name)}" optional>`{title}`</autoref>'
 
     return _ROLE.sub(link, text)
+
+
+def _pages(text: str) -> str:
+    def link(match: re.Match[str]) -> str:
+        page, anchor = match[1], match[2] or ""
+        if not (_DOCS / f"{page}.md").exists():  # a page still to be written: no broken link
+            return match[0]
+        return f"[{page.replace('-', ' ')}]({page}.md{anchor})"
+
+    return _PAGE.sub(link, text)
 
 
 def _table(lines: list[str]) -> list[str]:
@@ -80,6 +101,20 @@ def _blocks(text: str) -> str:
                 out.extend(_table(lines[i : end + 1]))
                 i = end + 1
                 continue
+        if line.startswith("    ") and i > 0 and not lines[i - 1].strip():
+            head = next((x for x in reversed(out) if x.strip()), "")
+            if head and not head.startswith(" ") and not _SECTION.match(head):
+                j = i
+                while j < len(lines) and (not lines[j].strip() or lines[j].startswith("    ")):
+                    j += 1
+                while j > i and not lines[j - 1].strip():
+                    j -= 1
+                if head.endswith("::"):
+                    out[len(out) - 1 - out[::-1].index(head)] = head[:-1]
+                lang = "pycon" if lines[i].lstrip().startswith(">>> ") else "python"
+                out.extend([f"```{lang}", *(x[4:] for x in lines[i:j]), "```"])
+                i = j
+                continue
         if line.startswith(">>> "):
             j = i
             while j < len(lines) and lines[j].strip():
@@ -104,5 +139,5 @@ class SphinxRoles(griffe.Extension):
                 continue
             seen.add(id(obj))
             if obj.docstring is not None:
-                obj.docstring.value = _blocks(_roles(obj, obj.docstring.value))
+                obj.docstring.value = _blocks(_pages(_roles(obj, obj.docstring.value)))
             stack.extend(m for m in obj.members.values() if not m.is_alias)

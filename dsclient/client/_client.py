@@ -92,11 +92,13 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
     ``docs/governor.md``). Without queue metrics it stays between 1 and ``max_num_seqs``.
 
     Several servers (replicas, or servers of other models) go in a list, and each attempt goes
-    to one of them (``docs/routing.md``)::
+    to one of them (``docs/routing.md``):
 
-        async with dsclient.AsyncClient(["http://a:8000", "http://b:8000"]) as client:
-            result = await client.generate("Once upon a time", max_tokens=32)
-            print(result.server, [s.limit for s in client.servers])
+    ```python
+    async with dsclient.AsyncClient(["http://a:8000", "http://b:8000"]) as client:
+        result = await client.generate("Once upon a time", max_tokens=32)
+        print(result.server, [s.limit for s in client.servers])
+    ```
 
     Parameters:
         base_url: the server's URL, with or without ``/v1``, or a launched ``Server`` handle;

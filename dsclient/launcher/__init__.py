@@ -1,17 +1,20 @@
 """Start and stop a reference vLLM server, and tell dsclient's client what it started.
 
-Typical use::
+Typical use:
 
-    from dsclient.launcher import launch
+```python
+from dsclient.launcher import launch, make_tiny_model
 
-    with launch("~/.cache/dsclient/models/tiny-llama", max_num_seqs=8, max_model_len=2048) as srv:
-        print(srv.url, srv.max_num_seqs)          # AsyncClient(srv) knows both
+model_dir = make_tiny_model()
+with launch(model_dir, max_num_seqs=8, max_model_len=2048) as srv:
+    print(srv.url, srv.max_num_seqs)  # AsyncClient(srv) knows both
 
-    async with launch(model_dir, served_model_name="tiny") as srv:   # inside an event loop
-        ...
+async with launch(model_dir, served_model_name="tiny") as srv:  # in an event loop
+    ...
 
-    with launch(model_dir, served_model_name="tiny", replicas=2) as group:   # a ServerGroup
-        print(group.urls)                   # two servers, own ports, own CPUs where there are
+with launch(model_dir, served_model_name="tiny", replicas=2) as group:  # a ServerGroup
+    print(group.urls)  # two servers, own ports, own CPUs where there are
+```
 
 :func:`launch` only *plans* (cheap, no process yet); the server starts when the ``with`` /
 ``async with`` block is entered, or on :meth:`Server.start` / :meth:`Server.astart`. Either way

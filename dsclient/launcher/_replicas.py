@@ -247,12 +247,12 @@ class ServerGroup:
     """N vLLM replicas of one model, started and stopped together (returned by
     :func:`launch_replicas` and ``launch(..., replicas=N)``).
 
-    Example::
-
-        with launch(model_dir, served_model_name="tiny", replicas=2) as group:
-            print(group.urls)              # ('http://127.0.0.1:8000', 'http://127.0.0.1:8001')
-            for server in group.servers:   # each a Server: its url, pid, log, launch record
-                ...
+    ```python
+    with launch(model_dir, served_model_name="tiny", replicas=2) as group:
+        print(group.urls)  # ('http://127.0.0.1:8000', 'http://127.0.0.1:8001')
+        for server in group.servers:  # each a Server: its url, pid, log, launch record
+            print(server.pid, server.log_path)
+    ```
 
     ``with`` / ``async with`` (or :meth:`start` / :meth:`astart`) start every replica and return
     once all answer ``/health``; when one fails to start, all are stopped before the error is
@@ -440,14 +440,15 @@ def launch_replicas(
 ) -> ServerGroup:
     """Plan ``replicas`` vLLM servers of ``model`` on this machine; a :class:`ServerGroup`.
 
-    Example::
+    ```python
+    async with launch_replicas(model_dir, 2, served_model_name="tiny") as group:
+        client = AsyncClient(group)
+    ```
 
-        async with launch_replicas(model_dir, 2, served_model_name="tiny") as group:
-            client = AsyncClient(group.urls[0])
+    The other parameters are those of :func:`dsclient.launcher.launch`, planned for each
+    replica with :func:`plan_launch` on its share of the machine.
 
-    Parameters are those of :func:`dsclient.launcher.launch`, planned for each replica with
-    :func:`plan_launch` on its share of the machine, plus:
-
+    Parameters:
         replicas: how many servers (>= 1).
         port: the first replica's port, the next ones follow (``port + 1``, ...); default
             8000, 8001, ... when all are free, else free ones.

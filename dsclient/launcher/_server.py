@@ -336,25 +336,24 @@ def launch(
 ) -> Server | ServerGroup:
     """Plan a vLLM server for ``model`` and return its (not yet started) :class:`Server`.
 
-    Example::
+    ```python
+    with launch(model_dir, max_num_seqs=8, served_model_name="tiny") as server:
+        client = AsyncClient(server)
+    ```
 
-        with launch(model_dir, max_num_seqs=8, max_model_len=2048, served_model_name="tiny") as s:
-            client = AsyncClient(s)
-
-    Parameters are those of :func:`plan_launch` (``profile``: ``latency-sensitive``,
-    ``balanced`` (default) or ``throughput-first``; ``host`` defaults to loopback; without
-    ``port``, 8000 when it is free, else a free one; ``dev_mode`` defaults to off), plus:
-
-        log_path: where the server's output goes; default ``~/.cache/dsclient/logs/``.
-        startup_timeout: seconds to wait for ``/health`` (vLLM on CPU takes about a minute).
-        progress: called with a line of text while waiting (default: the ``dsclient`` logger).
+    The other parameters are those of :func:`plan_launch` (``profile``:
+    ``latency-sensitive``, ``balanced`` (default) or ``throughput-first``; ``host`` defaults
+    to loopback; without ``port``, 8000 when it is free, else a free one; ``dev_mode``
+    defaults to off).
 
     ``replicas=N`` plans N servers of the model on this machine instead (each on its own port
     and share of the CPUs or GPUs) and returns them as one
     :class:`~dsclient.launcher.ServerGroup`, started and stopped together::
 
-        with launch(model_dir, served_model_name="tiny", replicas=2) as group:
-            print(group.urls)
+    ```python
+    with launch(model_dir, served_model_name="tiny", replicas=2) as group:
+        print(group.urls)
+    ```
 
     They start all at once (measured faster than one after another, see
     :func:`dsclient.launcher._replicas.split_hardware`); ``concurrent_start=False`` starts them
@@ -364,6 +363,11 @@ def launch(
     planned command when the server starts, not here: the check imports vLLM (10 to 25 s), and
     ``launch()`` is often called inside an event loop. :meth:`Server.astart` runs it in a
     worker thread. A refusal raises :class:`VllmFlagsError` there, before any process starts.
+
+    Parameters:
+        log_path: where the server's output goes; default ``~/.cache/dsclient/logs/``.
+        startup_timeout: seconds to wait for ``/health`` (vLLM on CPU takes about a minute).
+        progress: called with a line of text while waiting (default: the ``dsclient`` logger).
     """
     if replicas is not None:
         from ._replicas import launch_replicas
