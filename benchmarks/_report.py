@@ -155,15 +155,29 @@ def leg_table(
     return "\n".join(lines)
 
 
+#: The opening table's columns: what each :class:`Versus` is filed under.
+HEADLINE_COLUMNS = ("makespan", "short-request tail", "long-request tail", "other")
+
+
 @dataclass(frozen=True)
 class Versus:
-    """A line of the opening table: dsclient's figure over a peer's, per run (median, range)."""
+    """A cell of the opening table: dsclient's figure over a peer's, per run.
+
+    ``column`` is one of :data:`HEADLINE_COLUMNS`; ``label`` says which figure it is when the
+    column does not (``"p95"``, ``"prefix hit rate"``). ``workload`` splits a benchmark's rows
+    (``"batch"``, ``"online"``).
+    """
 
     benchmark: str
     peer: str
-    figure: str
+    column: str
     ratios: tuple[float, ...]
-    note: str = ""
+    label: str = ""
+    workload: str = ""
+
+    def __post_init__(self) -> None:
+        if self.column not in HEADLINE_COLUMNS:
+            raise ValueError(f"column must be one of {HEADLINE_COLUMNS}, got {self.column!r}")
 
 
 def ratios(
@@ -185,17 +199,31 @@ def ratios(
 
 
 def headline_table(lines: Sequence[Versus]) -> str:
-    """The page's opening table: below 1 means dsclient's figure was smaller (better here)."""
+    """The page's opening table: one line per benchmark (and workload) and peer.
+
+    Each cell is dsclient's figure over the peer's in the same run, the median over runs with
+    the range; below 1 means dsclient's was smaller (shorter, fewer), except where the label
+    says higher is better. ``runs`` is the fewest runs behind any cell of the line.
+    """
     if not lines:
         return "No results committed yet."
-    out = [
-        "| benchmark | peer | figure (dsclient / peer) | median ratio (range) | runs |",
-        "|---|---|---|---|---|",
-    ]
+    keys: dict[tuple[str, str, str], dict[str, Versus]] = {}
     for v in lines:
-        cell = spread_cell(v.ratios, 2, "\N{MULTIPLICATION SIGN}")
-        figure = v.figure + (f" ({v.note})" if v.note else "")
-        out.append(f"| {v.benchmark} | {v.peer} | {figure} | {cell} | {len(v.ratios)} |")
+        keys.setdefault((v.benchmark, v.workload, v.peer), {})[v.column] = v
+    head = ["benchmark", "peer", *(f"{c} (dsclient / peer)" for c in HEADLINE_COLUMNS), "runs"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (benchmark, workload, peer), cells in keys.items():
+        shown = []
+        for column in HEADLINE_COLUMNS:
+            v = cells.get(column)
+            if v is None:
+                shown.append(NONE)
+                continue
+            cell = spread_cell(v.ratios, 2, "\N{MULTIPLICATION SIGN}")
+            shown.append(f"{v.label}: {cell}" if v.label else cell)
+        runs = min(len(v.ratios) for v in cells.values())
+        name = f"{benchmark} ({workload})" if workload else benchmark
+        out.append("| " + " | ".join([name, peer, *shown, str(runs)]) + " |")
     return "\n".join(out)
 
 

@@ -420,7 +420,7 @@ def render(records: Sequence[dict[str, Any]]) -> str:
 
 
 def headline(records: Sequence[dict[str, Any]]) -> list[report.Versus]:
-    """dsclient over each peer, per run: batch makespan; online short tail, long tail, makespan."""
+    """dsclient over each peer, per run: batch makespan; online makespan, short and long tails."""
     record = report.latest(records)
     if record is None:
         return []
@@ -428,21 +428,18 @@ def headline(records: Sequence[dict[str, Any]]) -> list[report.Versus]:
     online = report.select(rows, workload="online")
     short = report.resolve(report.Column("", "short_{tail}_s", count="short_n"), online)[1]
     long_ = report.resolve(report.Column("", "long_{tail}_s", count="long_n"), online)[1]
-    tail = {key: key.split("_")[1] for key in (short, long_)}
+    figures = [
+        ("batch", "makespan", "makespan_s", ""),
+        ("online", "makespan", "makespan_s", ""),
+        ("online", "short-request tail", short, short.split("_")[1]),
+        ("online", "long-request tail", long_, long_.split("_")[1]),
+    ]
     lines = []
-    for peer in report.legs(rows):
-        if peer == "dsclient":
-            continue
-        figures = [
-            ("batch makespan", "makespan_s", "batch"),
-            (f"online short {tail[short]}", short, "online"),
-            (f"online long {tail[long_]}", long_, "online"),
-            ("online makespan", "makespan_s", "online"),
-        ]
-        for figure, key, workload in figures:
+    for workload, column, key, label in figures:
+        for peer in report.legs(report.select(rows, workload=workload)):
             found = report.ratios(rows, key, peer, workload=workload)
-            if found:
-                lines.append(report.Versus("headline", peer, figure, found))
+            if peer != "dsclient" and found:
+                lines.append(report.Versus("headline", peer, column, found, label, workload))
     return lines
 
 

@@ -18,8 +18,20 @@ rotates between runs:
   ``HttpRequestProcessorConfig`` (Ray's documented way to call an OpenAI-compatible server from
   Ray Data) with ``qps=N`` per actor, ``max_retries=3`` and ``base_retry_wait_time_in_s=1``
   (``1 x 2^n`` s, no jitter, no ``Retry-After``), ``concurrency=(actors, actors)`` (a fixed
-  pool; a plain ``concurrency=2`` is an autoscaling pool of 1 to 2 actors). It sends every request
-  of a batch at the fixed rate and then waits for them all; it has no limit on requests in flight.
+  pool; a plain ``concurrency=2`` is an autoscaling pool of 1 to 2 actors). ``qps`` is not a
+  rate per actor over the job: the stage's ``udf`` resets its clock and count at every batch
+  (``start_time``, ``request_count``);
+* ``ray-http-actorsN`` for each N of ``--wide`` (8 = ``max_num_seqs``): the same processor with
+  ``concurrency=(N, N)``, no ``qps``, and ``--batch-size`` cut so that every actor gets work:
+  as many requests in flight as the server runs at once.
+
+**Why Ray's processor has one request in flight per actor** (ray 2.60.0,
+``ray/llm/_internal/batch/stages/http_request_stage.py``, ``HttpRequestUDF.udf``): the first loop
+builds ``request = session.post(...)`` for every row ("Create request but don't await it yet");
+aiohttp sends nothing until that object is awaited, and the second loop awaits them one at a
+time (``async with await request as response``), each to its end before the next. So each actor
+sends its batch one request after another whatever ``qps`` says, and the only way to more in
+flight is more actors.
 
 Per leg: makespan (from submitting the job to the last row, Ray's actor start-up included, alike
 for every leg), failures (rows with an error; a job that raised is reported as such), and the
@@ -37,7 +49,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -45,6 +57,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import _report as report_
 from benchmarks._common import (
     ROOT,
     engine_sampler,
@@ -54,6 +67,7 @@ from benchmarks._common import (
     words,
     write_results,
 )
+from benchmarks._results import Run
 
 MAX_TOKENS = 32
 MODEL = "tiny"
@@ -109,7 +123,13 @@ def _dsclient_leg(
     return run
 
 
-def _ray_http_leg(url: str, rows: list[dict[str, Any]], args: Any, qps: int) -> Callable[[], Any]:
+def _ray_http_leg(
+    url: str, rows: list[dict[str, Any]], args: Any, qps: int | None, actors: int | None = None
+) -> Callable[[], Any]:
+    actors = actors or args.actors
+    # every actor gets a batch: the rows split evenly, never more than --batch-size
+    batch_size = min(args.batch_size, max(1, -(-len(rows) // actors)))
+
     def run() -> list[dict[str, Any]]:
         import ray
         from ray.data.llm import HttpRequestProcessorConfig, build_processor
@@ -121,10 +141,11 @@ def _ray_http_leg(url: str, rows: list[dict[str, Any]], args: Any, qps: int) -> 
             base_retry_wait_time_in_s=1,
             # (n, n): a fixed pool of n actors, as dsclient's legs have; a plain n would be an
             # autoscaling pool of 1 to n (ray/llm/_internal/batch/processor/utils.py).
-            concurrency=(args.actors, args.actors),
-            batch_size=args.batch_size,
-            # As many CPUs per actor as dsclient's legs ask for (Ray's default is 1).
-            http_request_stage={"num_cpus": 0.5},
+            concurrency=(actors, actors),
+            batch_size=batch_size,
+            # The two CPUs Ray is given, shared by the pool (2 actors: 0.5 each, as dsclient's
+            # legs ask for; Ray's default of 1 would not fit 8 actors on 2 CPUs).
+            http_request_stage={"num_cpus": min(0.5, 2 / actors)},
         )
 
         # Closures, so that Ray pickles them by value (workers need not import this module).
@@ -194,6 +215,7 @@ async def _run_once(url: str, args: Any, redis_url: str | None, index: int) -> d
             )
         )
     legs += [(f"ray-http-qps{q}", _ray_http_leg(url, rows, args, q)) for q in args.qps]
+    legs += [(f"ray-http-actors{w}", _ray_http_leg(url, rows, args, None, w)) for w in args.wide]
     shift = index % len(legs)  # rotate the order between runs
     legs = legs[shift:] + legs[:shift]
     before = _uptime()
@@ -209,7 +231,7 @@ async def _run_once(url: str, args: Any, redis_url: str | None, index: int) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks ray", description=__doc__)
     parser.add_argument("--url", help="a running vLLM serving 'tiny' (default: launch one)")
-    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--rows", type=int, default=400)
     parser.add_argument("--overlong", type=int, default=4)
     parser.add_argument("--actors", type=int, default=2)
@@ -217,14 +239,33 @@ def main() -> None:
     parser.add_argument(
         "--qps",
         type=lambda s: [int(x) for x in s.split(",")],
-        default=[10, 40],
-        help="Ray HTTP processor legs: qps per actor, comma-separated (default 10,40)",
+        default=[40],
+        help="Ray HTTP processor legs with --actors actors: qps, comma-separated (default 40)",
+    )
+    parser.add_argument(
+        "--wide",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=[8],
+        help="Ray HTTP processor legs with this many actors and no qps (default 8)",
     )
     parser.add_argument("--no-shared", action="store_true", help="leave out the Redis leg")
     args = parser.parse_args()
 
     import ray
 
+    record = Run.begin(
+        "ray",
+        params={**vars(args), "max_num_seqs": 8, "max_tokens": MAX_TOKENS, "ray_num_cpus": 2},
+        peers=["ray"],
+    )
+    record.fact("legs", {
+        "dsclient": f"`dsclient.ray.map_dataset`, {args.actors} actors",
+        "dsclient-shared": f"the same with `shared=` Redis ({args.actors} actors, one budget)",
+        **{f"ray-http-qps{q}": f"`ray.data.llm` HTTP processor, {args.actors} actors, qps={q}"
+           for q in args.qps},
+        **{f"ray-http-actors{w}": f"`ray.data.llm` HTTP processor, {w} actors, no qps"
+           for w in args.wide},
+    })  # fmt: skip
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Ray's workers import dsclient from the venv; this checkout's `tests` (for redis_server)
     # is only needed in this process.
@@ -254,7 +295,10 @@ def main() -> None:
         "runs": runs,
     }
     path = write_results("ray", payload)
-    say(f"results: {path}")
+    for run in runs:
+        for leg in run["legs"]:
+            record.add(leg=leg["leg"], run=run["run"], **kept(leg))
+    say(f"results: {path}; kept: {record.save()}")
     for run in runs:
         say(f"run {run['run']}: {run['uptime_before']}")
         for leg in run["legs"]:
@@ -269,6 +313,46 @@ def main() -> None:
 @contextmanager
 def _none() -> Iterator[None]:
     yield None
+
+
+def kept(leg: dict[str, Any]) -> dict[str, Any]:
+    """A leg's summary as :meth:`Run.add` keeps it."""
+    keys = ("makespan_s", "rows", "failures", "every_row_once", "running_mean", "waiting_mean",
+            "waiting_p90", "waiting_max", "job_failed")  # fmt: skip
+    found = {key: leg.get(key) for key in keys}
+    if leg.get("errors"):
+        found["first_error"] = str(leg["errors"][0])[:120]
+    return found
+
+
+TABLE = (
+    report_.Column("makespan s", "makespan_s", 1),
+    report_.Column("failed rows", "failures", 0),
+    report_.Column("engine batch mean", "running_mean", 1),
+    report_.Column("server queue p90", "waiting_p90", 1),
+)
+
+
+def render(records: Sequence[dict[str, Any]]) -> str:
+    """One line per leg: makespan, failures, what the server ran; median (range) over runs."""
+    record = report_.latest(records)
+    assert record is not None
+    about = record.get("facts", {}).get("legs")
+    table = report_.leg_table(record["rows"], TABLE, about=about)
+    return table + "\n\n" + report_.conditions(record, records)
+
+
+def headline(records: Sequence[dict[str, Any]]) -> list[report_.Versus]:
+    """dsclient over each Ray HTTP processor leg, per run: the job's makespan."""
+    record = report_.latest(records)
+    if record is None:
+        return []
+    rows = record["rows"]
+    return [
+        report_.Versus("ray", peer, "makespan", found, "job")
+        for peer in report_.legs(rows)
+        if peer.startswith("ray-http") and (found := report_.ratios(rows, "makespan_s", peer))
+    ]
 
 
 if __name__ == "__main__":

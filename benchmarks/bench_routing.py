@@ -71,10 +71,26 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import _report as report_
 from benchmarks._common import gauge, machine, percentile, say, words, write_results
+from benchmarks._results import Run
 
-LEGS = ("dsclient", "round-robin", "router-rr", "router-cache")
-ROUTER_POLICY = {"router-rr": "round_robin", "router-cache": "cache_aware"}
+LEGS = ("dsclient", "round-robin", "router-rr", "router-cache", "router-p2")
+ROUTER_POLICY = {
+    "router-rr": "round_robin",
+    "router-cache": "cache_aware",
+    "router-p2": "power_of_two",
+}
+#: vllm-router's flags per policy beyond the defaults: its load-balancing guide's cache-aware
+#: settings (docs/load_balancing.md in vllm-project/router: "--cache-threshold 0.5
+#: --balance-abs-threshold 32 --balance-rel-threshold 1.1").
+ROUTER_SETTINGS: dict[str, tuple[str, ...]] = {
+    "cache_aware": (
+        "--cache-threshold", "0.5",
+        "--balance-abs-threshold", "32",
+        "--balance-rel-threshold", "1.1",
+    ),
+}  # fmt: skip
 #: Opt-in diagnostic legs (``--legs``): dsclient with one option changed, to tell what a
 #: difference comes from. Not compared in the goal.
 DIAGNOSTIC_LEGS: dict[str, dict[str, Any]] = {
@@ -84,7 +100,8 @@ DIAGNOSTIC_LEGS: dict[str, dict[str, Any]] = {
     "dsclient-index": {"routing": {"index_blocks": 180}},
 }
 ROUTER_VENV = Path("~/.cache/dsclient/venvs/vllm-router").expanduser()
-ROUTER_PACKAGE = "vllm-router"
+ROUTER_VERSION = "0.1.17"
+ROUTER_PACKAGE = f"vllm-router=={ROUTER_VERSION}"
 MODEL = "tiny"
 #: The three metrics of the goal: (key in a leg's summary, True when higher is better).
 GOAL_METRICS = (("makespan_s", False), ("short_p99_s", False), ("hit_rate_own", True))
@@ -171,8 +188,10 @@ def salt_for(seed: int, run: int, leg: str) -> str:
 
 
 def leg_order(legs: Sequence[str], run: int) -> list[str]:
-    """Forward in odd runs, reversed in even ones (so no leg always follows the same one)."""
-    return list(legs) if run % 2 else list(reversed(legs))
+    """The legs' order in run ``run`` (from 1): each run starts one leg later, so no leg is
+    always first, last, or after the same one while the machine's load drifts."""
+    shift = (run - 1) % len(legs) if legs else 0
+    return [*legs[shift:], *legs[:shift]]
 
 
 # -- results (pure) --------------------------------------------------------------------------------
@@ -203,9 +222,11 @@ def leg_stats(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     }
     for kind in ("short", "long"):
         lat = [o.latency for o in ok if o.kind == kind]
-        for p in (50, 99):
+        found[f"{kind}_n"] = len(lat)
+        for p in (50, 95, 99):
             value = percentile(lat, p)
             found[f"{kind}_p{p}_s"] = None if value is None else round(value, 3)
+        found[f"{kind}_max_s"] = round(max(lat), 3) if lat else None
     errors: dict[str, int] = {}
     for o in outcomes:
         if not o.ok:
@@ -337,12 +358,13 @@ def router_argv(
 ) -> list[str]:
     """The command line that starts vllm-router in front of ``urls`` with ``policy``.
 
-    Only the listen address, the workers, the policy and the startup check interval (30 s by
-    default, which only delays its start) are set; routing keeps the package's defaults.
+    The listen address, the workers, the policy, its documented settings
+    (:data:`ROUTER_SETTINGS`) and the startup check interval (30 s by default, which only
+    delays its start).
     """
     return [
         os.fspath(binary), "--host", "127.0.0.1", "--port", str(port),
-        "--worker-urls", *urls, "--policy", policy,
+        "--worker-urls", *urls, "--policy", policy, *ROUTER_SETTINGS.get(policy, ()),
         "--worker-startup-check-interval", "1", "--log-level", "warning",
     ]  # fmt: skip
 
@@ -355,6 +377,12 @@ def ensure_router(venv: Path = ROUTER_VENV) -> Path:
     """
     binary = venv / "bin" / "vllm-router"
     if binary.exists():
+        found = router_version(venv)
+        if found != ROUTER_VERSION:
+            raise SystemExit(
+                f"{venv} has vllm-router {found}, the benchmark pins {ROUTER_VERSION}: "
+                f"{venv}/bin/pip install {ROUTER_PACKAGE}"
+            )
         return binary
     say(f"installing {ROUTER_PACKAGE} into {venv} (once) ...")
     python = venv / "bin" / "python"
@@ -543,6 +571,7 @@ async def sender(
         if router is None:
             raise ValueError(f"leg {leg!r} needs vllm-router")
         async with running_router(router, urls, ROUTER_POLICY[leg]) as url:
+            facts["router_url"] = url
 
             async def send_router(item: Item) -> None:
                 await post_completion(http, url, item, retried)
@@ -696,35 +725,41 @@ async def run_leg(
     router: Path | None,
 ) -> dict[str, Any]:
     load_before = loadavg()
-    background = Background(
-        urls[-1],
-        args.background,
-        args.background_prompt,
-        args.background_tokens,
-        seed=run * 100 + [*LEGS, *DIAGNOSTIC_LEGS].index(leg),
-    )
     async with (
         unbounded_http() as http,
         sender(leg, urls, router) as (send, facts),
-        background.running(),
     ):
-        # the slowed replica is already busy when the leg starts
-        await asyncio.sleep(args.background_lead)
-        before = await metrics_of(http, urls)
-        background.count_from_now()
-        bg_before = background.counts()
-        t0 = time.monotonic()
-        outcomes = await drive(items, send)
-        drained = time.monotonic()
-        await background.stop_and_drain()
-        facts["background_drain_s"] = round(time.monotonic() - drained, 1)
-        after = await metrics_of(http, urls)
-        bg_after = background.counts()
+        # A router leg sends the background through the router too, so that the router sees
+        # (and places) that load as dsclient sees it in the replica's /metrics; the others send
+        # it to the slowed replica. The same seed in every leg and run: the same background.
+        via_router = "router_url" in facts
+        background = Background(
+            facts["router_url"] if via_router else urls[-1],
+            args.background,
+            args.background_prompt,
+            args.background_tokens,
+            seed=args.seed,
+        )
+        async with background.running():
+            # the slowed replica is already busy when the leg starts
+            await asyncio.sleep(args.background_lead)
+            before = await metrics_of(http, urls)
+            background.count_from_now()
+            bg_before = background.counts()
+            t0 = time.monotonic()
+            outcomes = await drive(items, send)
+            drained = time.monotonic()
+            await background.stop_and_drain()
+            facts["background_drain_s"] = round(time.monotonic() - drained, 1)
+            after = await metrics_of(http, urls)
+            bg_after = background.counts()
     deltas = counter_deltas(before, after)
     facts["last_answer_s"] = last_answers(facts.pop("finished", []), t0)
+    facts["background_via"] = "router" if via_router else "replica B"
     bg = {k: bg_after[k] - bg_before[k] for k in bg_after}
     served = [d["success"] for d in deltas]
-    served[-1] -= bg["done"]
+    if not via_router:  # through a router, which replica ran the background is not known
+        served[-1] -= bg["done"]
     row: dict[str, Any] = {"run": run, "leg": leg, **leg_stats(outcomes)}
     row.update(hit_rate(deltas, bg["counted_tokens"]))
     row.update(
@@ -790,7 +825,33 @@ async def cache_facts(urls: Sequence[str], sample: str) -> dict[str, Any]:
     return found
 
 
-async def run_all(urls: list[str], args: argparse.Namespace, router: Path | None) -> dict[str, Any]:
+def kept(row: dict[str, Any]) -> dict[str, Any]:
+    """A leg's summary as :meth:`Run.add` keeps it: scalars, one per replica where it matters."""
+    keys = [
+        "makespan_s", "requests", "failed", "hit_rate", "hit_rate_own",
+        *(f"{kind}_{stat}" for kind in ("short", "long")
+          for stat in ("n", "p50_s", "p95_s", "p99_s", "max_s")),
+    ]  # fmt: skip
+    found: dict[str, Any] = {key: row.get(key) for key in keys}
+    for name, values in (("served", row.get("served")), ("preemptions", row.get("preemptions"))):
+        for label, value in zip("ab", values or [], strict=False):
+            found[f"{name}_{label}"] = value
+    background = row.get("background") or {}
+    found.update(
+        background_sent=background.get("sent"),
+        background_done=background.get("done"),
+        background_failed=background.get("failed"),
+        background_via=(row.get("facts") or {}).get("background_via"),
+    )
+    errors = row.get("errors") or {}
+    if errors:
+        found["first_error"] = str(next(iter(errors)))[:120]
+    return found
+
+
+async def run_all(
+    urls: list[str], args: argparse.Namespace, router: Path | None, record: Run | None = None
+) -> dict[str, Any]:
     shape = shape_of(args)
     sample = make_workload(
         Shape(long=1, short=0, prefixes=1, prefix_words=args.prefix_words), args.seed
@@ -815,6 +876,8 @@ async def run_all(urls: list[str], args: argparse.Namespace, router: Path | None
                 + json.dumps({k: v for k, v in row.items() if k not in ("per_server", "facts")})
             )
             rows.append(row)
+            if record is not None:
+                record.add(leg=leg, run=run, **kept(row))
             await asyncio.sleep(args.pause)
     return {"cache": facts, "rows": rows}
 
@@ -877,8 +940,15 @@ def main(argv: list[str] | None = None) -> None:
     router = (
         ensure_router(args.router_venv) if any(leg in ROUTER_POLICY for leg in args.legs) else None
     )
+    record = Run.begin(
+        "routing",
+        params={k: (os.fspath(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        versions={"vllm-router": router_version(args.router_venv) if router else None},
+    )
+    record.fact("legs", {leg: ABOUT[leg] for leg in args.legs if leg in ABOUT})
     with replicas(args) as urls:
-        found = asyncio.run(run_all(urls, args, router))
+        found = asyncio.run(run_all(urls, args, router, record))
+    record.fact("cache", found["cache"])
     rows = found["rows"]
     summary = summarize(rows)
     payload = {
@@ -895,7 +965,60 @@ def main(argv: list[str] | None = None) -> None:
     }  # fmt: skip
     path = write_results(f"routing-{time.strftime('%Y%m%d-%H%M%S')}", payload)
     print(report(rows, summary))
-    say(f"raw results: {path}")
+    say(f"raw results: {path}; kept: {record.save()}")
+
+
+ABOUT = {
+    "dsclient": "`AsyncClient([url_a, url_b])` defaults, one `generate()` per request",
+    "round-robin": "httpx alternating the two URLs, unbounded",
+    "router-rr": f"httpx, unbounded, through vllm-router {ROUTER_VERSION} `--policy round_robin`",
+    "router-cache": f"the same, `--policy cache_aware {' '.join(ROUTER_SETTINGS['cache_aware'])}`",
+    "router-p2": "the same, `--policy power_of_two`",
+}
+
+TABLE = (
+    report_.Column("makespan s", "makespan_s", 1),
+    report_.Column("short {tail} s", "short_{tail}_s", count="short_n"),
+    report_.Column("long {tail} s", "long_{tail}_s", count="long_n"),
+    report_.Column("prefix hit rate (own)", "hit_rate_own", 3),
+    report_.Column("served by A", "served_a", 0),
+    report_.Column("served by B (slowed)", "served_b", 0),
+    report_.Column("failed", "failed", 0),
+)
+
+
+def render(records: Sequence[dict[str, Any]]) -> str:
+    """One line per leg: makespan, tails, hit rate, where requests went; median (range)."""
+    record = report_.latest(records)
+    assert record is not None
+    about = record.get("facts", {}).get("legs", ABOUT)
+    table = report_.leg_table(record["rows"], TABLE, about=about)
+    return table + "\n\n" + report_.conditions(record, records)
+
+
+def headline(records: Sequence[dict[str, Any]]) -> list[report_.Versus]:
+    """dsclient over each other leg, per run: makespan, short and long tails, hit rate."""
+    record = report_.latest(records)
+    if record is None:
+        return []
+    rows = record["rows"]
+    short = report_.resolve(report_.Column("", "short_{tail}_s", count="short_n"), rows)[1]
+    long_ = report_.resolve(report_.Column("", "long_{tail}_s", count="long_n"), rows)[1]
+    figures = [
+        ("makespan", "makespan_s", ""),
+        ("short-request tail", short, short.split("_")[1]),
+        ("long-request tail", long_, long_.split("_")[1]),
+        ("other", "hit_rate_own", "prefix hit rate, higher is better"),
+    ]
+    lines = []
+    for peer in report_.legs(rows):
+        if peer == "dsclient" or peer in DIAGNOSTIC_LEGS:
+            continue
+        for column, key, label in figures:
+            found = report_.ratios(rows, key, peer)
+            if found:
+                lines.append(report_.Versus("routing", peer, column, found, label))
+    return lines
 
 
 def router_version(venv: Path) -> str | None:

@@ -15,9 +15,17 @@ is ~20 words in and 64 tokens out with ``ignore_eos``. Legs, interleaved within 
 * ``four-shared``: four processes map a quarter each through ``AsyncClient(url, shared=redis)``
   (one budget: one leader's loop, leased blocks);
 * ``four-own``: the same four without ``shared=`` (four loops on one queue: the uncoordinated
-  case the simulation puts at 5-8x the target).
+  case the simulation puts at 5-8x the target);
+* ``four-static``: four processes without dsclient, each an ``asyncio.gather`` of httpx POSTs
+  behind its own ``asyncio.Semaphore(max_num_seqs / 4)`` (6): the static split an operator
+  would configure by hand, the obvious control for a shared budget.
 
-All processes of a leg start their map at the same wall-clock time. Reported per leg: the makespan
+All processes of a leg start their map at the same wall-clock time. Legs run in an order that
+rotates between runs (each run starts one leg later). The conditions are recorded before the
+first leg, and one summary row per leg and run is kept in
+``benchmarks/results/shared/<UTC start>.json`` (:mod:`benchmarks._results`).
+
+Reported per leg: the makespan
 (first start to last end), its ratio to ``one`` of the same run (goal for four-shared: <= 1.1),
 the server's waiting queue (p90 / mean / max of ``vllm:num_requests_waiting`` polled every 0.2 s
 while anything ran; goal for four-shared: p90 <= 12), the engine's mean batch, failures, and the
@@ -47,13 +55,14 @@ import math
 import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import _report as report_
 from benchmarks._common import (
     ROOT,
     engine_sampler,
@@ -64,13 +73,16 @@ from benchmarks._common import (
     words,
     write_results,
 )
+from benchmarks._results import Run
 
 MAX_NUM_SEQS = 24
 TARGET = math.ceil(0.5 * MAX_NUM_SEQS)  # the single client's target queue (queue_share 0.5)
 TOKENS_OUT = 64
 PROMPT_WORDS = 20
 MAKESPAN_GOAL = 1.1
-LEGS = ("one", "four-shared", "four-own")
+LEGS = ("one", "four-shared", "four-own", "four-static")
+#: Each ``four-static`` process's semaphore: an even split of the server's batch.
+STATIC_SPLIT = MAX_NUM_SEQS // 4
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,6 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shared", default="", help=argparse.SUPPRESS)
     p.add_argument("--key", default="dsclient", help=argparse.SUPPRESS)
     p.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--static", type=int, default=0, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -110,6 +123,44 @@ def loadavg() -> str:
 
 
 # -- one client process ---------------------------------------------------------------------------
+async def static_worker(args: argparse.Namespace) -> dict[str, Any]:
+    """A process without dsclient: httpx POSTs behind ``asyncio.Semaphore(args.static)``."""
+    import httpx
+
+    gate = asyncio.Semaphore(args.static)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=args.url, timeout=600.0, limits=limits) as http:
+        texts = prompts(args.seed, args.n)
+        await asyncio.sleep(max(0.0, args.start_at - time.time()))
+        late = time.time() - args.start_at
+
+        async def one(text: str) -> bool:
+            async with gate:
+                try:
+                    response = await http.post(
+                        "/v1/completions",
+                        json={"model": "tiny", "prompt": text, "max_tokens": TOKENS_OUT,
+                              "ignore_eos": True},
+                    )  # fmt: skip
+                    return response.status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+        begun = time.time()
+        results = await asyncio.gather(*(one(t) for t in texts))
+        ended = time.time()
+    ok = sum(results)
+    return {
+        "items": len(results),
+        "ok": ok,
+        "failed": len(results) - ok,
+        "begun": begun,
+        "ended": ended,
+        "late_s": round(late, 3),
+        "makespan_s": round(ended - begun, 3),
+    }
+
+
 async def worker(args: argparse.Namespace) -> dict[str, Any]:
     import dsclient
     from benchmarks._common import sample_every
@@ -255,6 +306,7 @@ async def leg(url: str, name: str, n: int, redis_url: str, seed: int, run: int) 
     count = 1 if name == "one" else 4
     sizes = [n // count + (1 if i < n % count else 0) for i in range(count)]
     shared = redis_url if name == "four-shared" else ""
+    static = STATIC_SPLIT if name == "four-static" else 0
     start_at = time.time() + 6.0  # time to import dsclient, discover, take a first lease
     before = loadavg()
     async with engine_sampler(url) as engine:
@@ -263,7 +315,7 @@ async def leg(url: str, name: str, n: int, redis_url: str, seed: int, run: int) 
             argv = [
                 sys.executable, "-m", "benchmarks.bench_shared", "--worker", "--url", url,
                 "--n", str(size), "--seed", str(seed + i), "--shared", shared,
-                "--key", f"bench-{run}", "--start-at", repr(start_at),
+                "--key", f"bench-{run}", "--start-at", repr(start_at), "--static", str(static),
             ]  # fmt: skip
             procs.append(
                 await asyncio.create_subprocess_exec(
@@ -348,17 +400,34 @@ def redis_at(url: str | None) -> Iterator[str]:
         yield server.url
 
 
-async def run_all(url: str, redis_url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def leg_order(legs: Sequence[str], run: int) -> list[str]:
+    """The legs' order in run ``run`` (from 1): each run starts one leg later."""
+    shift = (run - 1) % len(legs) if legs else 0
+    return [*legs[shift:], *legs[:shift]]
+
+
+def kept(row: dict[str, Any]) -> dict[str, Any]:
+    """A leg's summary as :meth:`Run.add` keeps it (no per-worker detail)."""
+    keys = ("processes", "makespan_s", "ok", "failed", "queue_p90", "queue_mean", "queue_max",
+            "running_mean")  # fmt: skip
+    return {key: row.get(key) for key in keys}
+
+
+async def run_all(
+    url: str, redis_url: str, args: argparse.Namespace, record: Run | None = None
+) -> list[dict[str, Any]]:
     say("warming up with one leg of 48 requests ...")
     await leg(url, "one", 48, redis_url, args.seed - 1, 0)
     rows = []
     for run in range(1, args.runs + 1):
-        for name in LEGS:
+        for name in leg_order(LEGS, run):
             say(f"run {run} {name}: {args.requests} requests ...")
             row = await leg(url, name, args.requests, redis_url, args.seed + 1000 * run, run)
             brief = {k: v for k, v in row.items() if k != "workers"}
             say("  " + json.dumps(brief))
             rows.append(row)
+            if record is not None:
+                record.add(leg=name, run=run, **kept(row))
             await asyncio.sleep(args.pause)
     return rows
 
@@ -366,7 +435,8 @@ async def run_all(url: str, redis_url: str, args: argparse.Namespace) -> list[di
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.worker:
-        print(json.dumps(asyncio.run(worker(args))), flush=True)
+        work = static_worker if args.static else worker
+        print(json.dumps(asyncio.run(work(args))), flush=True)
         return
     began = machine()
     if args.cost:
@@ -382,17 +452,69 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({k: v for k, v in found.items() if k != "us_per_request"}, indent=2))
         say(f"raw results: {path}")
         return
+    record = Run.begin(
+        "shared",
+        params={**vars(args), "max_num_seqs": MAX_NUM_SEQS, "target_queue": TARGET,
+                "static_split": STATIC_SPLIT, "tokens_out": TOKENS_OUT},
+        peers=["httpx", "redis"],
+    )  # fmt: skip
+    record.fact("legs", ABOUT)
     with (
         redis_at(args.redis) as redis_url,
         tiny_vllm(args.url, max_num_seqs=MAX_NUM_SEQS, max_model_len=2048) as url,
     ):
-        rows = asyncio.run(run_all(url, redis_url, args))
+        rows = asyncio.run(run_all(url, redis_url, args, record))
     summary = summarize(rows)
     payload = {"machine": began, "ended": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args)}
     payload.update(target=TARGET, summary=summary, rows=rows)
     path = write_results("shared", payload)
     print(report(summary))
-    say(f"raw results: {path}")
+    kept_path = record.save()
+    say(f"raw results: {path}; kept: {kept_path}")
+
+
+ABOUT = {
+    "one": "one process, `AsyncClient(url)`, `map()` over all requests",
+    "four-shared": "four processes, `AsyncClient(url, shared=redis)`, a quarter each",
+    "four-own": "the same four processes without `shared=`",
+    "four-static": f"four processes, httpx behind `asyncio.Semaphore({STATIC_SPLIT})` each "
+    "(max_num_seqs / 4), no dsclient",
+}
+
+TABLE = (
+    report_.Column("makespan s", "makespan_s", 1),
+    report_.Column("server queue p90", "queue_p90", 1),
+    report_.Column("queue max", "queue_max", 0),
+    report_.Column("engine batch mean", "running_mean", 1),
+    report_.Column("failed", "failed", 0),
+)
+
+
+def render(records: Sequence[dict[str, Any]]) -> str:
+    """One line per leg: makespan and the server's queue, median (range) over runs."""
+    record = report_.latest(records)
+    assert record is not None
+    about = record.get("facts", {}).get("legs", ABOUT)
+    table = report_.leg_table(record["rows"], TABLE, about=about)
+    return table + "\n\n" + report_.conditions(record, records)
+
+
+def headline(records: Sequence[dict[str, Any]]) -> list[report_.Versus]:
+    """four-shared over four-own and over four-static, per run: makespan and queue p90."""
+    record = report_.latest(records)
+    if record is None:
+        return []
+    rows = record["rows"]
+    lines = []
+    for peer in ("four-own", "four-static"):
+        for column, key, label in (
+            ("makespan", "makespan_s", ""),
+            ("other", "queue_p90", "server queue p90"),
+        ):
+            found = report_.ratios(rows, key, peer, ours="four-shared")
+            if found:
+                lines.append(report_.Versus("shared (four-shared)", peer, column, found, label))
+    return lines
 
 
 if __name__ == "__main__":

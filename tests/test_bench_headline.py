@@ -118,11 +118,13 @@ def rows() -> list[dict]:
 
 
 def test_headline_gives_dsclient_over_each_peer_per_run_with_the_tail_the_counts_allow() -> None:
-    lines = {(v.peer, v.figure): v.ratios for v in headline([record(rows())])}
-    assert lines["httpx", "batch makespan"] == (0.5, 0.6, 0.9)
-    assert lines["httpx", "online short p95"] == (0.5, 0.6, 0.9)  # 120 samples: not p99
-    assert lines["httpx", "online long p95"] == (0.5, 0.6, 0.9)
-    assert all(peer != "dsclient" for peer, _ in lines)
+    found = headline([record(rows())])
+    lines = {(v.peer, v.workload, v.column): v for v in found}
+    assert lines["httpx", "batch", "makespan"].ratios == (0.5, 0.6, 0.9)
+    short = lines["httpx", "online", "short-request tail"]
+    assert short.ratios == (0.5, 0.6, 0.9) and short.label == "p95"  # 120 samples: not p99
+    assert lines["httpx", "online", "long-request tail"].label == "p95"
+    assert all(v.peer != "dsclient" for v in found)
 
 
 def test_render_shows_medians_with_their_range_and_where_they_come_from() -> None:

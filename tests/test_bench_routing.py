@@ -8,6 +8,9 @@ import pytest
 
 from benchmarks.bench_routing import (
     LEGS,
+    ROUTER_PACKAGE,
+    ROUTER_POLICY,
+    ROUTER_VERSION,
     Item,
     Outcome,
     Shape,
@@ -90,10 +93,11 @@ def test_shape_validation() -> None:
     assert make_workload(Shape(long=0, short=2, prefixes=0), seed=1)[0].kind == "short"
 
 
-def test_leg_order_alternates() -> None:
+def test_each_run_starts_one_leg_later() -> None:
     assert leg_order(LEGS, 1) == list(LEGS)
-    assert leg_order(LEGS, 2) == list(reversed(LEGS))
-    assert leg_order(LEGS, 3) == list(LEGS)
+    assert leg_order(LEGS, 2) == [*LEGS[1:], LEGS[0]]
+    assert leg_order(LEGS, len(LEGS) + 1) == list(LEGS)
+    assert leg_order([], 2) == []
 
 
 def test_legs_argument() -> None:
@@ -206,6 +210,19 @@ def test_router_argv() -> None:
     assert argv[argv.index("--policy") + 1] == "cache_aware"
     assert argv[argv.index("--port") + 1] == "9000"
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    # the load-balancing guide's cache-aware settings, not the command line's defaults
+    assert argv[argv.index("--cache-threshold") + 1] == "0.5"
+    assert argv[argv.index("--balance-abs-threshold") + 1] == "32"
+    assert argv[argv.index("--balance-rel-threshold") + 1] == "1.1"
+    p2 = router_argv("/v/bin/vllm-router", ["http://a:1", "http://b:2"], "power_of_two", 9000)
+    assert "--cache-threshold" not in p2
+    assert p2[p2.index("--policy") + 1] == "power_of_two"
+
+
+def test_the_router_is_pinned_and_every_policy_has_a_leg() -> None:
+    assert f"vllm-router=={ROUTER_VERSION}" == ROUTER_PACKAGE
+    assert set(ROUTER_POLICY.values()) == {"round_robin", "cache_aware", "power_of_two"}
+    assert set(ROUTER_POLICY) <= set(LEGS)
 
 
 # -- driving (no server: a send that records) ---------------------------------------------------
