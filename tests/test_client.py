@@ -695,3 +695,29 @@ async def test_public_surface_servers_limit_raise_and_observers() -> None:
         client._endpoint._apply()
         drop()
         assert raised == [view.limit + 3]
+
+
+async def test_a_server_without_metrics_is_asked_for_its_load_on_each_answer() -> None:
+    load = "TEXT named_metrics.num_requests_waiting=0.0, named_metrics.kv_cache_usage_perc=0.1"
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=completion_body(), headers={"endpoint-load-metrics": load})
+
+    fake = FakeServer(script=[answer])
+    async with make_client(fake) as client:
+        assert client.stats().control.mode == "throughput"
+        await client.generate("hi", max_tokens=2)
+        assert fake.requests[0].headers["endpoint-load-metrics-format"] == "TEXT"
+        control = client.stats().control
+        assert (control.mode, control.signal) == ("metrics", "endpoint-load-metrics")
+        assert control.signal_age_s is not None
+
+
+async def test_a_server_that_does_not_answer_with_its_load_stays_in_throughput_mode() -> None:
+    fake = FakeServer()
+    async with make_client(fake) as client:
+        for _ in range(3):
+            await client.generate("hi", max_tokens=2)
+        control = client.stats().control
+        assert (control.mode, control.signal) == ("throughput", "throughput")
+        assert all(r.headers.get("endpoint-load-metrics-format") == "TEXT" for r in fake.requests)

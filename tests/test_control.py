@@ -69,7 +69,7 @@ def test_target_waiting(capacity: int | None, share: float, running: int, expect
         ({"start": 0}, "start must be an int >= 1, got 0"),
         ({"start": True}, "start must be an int >= 1, got True"),
         ({"start": 2.0}, "start must be an int >= 1"),
-        ({"mode": "auto"}, "mode must be 'metrics', 'latency' or 'fixed', got 'auto'"),
+        ({"mode": "auto"}, "mode must be 'metrics', 'throughput' or 'fixed', got 'auto'"),
         ({"queue_share": 0.0}, r"queue_share must be in \(0, 1\], got 0.0"),
         ({"queue_share": 1.5}, r"queue_share must be in \(0, 1\]"),
         ({"queue_share": math.nan}, r"queue_share must be in \(0, 1\]"),
@@ -93,8 +93,8 @@ def test_ceilings_by_mode() -> None:
     assert metrics(500, capacity=32).ceiling == 500  # never below the start
     assert metrics(5, capacity=32, ceiling=40).ceiling == 40
     assert metrics(50, capacity=32, ceiling=40).ceiling == 50
-    assert LimitController(start=5, mode="latency", capacity=8).ceiling == 8
-    assert LimitController(start=5, mode="latency", capacity=None).ceiling == 5
+    assert LimitController(start=5, mode="throughput", capacity=8).ceiling == 1024
+    assert LimitController(start=5, mode="throughput", capacity=None).ceiling == 1024
     assert LimitController(start=5, mode="fixed", capacity=256).ceiling == 5
 
 
@@ -139,6 +139,7 @@ def test_stats_snapshot() -> None:
         learned_max_num_seqs=None,
         latency_target_s=2.0,
         service_p99_s=None,
+        signal="/metrics",
     )
     control.on_load(0.0, running=3, waiting=0, in_flight=5, demand=True)
     control.on_outcome(0.0, "ok", 0.5)
@@ -516,77 +517,35 @@ def test_preemption_in_cooldown_does_not_mask_the_queue_rule() -> None:
     assert control.limit == 14  # the queue rule: ceil(28 * 0.5)
 
 
-# --- latency mode -------------------------------------------------------------------------------
+# --- throughput mode (the knee finder itself: tests/test_knee.py) ----------------------------
 
 
-def test_latency_mode_grows_by_two_after_three_periods_up_to_max_num_seqs() -> None:
-    control = LimitController(start=5, mode="latency", capacity=8)
-    limits = []
-    for step in range(9):
-        control.on_idle_period(step * PERIOD, demand=True)
-        limits.append(control.limit)
-    assert limits == [5, 5, 7, 7, 7, 8, 8, 8, 8]
-    assert control.ceiling == 8
-    assert control.reason == "3 periods of demand without overload"
-
-
-def test_latency_mode_counts_periods_not_calls() -> None:
-    control = LimitController(start=5, mode="latency", capacity=16)
-    for now in (0.0, 0.1, 0.2, 0.25, 0.3, 0.4):
-        control.on_idle_period(now, demand=True)
-    assert control.limit == 5  # two periods so far
-    control.on_idle_period(0.5, demand=True)
-    assert control.limit == 7
-
-
-def test_latency_mode_needs_uninterrupted_demand() -> None:
-    control = LimitController(start=5, mode="latency", capacity=16)
-    control.on_idle_period(0.0, demand=True)
-    control.on_idle_period(0.25, demand=True)
-    control.on_idle_period(0.5, demand=False)  # resets the count
-    control.on_idle_period(0.75, demand=True)
-    control.on_idle_period(1.0, demand=True)
-    assert control.limit == 5
-    control.on_idle_period(1.25, demand=True)
-    assert control.limit == 7
-
-
-def test_latency_mode_without_a_known_capacity_never_grows() -> None:
-    control = LimitController(start=5, mode="latency", capacity=None)
+def test_throughput_mode_does_not_grow_without_answers() -> None:
+    control = LimitController(start=5, mode="throughput", capacity=None)
     for step in range(30):
-        control.on_idle_period(step * PERIOD, demand=True)
-    assert control.limit == 5
+        control.on_idle_period(step * PERIOD, demand=True, in_flight=5)
+    assert control.limit == 5  # nothing measured yet: nothing to decide on
 
 
-def test_latency_mode_cuts_on_overload_and_restarts_the_count() -> None:
-    control = LimitController(start=8, mode="latency", capacity=8, cooldown=1.0)
-    control.on_idle_period(0.0, demand=True)
-    control.on_idle_period(0.25, demand=True)
+def test_throughput_mode_cuts_on_overload() -> None:
+    control = LimitController(start=8, mode="throughput", capacity=8, cooldown=1.0)
     assert control.on_outcome(0.3, "overloaded", 0.1)
     assert control.limit == 5
-    assert not control.on_outcome(0.4, "overloaded", 0.1)
-    control.on_idle_period(0.5, demand=True)  # the count started over at the cut
-    assert control.limit == 5
-    control.on_idle_period(0.75, demand=True)
-    control.on_idle_period(1.0, demand=True)
-    assert control.limit == 7
-    for step in range(8):
-        control.on_idle_period(1.25 + step * PERIOD, demand=True)
-        assert control.limit <= 7  # under the limit the server refused at, for 10 s
+    assert not control.on_outcome(0.4, "overloaded", 0.1)  # once per cooldown
     assert control.on_outcome(5.0, "overloaded", 0.1)
-    assert control.limit == 4  # floor(7 x 0.7)
+    assert control.limit == 3  # floor(5 x 0.7)
 
 
-def test_latency_mode_ignores_queue_signals() -> None:
-    control = LimitController(start=5, mode="latency", capacity=8)
+def test_throughput_mode_ignores_queue_signals() -> None:
+    control = LimitController(start=5, mode="throughput", capacity=8)
     assert not control.on_load(0.0, running=8, waiting=50, in_flight=5, demand=True)
     assert not control.on_load(PERIOD, running=1, waiting=0, in_flight=5, demand=True)
     assert control.limit == 5
     assert (control.server_running, control.server_waiting) == (1, 0)
 
 
-def test_latency_mode_floor_is_one() -> None:
-    control = LimitController(start=2, mode="latency", capacity=8, cooldown=0.0)
+def test_throughput_mode_floor_is_one() -> None:
+    control = LimitController(start=2, mode="throughput", capacity=8, cooldown=0.0)
     for step in range(4):
         control.on_outcome(float(step), "overloaded", None)
     assert control.limit == 1
@@ -633,8 +592,8 @@ def test_latency_target_ignores_failed_attempts() -> None:
     assert control.limit == 20
 
 
-def test_latency_target_in_latency_mode() -> None:
-    control = LimitController(start=8, mode="latency", capacity=8, latency_target=1.0)
+def test_latency_target_in_throughput_mode() -> None:
+    control = LimitController(start=8, mode="throughput", capacity=8, latency_target=1.0)
     for _ in range(20):
         assert not control.on_outcome(0.0, "ok", 1.1)  # judged at the 20th: within 120%
     for _ in range(5):
@@ -1053,8 +1012,8 @@ def test_the_refused_queue_cap_only_rises() -> None:
     assert control.queue_cap == 15 and control.target == 15
 
 
-def test_latency_mode_learns_no_queue_cap() -> None:
-    control = LimitController(start=8, mode="latency", capacity=12)
+def test_throughput_mode_learns_no_queue_cap() -> None:
+    control = LimitController(start=8, mode="throughput", capacity=12)
     control.on_load(0.0, running=12, waiting=30, in_flight=8, demand=True)
     control.on_outcome(0.1, "overloaded", None)
     assert control.queue_cap is None

@@ -119,23 +119,25 @@ def test_seed_metrics_mode_and_start(max_num_seqs: int, headroom: float, start: 
         load(None, 2),
     ],
 )
-def test_seed_latency_mode_without_both_queue_gauges(first: Load | None) -> None:
+def test_seed_throughput_mode_without_both_queue_gauges(first: Load | None) -> None:
     endpoint = make()
     endpoint.seed(server(32, "explicit"), first)
-    assert endpoint.controller.mode == "latency"
+    assert endpoint.controller.mode == "throughput"
     assert endpoint.governor.limit == 22
-    assert endpoint.controller.ceiling == 32  # never above the known max_num_seqs
+    assert endpoint.controller.ceiling == 1024  # max_num_seqs is where it starts, not a bound
+    assert endpoint.route is None and endpoint.wants_load_header
+    assert endpoint.control_stats().signal == "throughput"
 
 
-def test_seed_latency_mode_with_a_guessed_capacity_stays_at_the_start(
+def test_seed_throughput_mode_with_a_guessed_capacity_starts_there_and_may_grow(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="dsclient")
     endpoint = make()
     endpoint.seed(server(8, "default"), None)
-    assert (endpoint.controller.mode, endpoint.controller.capacity) == ("latency", None)
-    assert endpoint.controller.ceiling == 5
-    assert "publishes no queue metrics and no max_num_seqs" in caplog.text
+    assert (endpoint.controller.mode, endpoint.controller.capacity) == ("throughput", None)
+    assert endpoint.governor.limit == 5 and endpoint.controller.ceiling == 1024
+    assert "finds the server's knee from its answers" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -467,19 +469,19 @@ async def test_on_raise_fires_when_the_limit_rises_only(caplog: pytest.LogCaptur
     await release(slots[1:])
 
 
-async def test_on_raise_fires_in_latency_mode() -> None:
+async def test_on_raise_fires_in_throughput_mode() -> None:
     endpoint = make()
-    endpoint.seed(server(8, "explicit"), None)
+    endpoint.seed(server(8, "explicit"), None)  # starts at 5
     seen: list[int] = []
     endpoint.on_raise(lambda: seen.append(endpoint.governor.limit))
-    slots = await hold(endpoint, 5)
-    for step in range(3):
-        endpoint.tick(step * 0.25)
-    assert seen == [7]
-    slots += await hold(endpoint, 2)  # every slot used again: demand
-    for step in range(3, 6):
-        endpoint.tick(step * 0.25)
-    assert seen == [7, 8]
+    slots = await hold(endpoint, 5)  # every slot used: demand
+    t = 0.0
+    while not seen and t < 10:
+        t += 0.25
+        for _ in range(2):
+            endpoint.controller.on_outcome(t, "ok", 0.2, 16.0)
+        endpoint.tick(t)
+    assert seen == [20]  # the first epoch measured: slow start, x4
     await release(slots)
 
 
@@ -584,7 +586,7 @@ async def test_poller_without_load_gauges_ticks() -> None:
                 tg.cancel_scope.cancel()
 
 
-async def test_poller_in_latency_mode_only_ticks() -> None:
+async def test_poller_in_throughput_mode_only_ticks() -> None:
     paths: list[str] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -593,27 +595,27 @@ async def test_poller_in_latency_mode_only_ticks() -> None:
 
     endpoint = Endpoint(URL, ControlOptions(scrape_interval=0.03), {}, start=5)
     endpoint.seed(server(8, "explicit"), None)
-    assert endpoint.controller.mode == "latency"
-    done = anyio.Event()
+    assert endpoint.controller.mode == "throughput"
 
     async def call() -> None:
-        async with endpoint.governor.slot():
-            await done.wait()
+        async with endpoint.governor.slot() as slot:
+            await anyio.sleep(0.01)
+            slot.work = 16.0
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
-        with anyio.fail_after(2):
+        with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
-                for _ in range(9):  # more calls than max_num_seqs: demand throughout
-                    tg.start_soon(call)
-                await anyio.wait_all_tasks_blocked()
-                tg.start_soon(endpoint.run_poller, http)
-                await until(lambda: endpoint.governor.limit == 8)  # six periods: 5 -> 7 -> 8
-                await anyio.sleep(0.1)
-                assert endpoint.governor.limit == 8  # and no further: max_num_seqs
-                assert (endpoint.governor.in_flight, endpoint.governor.waiting) == (8, 1)
-                assert paths == []
-                done.set()
-                await anyio.sleep(0)
+                async with anyio.create_task_group() as calls:
+                    for _ in range(400):  # far more calls than the limit: demand throughout
+                        calls.start_soon(call)
+                    await anyio.wait_all_tasks_blocked()
+                    tg.start_soon(endpoint.run_poller, http)
+                    # the knee finder's first epoch (8 answers) ends in slow start: x4
+                    await until(lambda: endpoint.governor.limit > 5)
+                assert paths == []  # nothing to scrape: the answers are the signal
+                stats = endpoint.control_stats()
+                assert stats.signal == "throughput" and stats.knee_phase is not None
+                assert stats.signal_age_s is not None and stats.throughput is not None
                 tg.cancel_scope.cancel()
 
 
@@ -680,3 +682,69 @@ async def test_other_servers_metrics_close_the_loop_and_teach_the_capacity(text,
     assert endpoint.info.sources["max_num_seqs"] == LEARNED_SOURCE
     for slot in slots:
         await slot.__aexit__(None, None, None)
+
+
+# --- load from every answer, and the other load routes -----------------------------------------
+
+HEADER = "TEXT named_metrics.num_requests_waiting=3.0, named_metrics.kv_cache_usage_perc=0.5"
+
+
+async def test_an_answer_with_vllms_load_header_moves_throughput_mode_to_the_queue() -> None:
+    clock = FakeClock()
+    endpoint = make(clock=clock)
+    endpoint.seed(server(8, "default"), None)
+    assert endpoint.controller.mode == "throughput" and endpoint.wants_load_header
+    endpoint.observe_answer(None)  # a server that does not send it: nothing changes
+    endpoint.observe_answer("garbage")
+    assert endpoint.controller.mode == "throughput"
+    endpoint.observe_answer(HEADER)
+    assert endpoint.controller.mode == "metrics"
+    assert endpoint.wants_load_header  # still the only queue signal: keep asking
+    slots = await hold(endpoint, 5)
+    clock.now = 0.5
+    fed = endpoint._answer_signal(clock.now)
+    assert fed is not None and (fed.waiting, fed.running, fed.kv_usage) == (3, 2, 0.5)
+    assert endpoint._answer_signal(clock.now) is None  # each answer's load is fed once
+    clock.now = 1.5
+    stats = endpoint.control_stats()
+    assert stats.signal == "endpoint-load-metrics" and stats.signal_age_s == 1.5
+    await release(slots)
+
+
+async def test_a_server_with_metrics_is_not_asked_for_the_header() -> None:
+    endpoint = make()
+    endpoint.seed(server(8, "default"), load(2, 0))
+    assert endpoint.route == "/metrics" and not endpoint.wants_load_header
+    endpoint.observe_answer(HEADER)
+    assert endpoint.control_stats().signal == "/metrics"
+
+
+async def test_fetch_load_falls_back_to_sglang_loads_and_llamacpp_slots() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/loads":
+            return httpx.Response(200, json={"loads": [{"num_running_reqs": 4, "num_waiting_reqs": 2}]})
+        if request.url.path == "/slots":
+            return httpx.Response(200, json=[{"id": 0, "is_processing": True}, {"id": 1, "is_processing": False}])
+        return httpx.Response(404, text="metrics are off")
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        sglang = await fetch_load(http, URL, model=None, timeout=1.0, kind="sglang")
+        llama = await fetch_load(http, URL, model=None, timeout=1.0, kind="llamacpp")
+        vllm = await fetch_load(http, URL, model=None, timeout=1.0, kind="vllm")
+    assert sglang is not None and (sglang.source, sglang.running, sglang.waiting) == (
+        "sglang /v1/loads", 4, 2)
+    assert llama is not None and (llama.source, llama.running, llama.max_num_seqs) == (
+        "llama.cpp /slots", 1, 2)
+    assert vllm is None  # vLLM has neither route
+
+
+async def test_llamacpp_slots_count_this_clients_calls_beyond_the_busy_slots_as_waiting() -> None:
+    endpoint = make()
+    first = Load(source="llama.cpp /slots", running=0, waiting=0)
+    endpoint.seed(server(4, "llama.cpp /props"), first)
+    assert endpoint.controller.mode == "metrics" and endpoint.route == "/slots"
+    assert endpoint.control_stats().signal == "llama.cpp /slots"
+    slots = await hold(endpoint, 2)
+    endpoint.observe_load(Load(source="llama.cpp /slots", running=1, waiting=0), 0.25)
+    assert endpoint.load is not None and endpoint.load.waiting == 1
+    await release(slots)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -50,6 +51,7 @@ from .._exceptions import (
     translate_request_error,
 )
 from ..governor._health import Reachability
+from ..governor._load import LOAD_HEADER, LOAD_HEADER_FORMAT
 from ._retry import Retry, RetryBudget, compute_backoff, describe, is_retryable, retry_after_of
 from ._streaming import MAX_BODY_BYTES, read_body, read_json, read_prefix
 
@@ -60,7 +62,7 @@ if TYPE_CHECKING:
 
     Lease = Slot | PoolSlot
 
-__all__ = ["Answer", "RequestPath", "WouldMiss", "outcome_of"]
+__all__ = ["Answer", "RequestPath", "WouldMiss", "completion_tokens", "outcome_of"]
 
 logger = logging.getLogger("dsclient")
 T = TypeVar("T")
@@ -74,6 +76,23 @@ class WouldMiss(Exception):
     def __init__(self, waited_s: float) -> None:
         super().__init__(f"waited {waited_s:.2f} s for a slot")
         self.waited_s = waited_s
+
+
+#: The request header that asks vLLM for its load on the answer (``_load.LOAD_HEADER_FORMAT``).
+_ASK_LOAD = {LOAD_HEADER_FORMAT: "TEXT"}
+#: ``usage.completion_tokens`` in a raw JSON answer (at its end, where OpenAI-shaped answers put
+#: ``usage``), read without parsing the body another SDK will parse.
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,9})\b')
+
+
+def completion_tokens(data: Any) -> float | None:
+    """The output tokens an OpenAI-shaped answer reports (``usage.completion_tokens``), or None:
+    the work the limit controller's throughput counts."""
+    usage = data.get("usage") if isinstance(data, dict) else None
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 < tokens < 2**31:
+        return None
+    return float(tokens)
 
 
 def outcome_of(exc: BaseException) -> str:
@@ -156,10 +175,15 @@ class RequestPath:
             return False
 
     # -- one attempt -----------------------------------------------------------------------------
-    async def _post_json(self, root: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post_json(
+        self, endpoint: Endpoint, path: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
         """One POST: check the status, read the body under the cap, parse JSON. Raises dsclient
-        errors only."""
-        request = self._http.build_request("POST", root + path, json=body)
+        errors only. Where the server publishes no queue, the request asks for its load on the
+        answer (vLLM's ``endpoint-load-metrics``), and the endpoint reads it."""
+        wants = endpoint.wants_load_header
+        headers = _ASK_LOAD if wants else None
+        request = self._http.build_request("POST", endpoint.url + path, json=body, headers=headers)
         try:
             response = await self._http.send(request, stream=True)
         except httpx.RequestError as exc:
@@ -167,6 +191,8 @@ class RequestPath:
         try:
             if response.status_code >= 400:
                 raise error_from_response(response, await read_prefix(response))
+            if wants:
+                endpoint.observe_answer(response.headers.get(LOAD_HEADER))
             return await read_json(response, limit=self.max_body_bytes)
         except DSClientError as exc:
             self.redact_error(exc)
@@ -236,6 +262,11 @@ class RequestPath:
         endpoint = call.endpoint
         return endpoint.url if endpoint is not None else self._endpoint.url
 
+    def _server(self, call: _Call) -> Endpoint:
+        """The server this attempt goes to (the router's choice, or the one server)."""
+        endpoint = call.endpoint
+        return endpoint if endpoint is not None else self._endpoint
+
     def _succeeded(self, slot: Lease, call: _Call) -> None:
         pool = self.pool
         if pool is None:
@@ -279,10 +310,11 @@ class RequestPath:
         async def attempt() -> dict[str, Any]:
             slot = await self._take(lane, urgency, group, call)
             try:
-                data = await self._post_json(self._root(call), path, body)
+                data = await self._post_json(self._server(call), path, body)
             except BaseException as exc:
                 await self._release_failed(slot, exc, call)
                 raise
+            slot.work = completion_tokens(data)
             self._succeeded(slot, call)
             await slot.__aexit__(None, None, None)
             return data
@@ -369,6 +401,10 @@ class RequestPath:
             except BaseException as exc:
                 await self._release_failed(slot, exc, call)
                 raise
+            if body is not None:
+                self._server(call).observe_answer(response.headers.get(LOAD_HEADER))
+                found = _COMPLETION_TOKENS.search(body, max(0, len(body) - 512))
+                slot.work = float(found[1]) if found is not None else None
             self._succeeded(slot, call)
             if body is None:
                 return Answer(response, None, slot)

@@ -36,8 +36,12 @@ metrics     the server reports running and waiting. Grow while the client has ca
             No growth for ``cooldown`` after any cut (the cut needs a round trip to show). Room
             in the batch counts only while the queue is empty: a queue means the batch is full,
             whatever ``max_num_seqs`` says. Bounds: 1 .. ``max(64, 4 x capacity)``.
-latency     no queue signal: grow by 2 after three periods of demand without trouble, cut on 429
-            / 503; bounds 1 .. the server's known ``max_num_seqs`` (never above it).
+throughput  no queue signal (a gateway that passes only ``/v1/*``, transformers' server, Ollama,
+            any OpenAI-compatible endpoint): the limit finds the knee from the answers alone,
+            rising while more in flight still buys throughput and holding where it only buys
+            latency (:class:`~dsclient.governor._knee.KneeFinder`); cut by
+            :data:`OVERLOAD_CUT` on 429 / 503. ``max_num_seqs`` is only where it starts:
+            bounds 1 .. ``max(1024, 4 x capacity)``.
 fixed       never moves (``adaptive=False`` or an explicit ``limit=``).
 ==========  =====================================================================================
 
@@ -60,10 +64,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from ._knee import KneeFinder
+
 __all__ = [
     "CEILING_FLOOR",
     "OVERLOAD_CUT",
     "SLOW_START",
+    "THROUGHPUT_CEILING",
     "CapacityLearner",
     "ControlStats",
     "LimitController",
@@ -72,7 +79,7 @@ __all__ = [
     "target_waiting",
 ]
 
-Mode = Literal["metrics", "latency", "fixed"]
+Mode = Literal["metrics", "throughput", "fixed"]
 Outcome = Literal["ok", "overloaded", "error", "cancelled"]
 
 #: Multiplier on 429 / 503 (the server refused for load) and on preemptions (its KV cache ran
@@ -82,6 +89,9 @@ OVERLOAD_CUT: Final = 0.7
 #: requests in transit too, which on a busy API server were two thirds of them (ENVIRONMENT.md).
 CEILING_FLOOR: Final = 64
 _CEILING_PER_SEQ: Final = 4
+#: Without a queue signal the knee finder stops the limit where throughput does; this only
+#: bounds it (a GPU server runs hundreds of sequences; vLLM's default batch is 256 or more).
+THROUGHPUT_CEILING: Final = 1024
 #: Growth before the server has ever queued, a period ("slow start"): x2 reached a batch of 32
 #: from 5 in 3 periods; x1.5 took 5 (a fifth of a 240-request batch's run here).
 SLOW_START: Final = 2.0
@@ -130,9 +140,6 @@ _DRY_SCRAPES: Final = 4
 #: Latency rule (the tuning literature's baseline): halve above 120% of the target.
 _LATENCY_SLACK: Final = 1.2
 _LATENCY_CUT: Final = 0.5
-#: Latency mode grows by this after this many periods of unmet demand without trouble.
-_LATENCY_STEP: Final = 2
-_LATENCY_PERIODS: Final = 3
 #: After a 429 / 503 the limit grows back only to just under where the server refused, for this
 #: long; then it may probe above again. A client told the server runs 32 (it ran 12, with an
 #: admission queue of 4) otherwise grew straight back over the admission cap after each cut.
@@ -171,6 +178,13 @@ class ControlStats:
     last scraped (``None`` without a queue signal); ``target_waiting`` is the queue aimed at;
     ``learned_max_num_seqs`` what the metrics taught (``None`` until the server has queued).
     ``service_p99_s`` is the p99 of recent attempts' service times (slot to answer).
+
+    ``signal`` says what drives the limit: ``"/metrics"`` (the server's Prometheus gauges),
+    ``"endpoint-load-metrics"`` (vLLM's load on every answer), ``"sglang /v1/loads"``,
+    ``"llama.cpp /slots"``, ``"throughput"`` (no queue signal: the knee found from the answers)
+    or ``"fixed"``; ``signal_age_s`` how old its last reading is (``None``: none yet). In
+    throughput mode ``knee_phase`` is ``"slow start"`` or ``"hold"`` and ``throughput`` the work
+    per second (tokens/s where answers report tokens) measured at the last limit held.
     """
 
     mode: Mode
@@ -186,6 +200,10 @@ class ControlStats:
     learned_max_num_seqs: int | None
     latency_target_s: float | None
     service_p99_s: float | None
+    signal: str = "fixed"
+    signal_age_s: float | None = None
+    knee_phase: str | None = None
+    throughput: float | None = None
 
 
 class CapacityLearner:
@@ -250,10 +268,9 @@ class LimitController:
 
     Parameters:
         start: the limit right after discovery (``floor(headroom x max_num_seqs)``), >= 1.
-        mode: ``"metrics"``, ``"latency"`` or ``"fixed"`` (see the module docstring).
+        mode: ``"metrics"``, ``"throughput"`` or ``"fixed"`` (see the module docstring).
         capacity: the server's ``max_num_seqs`` when known (explicit, launcher record, the
-            server's own report); ``None`` when it is only a guess. Sets the target queue; in
-            latency mode also the ceiling.
+            server's own report); ``None`` when it is only a guess. Sets the target queue.
         ceiling: the most the limit may reach; default by mode (see the module docstring).
         queue_share: the target queue as a share of the batch, in (0, 1] (default 0.5).
         latency_target: seconds; p99 of service times above 120% of it halves the limit.
@@ -267,8 +284,8 @@ class LimitController:
         "_batch_seen",
         "_capacity",
         "_ceiling_fixed",
-        "_demand_periods",
         "_dry_scrapes",
+        "_knee",
         "_last_cut",
         "_last_cut_any",
         "_last_grow",
@@ -318,8 +335,8 @@ class LimitController:
     ) -> None:
         if isinstance(start, bool) or not isinstance(start, int) or start < 1:
             raise ValueError(f"start must be an int >= 1, got {start!r}")
-        if mode not in ("metrics", "latency", "fixed"):
-            raise ValueError(f"mode must be 'metrics', 'latency' or 'fixed', got {mode!r}")
+        if mode not in ("metrics", "throughput", "fixed"):
+            raise ValueError(f"mode must be 'metrics', 'throughput' or 'fixed', got {mode!r}")
         if not 0 < queue_share <= 1:
             raise ValueError(f"queue_share must be in (0, 1], got {queue_share!r}")
         if latency_target is not None and not latency_target > 0:
@@ -358,7 +375,6 @@ class LimitController:
         self._refused_at_limit: int | None = None
         self._refused_at = -math.inf
         self._last_latency_check = -math.inf
-        self._demand_periods = 0
         self._preemptions: float | None = None
         self._queue_cap: int | None = None
         self._batch_seen: int | None = None  # the most running while the server queued
@@ -368,6 +384,8 @@ class LimitController:
         self._unseen_seen: deque[tuple[float, int]] = deque(maxlen=64)
         self._last_queue_cut = -math.inf
         self._most_running = 0
+        #: The knee finder that moves the limit in throughput mode (``None`` in the others).
+        self._knee = KneeFinder(start=start, ceiling=self.ceiling) if mode == "throughput" else None
 
     # -- bounds ---------------------------------------------------------------------------------
     @property
@@ -382,9 +400,9 @@ class LimitController:
             return self.start
         if self._ceiling_fixed is not None:
             return max(self.start, self._ceiling_fixed)
-        if self.mode == "latency":
-            # Without a queue signal, never above the server's own batch (today's contract).
-            return max(self.start, self._capacity or self.start)
+        if self.mode == "throughput":
+            # The knee finder stops where throughput does; max_num_seqs is where it starts.
+            return max(self.start, THROUGHPUT_CEILING, _CEILING_PER_SEQ * (self._capacity or 0))
         # The most ever seen running, not the last scrape's: a ceiling that fell with the
         # running count left the limit above it (a batch running 17 then 12: ceiling 68 -> 64).
         seen = max(self._capacity or 0, self._most_running)
@@ -550,14 +568,19 @@ class LimitController:
         self.aim = aim
         return aim
 
-    def on_outcome(self, now: float, outcome: Outcome, service_s: float | None) -> bool:
+    def on_outcome(
+        self, now: float, outcome: Outcome, service_s: float | None, work: float | None = None
+    ) -> bool:
         """One attempt finished. True when the limit changed.
 
         ``"overloaded"`` (the server answered 429 / 503) cuts by :data:`OVERLOAD_CUT`, once per
-        ``cooldown``; ``service_s`` (slot to answer) feeds the latency rule.
+        ``cooldown``; ``service_s`` (slot to answer) feeds the latency rule, and in throughput
+        mode with ``work`` (the tokens the answer produced; 1 where unknown) the knee finder.
         """
         if outcome == "ok" and service_s is not None and service_s >= 0:
             self._service.append(service_s)
+            if self._knee is not None:
+                self._knee.on_completion(now, service_s=service_s, work=work or 1.0)
         if self.mode == "fixed":
             return False
         if outcome == "overloaded":
@@ -604,29 +627,34 @@ class LimitController:
             cap = min(cap, max(self.floor, self._over_limit - 1))
         return cap
 
-    def on_idle_period(self, now: float, *, demand: bool) -> bool:
-        """A period passed without a queue signal (latency mode, or a failed scrape).
+    def on_idle_period(self, now: float, *, demand: bool, in_flight: int | None = None) -> bool:
+        """A period passed without a queue signal (throughput mode, or a failed scrape).
 
-        Grows by 2 after three periods of demand without trouble, up to the ceiling.
+        In throughput mode the knee finder may move the limit (growth stays under the growth
+        cap and the latency target); in every mode the latency rule may cut it.
         """
-        if self.mode != "latency":
-            return self.mode == "metrics" and self._check_latency(now)
         if self._check_latency(now):
             return True
-        if not demand or not self._latency_allows():
-            self._demand_periods = 0
+        knee = self._knee
+        if knee is None:
             return False
-        if now - self._last_grow < self.period:
+        wanted = knee.on_tick(now, demand=demand, in_flight=in_flight)
+        if wanted is None:
             return False
-        self._last_grow = now
-        self._demand_periods += 1
-        if self._demand_periods < _LATENCY_PERIODS:
-            return False
-        self._demand_periods = 0
-        return self._set(
-            min(self.limit + _LATENCY_STEP, self._growth_cap(now)),
-            f"{_LATENCY_PERIODS} periods of demand without overload",
-        )
+        if wanted > self.limit:
+            if not self._latency_allows() or now - self._last_cut_any < self.cooldown:
+                knee.restart(now, self.limit, self.reason)
+                return False
+            wanted = min(wanted, self._growth_cap(now))
+        changed = self._set(wanted, knee.reason)
+        if knee.limit != self.limit:
+            knee.restart(now, self.limit, self.reason)  # a bound held it: measure from there
+        return changed
+
+    @property
+    def knee(self) -> KneeFinder | None:
+        """The knee finder (throughput mode), for its phase and last measurement."""
+        return self._knee
 
     # -- latency rule -------------------------------------------------------------------------
     def service_p99(self) -> float | None:
@@ -665,8 +693,10 @@ class LimitController:
             return False
         self._last_cut[kind] = now
         self._last_cut_any = now
-        self._demand_periods = 0
-        return self._set(max(self.floor, math.floor(self.limit * factor)), why)
+        changed = self._set(max(self.floor, math.floor(self.limit * factor)), why)
+        if self._knee is not None:
+            self._knee.restart(now, self.limit, why)
+        return changed
 
     def _set(self, limit: int, reason: str) -> bool:
         limit = max(self.floor, min(limit, self.ceiling))
@@ -677,8 +707,19 @@ class LimitController:
         self.changes += 1
         return True
 
-    def stats(self, learned: int | None = None) -> ControlStats:
-        """A frozen snapshot (``learned``: the capacity the metrics taught, if any)."""
+    def stats(
+        self,
+        learned: int | None = None,
+        *,
+        signal: str | None = None,
+        signal_age_s: float | None = None,
+    ) -> ControlStats:
+        """A frozen snapshot (``learned``: the capacity the metrics taught, if any; ``signal``
+        and its age: what drives the limit, as the endpoint knows it)."""
+        knee = self._knee
+        last = knee.last if knee is not None else None
+        if signal is None:
+            signal = {"metrics": "/metrics", "throughput": "throughput"}.get(self.mode, "fixed")
         return ControlStats(
             mode=self.mode,
             limit=self.limit,
@@ -693,4 +734,8 @@ class LimitController:
             learned_max_num_seqs=learned,
             latency_target_s=self.latency_target,
             service_p99_s=self.service_p99(),
+            signal=signal,
+            signal_age_s=signal_age_s,
+            knee_phase=knee.phase if knee is not None else None,
+            throughput=last.throughput if last is not None else None,
         )

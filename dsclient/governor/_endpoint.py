@@ -21,6 +21,7 @@ a call never waits for a scrape.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -36,7 +37,14 @@ from ..client._discovery import ServerInfo
 from ..client._streaming import read_body
 from ._control import SLOW_START, CapacityLearner, ControlStats, LimitController, Mode
 from ._governor import Governor, GovernorStats, Slot, compute_limit
-from ._load import Load, parse_load
+from ._load import (
+    LOAD_HEADER,
+    Load,
+    parse_llamacpp_slots,
+    parse_load,
+    parse_load_header,
+    parse_sglang_loads,
+)
 
 if TYPE_CHECKING:
     from ._shared import SharedBudget, SyncResult
@@ -122,26 +130,84 @@ class ControlOptions:
 METRICS_BODY_BYTES = 8 * 2**20
 
 
-async def fetch_load(
-    http: httpx.AsyncClient, url: str, *, model: str | None, timeout: float
-) -> Load | None:
-    """GET ``{url}/metrics`` (at most :data:`METRICS_BODY_BYTES` of it) and parse it; ``None``
-    on any failure or without queue gauges."""
+#: Where a server's load is read, by route: ``/metrics`` (vLLM, SGLang, llama.cpp with
+#: ``--metrics``, TGI), SGLang's ``/v1/loads``, llama.cpp's ``/slots``.
+LoadRoute = Literal["/metrics", "/v1/loads", "/slots"]
+#: The routes tried, by server kind, in order (``/metrics`` first: it has the most).
+_ROUTES: dict[str, tuple[LoadRoute, ...]] = {
+    "sglang": ("/metrics", "/v1/loads"),
+    "llamacpp": ("/metrics", "/slots"),
+}
+#: ``ControlStats.signal`` for a load read from each source.
+_SIGNALS: dict[str, str] = {
+    "sglang /v1/loads": "sglang /v1/loads",
+    "llama.cpp /slots": "llama.cpp /slots",
+    LOAD_HEADER: LOAD_HEADER,
+}
+
+
+async def _get(http: httpx.AsyncClient, url: str, timeout: float) -> bytes | None:
+    """The body of a 200 answer to ``GET url`` (at most :data:`METRICS_BODY_BYTES`), or None."""
     try:
         with anyio.fail_after(timeout):
-            request = http.build_request("GET", url + "/metrics", timeout=timeout)
+            request = http.build_request("GET", url, timeout=timeout)
             response = await http.send(request, stream=True)
             try:
                 if response.status_code != 200:
                     return None
-                body = await read_body(response, limit=METRICS_BODY_BYTES, what="/metrics answer")
+                return await read_body(response, limit=METRICS_BODY_BYTES, what="load answer")
             finally:
                 with anyio.CancelScope(shield=True):
                     await response.aclose()
     except (httpx.HTTPError, TimeoutError, DSClientError) as exc:
-        logger.debug("dsclient: scraping %s/metrics failed: %r", url, exc)
+        logger.debug("dsclient: reading the load at %s failed: %r", url, exc)
         return None
-    return parse_load(decode_text(body), model=model)
+
+
+def _parse_route(route: LoadRoute, body: bytes, model: str | None) -> Load | None:
+    if route == "/metrics":
+        return parse_load(decode_text(body), model=model)
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if route == "/v1/loads":
+        return parse_sglang_loads(obj)
+    slots = parse_llamacpp_slots(obj)
+    if slots is None:
+        return None
+    # The queue behind the slots is not in /slots: the endpoint counts this client's requests
+    # beyond the busy slots as waiting (:meth:`Endpoint.observe_load`).
+    return Load(source="llama.cpp /slots", running=slots[0], waiting=0, max_num_seqs=slots[1])
+
+
+async def fetch_load(
+    http: httpx.AsyncClient,
+    url: str,
+    *,
+    model: str | None,
+    timeout: float,
+    kind: str | None = None,
+    route: LoadRoute | None = None,
+) -> Load | None:
+    """The server's load: ``GET {url}/metrics`` (at most :data:`METRICS_BODY_BYTES`), and for
+    SGLang (``kind="sglang"``) ``/v1/loads`` and for llama.cpp ``/slots`` where ``/metrics``
+    gives no queue gauges; ``route`` asks one route only. ``None`` on any failure."""
+    routes = (route,) if route is not None else _ROUTES.get(kind or "", ("/metrics",))
+    for each in routes:
+        body = await _get(http, url + each, timeout)
+        load = _parse_route(each, body, model) if body is not None else None
+        if load is not None:
+            return load
+    return None
+
+
+def _route_of(load: Load) -> LoadRoute:
+    if load.source == "sglang /v1/loads":
+        return "/v1/loads"
+    if load.source == "llama.cpp /slots":
+        return "/slots"
+    return "/metrics"
 
 
 class Endpoint:
@@ -194,6 +260,25 @@ class Endpoint:
         self.shared: SharedBudget | None = None
         self._shared_active = False
         self._shared_last: SyncResult | None = None
+        #: What drives the limit (``ControlStats.signal``) and where the poller reads the load
+        #: (``None``: nowhere; the answers are the signal).
+        self.signal = "fixed"
+        self.route: LoadRoute | None = None
+        #: The load vLLM put on the last answer that carried it, and when (see
+        #: :meth:`observe_answer`); ``_fed_at``: when the poller last fed one to the controller.
+        self._answer_load: Load | None = None
+        self._answer_at: float | None = None
+        self._fed_at: float | None = None
+        #: When the last answer came back well (the knee finder's signal).
+        self._completed_at: float | None = None
+
+    @property
+    def wants_load_header(self) -> bool:
+        """Whether requests should ask for the load on their answer (vLLM's
+        ``endpoint-load-metrics``): when no route gives the server's queue. An unknown header
+        costs other servers nothing; vLLM computes it per answer (and logs it at INFO), so it
+        is not asked for where ``/metrics`` already tells."""
+        return self.route is None and self.controller.mode != "fixed"
 
     def _own_traffic(self) -> bool:
         return bool(self.governor.in_flight or self.governor.waiting)
@@ -232,12 +317,18 @@ class Endpoint:
         options = self.options
         start = self.start_limit(info)
         mode: Mode
+        queue = load is not None and load.running is not None and load.waiting is not None
+        self.route = _route_of(load) if load is not None and queue else None
         if not options.adaptive or options.limit is not None:
             mode = "fixed"
-        elif load is not None and load.running is not None and load.waiting is not None:
+        elif queue:
             mode = "metrics"
         else:
-            mode = "latency"
+            mode = "throughput"
+        if mode == "metrics" and load is not None:
+            self.signal = _SIGNALS.get(load.source, "/metrics")
+        else:
+            self.signal = mode
         known = None if info.sources.get("max_num_seqs") in _GUESSES else info.max_num_seqs
         if info.sources.get("max_num_seqs") == LEARNED_SOURCE:
             known = info.max_num_seqs
@@ -252,12 +343,12 @@ class Endpoint:
             latency_target=options.latency_target,
             period=options.scrape_interval,
         )
-        if mode == "latency" and known is None:
+        if mode == "throughput":
             logger.info(
-                "dsclient: %s publishes no queue metrics and no max_num_seqs; the limit stays "
-                "between 1 and %d (pass max_num_seqs= to raise it)",
+                "dsclient: %s publishes no queue metrics; the limit starts at %d and finds the "
+                "server's knee from its answers (throughput against requests in flight)",
                 self.url,
-                self.controller.ceiling,
+                start,
             )
         if load is not None:
             self.load, self.load_at = load, self._clock()
@@ -353,8 +444,52 @@ class Endpoint:
         # ceiling (64 against a batch of 8) in the online benchmark.
         return self.governor.held_back
 
+    def observe_answer(self, value: str | None) -> None:
+        """An answer came back with vLLM's ``endpoint-load-metrics`` header (``value``; ``None``:
+        without it). The poller feeds the freshest to the controller once a period; the first
+        one moves a server without another queue signal from throughput mode to the queue."""
+        load = parse_load_header(value)
+        if load is None:
+            return
+        now = self._clock()
+        self._answer_load, self._answer_at = load, now
+        controller = self.controller
+        if self.route is None and controller.mode == "throughput" and not self._shared_active:
+            self.controller = LimitController(
+                start=self.governor.limit,
+                mode="metrics",
+                capacity=controller.capacity,
+                ceiling=self.options.max_limit,
+                queue_share=self.options.queue_share,
+                slow_start=self.options.slow_start,
+                latency_target=self.options.latency_target,
+                period=self.options.scrape_interval,
+            )
+            self.controller.start = controller.start
+            self.signal = LOAD_HEADER
+            logger.info(
+                "dsclient: %s reports its load on each answer (%s): the limit follows its queue",
+                self.url,
+                LOAD_HEADER,
+            )
+
+    def _answer_signal(self, now: float) -> Load | None:
+        """The answer header's load for this period: the newest, if the poller has not fed it
+        yet, with ``running`` as this client's requests at the server less its queue (the
+        header has no running count)."""
+        load, at = self._answer_load, self._answer_at
+        if load is None or at is None or (self._fed_at is not None and at <= self._fed_at):
+            return None
+        self._fed_at = at
+        running = max(0, self._in_flight() - (load.waiting or 0))
+        return dataclasses.replace(load, running=running)
+
     def observe_load(self, load: Load, now: float) -> None:
         """Feed one scrape to the capacity learner and the controller."""
+        if load.source == "llama.cpp /slots" and load.running is not None:
+            # /slots shows the busy slots, not the queue behind them: what this client has
+            # in flight beyond them waits there.
+            load = dataclasses.replace(load, waiting=max(0, self._in_flight() - load.running))
         self.load, self.load_at = load, now
         self.scrapes += 1
         self._learn(load)
@@ -390,8 +525,10 @@ class Endpoint:
         return self.governor.in_flight
 
     def tick(self, now: float) -> None:
-        """A period without a scrape (no queue signal): the latency rules."""
-        if self.controller.on_idle_period(now, demand=self._demand()):
+        """A period without a scrape (no queue signal): the knee finder, the latency rules."""
+        if self.controller.on_idle_period(
+            now, demand=self._demand(), in_flight=self.governor.in_flight
+        ):
             self._apply()
 
     def _learn(self, load: Load) -> None:
@@ -426,7 +563,16 @@ class Endpoint:
         )
 
     def _released(self, slot: Slot, outcome: str, service_s: float) -> None:
-        if self.controller.on_outcome(self._clock(), outcome, service_s):  # type: ignore[arg-type]
+        now = self._clock()
+        if outcome == "ok":
+            self._completed_at = now
+        changed = self.controller.on_outcome(
+            now,
+            outcome,  # type: ignore[arg-type]
+            service_s,
+            slot.work,
+        )
+        if changed:
             self._apply()
 
     def _apply(self) -> None:
@@ -473,21 +619,44 @@ class Endpoint:
             if self._shared_active and not self.shared_leader:
                 await anyio.sleep(interval)  # the leader runs the loop for everyone
                 continue
-            if mode == "metrics" or (self.scrape_for_routing and mode == "fixed"):
+            route = self.route
+            if route is None and mode == "fixed" and self.scrape_for_routing:
+                route = "/metrics"  # a router needs the gauges; discovery's scrape may have failed
+            if route is not None and (mode == "metrics" or self.scrape_for_routing):
                 model = self.info.model if self.info is not None else None
-                load = await fetch_load(http, self.url, model=model, timeout=max(1.0, interval * 4))
+                load = await fetch_load(
+                    http, self.url, model=model, timeout=max(1.0, interval * 4), route=route
+                )
                 if load is not None:
                     self.observe_load(load, self._clock())
                 else:
                     self.tick(self._clock())
-            elif mode == "latency":
+            elif mode == "metrics":
+                now = self._clock()
+                load = self._answer_signal(now)  # the answers' header is the queue signal
+                if load is not None:
+                    self.observe_load(load, now)
+                else:
+                    self.tick(now)
+            elif mode == "throughput":
                 self.tick(self._clock())
             else:
                 return  # fixed: nothing to watch
             await anyio.sleep(max(0.0, interval - (self._clock() - started)))
 
     def control_stats(self) -> ControlStats:
-        return self.controller.stats(learned=self.learner.value)
+        """The controller's snapshot, with what drives the limit and how old its reading is."""
+        signal = self.signal
+        if signal == LOAD_HEADER:
+            at = self._answer_at
+        elif signal == "throughput":
+            at = self._completed_at
+        elif signal == "fixed":
+            at = None
+        else:
+            at = self.load_at
+        age = None if at is None else max(0.0, self._clock() - at)
+        return self.controller.stats(learned=self.learner.value, signal=signal, signal_age_s=age)
 
     @property
     def health(self) -> Health:

@@ -305,6 +305,7 @@ class Slot:
         urgency: higher is admitted first among waiters.
         group: the caller's group tag, or ``None``.
         queued_s: seconds spent waiting for admission (0.0 when admitted at once).
+        work: what the attempt produced (output tokens), set before release; ``None``: unknown.
     """
 
     __slots__ = (
@@ -324,6 +325,7 @@ class Slot:
         "queued_s",
         "tag",
         "urgency",
+        "work",
     )
 
     def __init__(
@@ -343,6 +345,9 @@ class Slot:
         self.tag: object = None
         #: Times a waiter admitted after it went first (``pick``); bounded by ``pick_window``.
         self.passed = 0
+        #: What the attempt produced (the answer's output tokens), for the limit controller's
+        #: throughput; ``None``: not known.
+        self.work: float | None = None
         self._governor = governor
         self._lane_state = lane_state
         self._group_state = group_state

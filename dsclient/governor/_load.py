@@ -17,18 +17,35 @@ Metric names, by dialect, and where each was confirmed:
 * llama.cpp: the ``/metrics`` handler of ``tools/server/server.cpp`` (formerly
   ``examples/server/server.cpp``) and the server README. Recent builds dropped
   ``llamacpp:kv_cache_usage_ratio``, so ``kv_usage`` is ``None`` for them.
+* vLLM's load on every answer (:func:`parse_load_header`): ``vllm/entrypoints/serve/utils/
+  orca_metrics.py`` of 0.32.0, the ORCA ``endpoint-load-metrics`` header, sent on a
+  non-streaming completion or chat answer when the request asks for it with
+  ``endpoint-load-metrics-format: TEXT`` (or ``JSON``): ``num_requests_waiting`` and
+  ``kv_cache_usage_perc``, no running count.
+* SGLang ``GET /v1/loads`` and llama.cpp ``GET /slots`` (:func:`parse_sglang_loads`,
+  :func:`parse_llamacpp_slots`): the routes those servers have when ``/metrics`` is off.
 * TGI: ``docs/source/reference/metrics.md`` and the router (``backends/v3/src/lib.rs`` sets
   ``tgi_batch_max_total_tokens`` once at warm-up). TGI has no gauge for ``--max-batch-size``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["Load", "parse_load", "parse_prometheus"]
+__all__ = [
+    "LOAD_HEADER",
+    "LOAD_HEADER_FORMAT",
+    "Load",
+    "parse_llamacpp_slots",
+    "parse_load",
+    "parse_load_header",
+    "parse_prometheus",
+    "parse_sglang_loads",
+]
 
 _Samples = dict[str, list[tuple[dict[str, str], float]]]
 
@@ -348,3 +365,106 @@ def parse_load(text: str, *, model: str | None = None) -> Load | None:
             max_num_seqs=_count(_sum(_values(samples, dialect.max_num_seqs, model))),
         )
     return None
+
+
+#: The request header that asks vLLM for its load on the answer, and the answer's header.
+LOAD_HEADER_FORMAT = "endpoint-load-metrics-format"
+LOAD_HEADER = "endpoint-load-metrics"
+_ORCA_TEXT = re.compile(r"named_metrics\.([A-Za-z0-9_.:-]+)=([^,\s]+)")
+#: The longest header value read; vLLM's is under 100 bytes.
+_HEADER_MAX = 4096
+
+
+def _orca_named(value: str) -> dict[str, float] | None:
+    kind, _, rest = value.strip().partition(" ")
+    named: dict[str, float] = {}
+    if kind.upper() == "TEXT":
+        for name, number in _ORCA_TEXT.findall(rest):
+            try:
+                named[name] = float(number)
+            except ValueError:
+                continue
+        return named
+    if kind.upper() == "JSON":
+        try:
+            obj = json.loads(rest)
+        except ValueError:
+            return None
+        metrics = obj.get("named_metrics") if isinstance(obj, dict) else None
+        if not isinstance(metrics, dict):
+            return None
+        for name, number in metrics.items():
+            if isinstance(number, (int, float)) and not isinstance(number, bool):
+                named[str(name)] = float(number)
+        return named
+    return None
+
+
+def parse_load_header(value: str | None) -> Load | None:
+    """vLLM's ``endpoint-load-metrics`` answer header as a :class:`Load` (``running`` unknown).
+
+    >>> parse_load_header("TEXT named_metrics.num_requests_waiting=3.0, "
+    ...                   "named_metrics.kv_cache_usage_perc=0.25")
+    Load(source='endpoint-load-metrics', running=None, waiting=3, ..., kv_usage=0.25, ...)
+
+    ``None`` for a missing, oversized or unreadable value, or one without a waiting count.
+    """
+    if not value or len(value) > _HEADER_MAX:
+        return None
+    named = _orca_named(value)
+    if not named:
+        return None
+    waiting = _count(named.get("num_requests_waiting"))
+    if waiting is None:
+        return None
+    return Load(
+        source=LOAD_HEADER,
+        waiting=waiting,
+        kv_usage=_ratio(named.get("kv_cache_usage_perc")),
+    )
+
+
+def _nonneg(value: object) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
+        return None
+    return value
+
+
+def parse_sglang_loads(obj: object) -> Load | None:
+    """SGLang's ``GET /v1/loads`` as a :class:`Load`, summed over data-parallel ranks.
+
+    parse_sglang_loads({"loads": [{"num_running_reqs": 3, "num_waiting_reqs": 1}]})
+    # Load(source="sglang /v1/loads", running=3, waiting=1)
+    """
+    entries = obj.get("loads") if isinstance(obj, dict) else obj
+    if not isinstance(entries, list):
+        return None
+    ranks = [e for e in entries if isinstance(e, dict)]
+    running = [_nonneg(e.get("num_running_reqs")) for e in ranks]
+    waiting = [_nonneg(e.get("num_waiting_reqs")) for e in ranks]
+    if not ranks or None in running or None in waiting:
+        return None
+    return Load(
+        source="sglang /v1/loads",
+        running=sum(r for r in running if r is not None),
+        waiting=sum(w for w in waiting if w is not None),
+    )
+
+
+def parse_llamacpp_slots(obj: object) -> tuple[int, int] | None:
+    """llama.cpp's ``GET /slots``: ``(busy, total)`` slots (``is_processing`` per slot).
+
+        parse_llamacpp_slots([{"id": 0, "is_processing": True}, {"id": 1, "is_processing": False}])
+        # (1, 2)
+
+    The queue behind the slots is not in it: the endpoint counts what this client has in
+    flight beyond the busy slots as waiting (see ``Endpoint``).
+    """
+    if not isinstance(obj, list) or not obj:
+        return None
+    busy = 0
+    for slot in obj:
+        if not isinstance(slot, dict) or not isinstance(slot.get("is_processing"), bool):
+            return None
+        busy += slot["is_processing"]
+    return busy, len(obj)

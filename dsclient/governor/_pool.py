@@ -86,6 +86,15 @@ class PoolSlot:
         self._server.set_outcome(outcome)
         self._front.set_outcome(outcome)
 
+    @property
+    def work(self) -> float | None:
+        """What the attempt produced (the server's slot's: its controller reads it)."""
+        return self._server.work
+
+    @work.setter
+    def work(self, value: float | None) -> None:
+        self._server.work = value
+
     async def __aenter__(self) -> PoolSlot:
         return self
 

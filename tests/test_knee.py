@@ -1,0 +1,174 @@
+"""The knee finder (dsclient/governor/_knee.py) and the throughput mode of the limit controller,
+on a fake clock and on simulated servers of several shapes (tests/sim_blackbox.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dsclient.governor._control import THROUGHPUT_CEILING, LimitController
+from dsclient.governor._knee import Epoch, KneeFinder, elasticity
+
+from .sim_blackbox import CPU, GPU, NOISY, REFUSING, best_fixed, run
+
+
+def test_elasticity_is_the_log_log_slope_of_throughput_in_the_limit() -> None:
+    assert elasticity(Epoch(8, 100.0, 1.0, 16), Epoch(16, 200.0, 1.0, 16)) == pytest.approx(1.0)
+    assert elasticity(Epoch(8, 100.0, 1.0, 16), Epoch(16, 100.0, 2.0, 16)) == 0.0
+    assert elasticity(Epoch(8, 100.0, 1.0, 16), Epoch(32, 200.0, 1.0, 16)) == pytest.approx(0.5)
+    assert elasticity(Epoch(8, 100.0, 1.0, 16), Epoch(8, 300.0, 1.0, 16)) == 0.0
+
+
+def test_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="start"):
+        KneeFinder(start=0, ceiling=8)
+    with pytest.raises(ValueError, match="ceiling"):
+        KneeFinder(start=8, ceiling=4)
+    with pytest.raises(ValueError, match="elasticity"):
+        KneeFinder(start=1, ceiling=8, elasticity=1.5)
+
+
+def _feed(knee: KneeFinder, now: float, limit: int, latency: float, work: float = 10.0) -> None:
+    """Completions of requests admitted after ``now - latency`` at this limit."""
+    for _ in range(limit):
+        knee.on_completion(now, service_s=latency, work=work)
+
+
+def _epoch(knee: KneeFinder, t: float, latency: float) -> tuple[float, int | None]:
+    """Hold the knee's limit for one epoch: ticks with demand, completions, until it decides."""
+    began = t
+    wanted = None
+    while wanted is None and t < began + 100:
+        t += 0.25
+        if t - began >= latency:
+            _feed(knee, t, max(1, knee.limit // 4), latency)
+        wanted = knee.on_tick(t, demand=True, in_flight=knee.limit)
+    return t, wanted
+
+
+def test_slow_start_grows_while_throughput_scales_and_holds_past_the_knee() -> None:
+    # Latency flat up to 64 in flight (throughput in proportion), then rising with the limit.
+    knee = KneeFinder(start=4, ceiling=1024)
+    t = 0.0
+    seen = []
+    for _ in range(6):
+        latency = 1.0 * max(1.0, knee.limit / 64)
+        t, wanted = _epoch(knee, t, latency)
+        assert wanted is not None
+        seen.append(wanted)
+        if knee.phase == "hold":
+            break
+    assert seen[:2] == [16, 64]  # x4 from the start, x4 while throughput scales (e = 1)
+    assert knee.phase == "hold"
+    assert 64 <= knee.limit <= 128  # past 64 only latency grows: back near the knee
+    assert "knee between" in knee.reason
+
+
+def test_an_epoch_without_demand_measures_nothing() -> None:
+    knee = KneeFinder(start=8, ceiling=64)
+    t = 0.0
+    for _ in range(40):
+        t += 0.25
+        _feed(knee, t, 2, 0.5)
+        assert knee.on_tick(t, demand=False, in_flight=2) is None
+    assert knee.limit == 8 and knee.last is None
+
+
+def test_requests_admitted_before_the_epoch_do_not_count() -> None:
+    knee = KneeFinder(start=8, ceiling=64)
+    knee.restart(10.0, 8, "cut")
+    knee.on_completion(10.5, service_s=2.0, work=10)  # admitted at 8.5: before the epoch
+    assert knee._latencies == []
+    knee.on_tick(10.75, demand=True, in_flight=8)
+    knee.on_completion(12.0, service_s=1.0, work=10)  # admitted at 11.0
+    assert len(knee._latencies) == 1
+
+
+def test_after_a_cut_counting_waits_until_in_flight_drained_to_the_limit() -> None:
+    knee = KneeFinder(start=16, ceiling=64)
+    knee.restart(0.0, 8, "the server refused for load")
+    assert knee.phase == "hold"
+    assert knee.on_tick(0.25, demand=True, in_flight=16) is None
+    knee.on_completion(2.0, service_s=1.0, work=10)
+    assert knee._latencies == []  # still 16 in flight against 8
+    knee.on_tick(2.25, demand=True, in_flight=8)
+    knee.on_completion(3.5, service_s=1.0, work=10)
+    assert len(knee._latencies) == 1
+
+
+def test_hold_keeps_a_step_up_that_buys_throughput_and_drops_one_that_does_not() -> None:
+    knee = KneeFinder(start=40, ceiling=1024)
+    knee.restart(0.0, 40, "start in hold")
+    t, wanted = _epoch(knee, 0.0, 1.0)  # base at 40
+    assert wanted == 50
+    t, wanted = _epoch(knee, t, 1.0)  # 50 at the same latency: 1.25x the throughput
+    assert wanted == 63 and "bought throughput" in knee.reason
+    t, wanted = _epoch(knee, t, 63 / 50)  # 63 only queues: latency grows with the limit
+    assert wanted == 40  # one step below the base of 50
+    t, wanted = _epoch(knee, t, 1.0)  # 40 loses throughput against 50: back to 50
+    assert wanted == 50 and "held at 50" in knee.reason
+
+
+@pytest.mark.parametrize(
+    ("shape", "n", "low", "high", "most_refused"),
+    [
+        (GPU, 3000, 200, 800, 0),  # throughput rises to a batch of 256
+        (CPU, 600, 6, 40, 0),  # flat past 8 sequences
+        (REFUSING, 1500, 10, 40, 80),  # 503 past 40 waiting + running
+        (NOISY, 3000, 200, 800, 0),
+    ],
+    ids=["gpu-like", "cpu-like", "refusing", "noisy"],
+)
+def test_simulated_servers_end_near_their_knee_at_full_speed(
+    shape: object, n: int, low: int, high: int, most_refused: int
+) -> None:
+    control = LimitController(start=5, mode="throughput")
+    outcome = run(control, shape, n=n)  # type: ignore[arg-type]
+    assert outcome.done == n
+    assert low <= control.limit <= high, outcome.limits
+    assert outcome.refused <= most_refused
+    # Where the unbounded client is at its best (the simulated queue costs nothing), the
+    # governed client is not far behind: the ramp from 5 is what it costs.
+    unbounded = best_fixed(shape, n=n)  # type: ignore[arg-type]
+    assert outcome.makespan <= 1.4 * unbounded, (outcome.makespan, unbounded)
+
+
+def test_a_cpu_like_server_keeps_a_short_queue_once_the_knee_is_found() -> None:
+    control = LimitController(start=5, mode="throughput")
+    outcome = run(control, CPU, n=1200)
+    late = [limit for t, limit in outcome.limits if t > outcome.makespan / 2]
+    assert late and max(late) <= 16, outcome.limits  # batch 8: never twice that late on
+
+
+def test_throughput_mode_bounds_and_stats() -> None:
+    control = LimitController(start=5, mode="throughput", capacity=8)
+    assert control.ceiling == THROUGHPUT_CEILING
+    assert LimitController(start=5, mode="throughput", capacity=512).ceiling == 2048
+    assert LimitController(start=5, mode="throughput", ceiling=64).ceiling == 64
+    stats = control.stats()
+    assert stats.mode == "throughput" and stats.signal == "throughput"
+    assert stats.knee_phase == "slow start" and stats.throughput is None
+    assert LimitController(start=5, mode="fixed").stats().signal == "fixed"
+
+
+def test_a_refusal_cuts_and_the_knee_measures_from_the_cut() -> None:
+    control = LimitController(start=20, mode="throughput", cooldown=1.0)
+    assert control.on_outcome(1.0, "overloaded", 0.1)
+    assert control.limit == math.floor(20 * 0.7)
+    knee = control.knee
+    assert knee is not None and knee.phase == "hold" and knee.limit == control.limit
+
+
+def test_growth_waits_for_the_cooldown_after_a_cut_and_stays_under_the_refused_limit() -> None:
+    control = LimitController(start=20, mode="throughput", cooldown=1.0)
+    control.on_outcome(0.0, "overloaded", 0.1)  # 20 -> 14, refused at 20
+    knee = control.knee
+    assert knee is not None
+    t = 0.0
+    for _ in range(200):
+        t += 0.25
+        for _ in range(4):
+            control.on_outcome(t, "ok", 0.2, work=10)
+        control.on_idle_period(t, demand=True, in_flight=control.limit)
+        assert control.limit <= 19 or t >= 10.0  # under the refused limit for 10 s
