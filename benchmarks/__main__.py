@@ -15,9 +15,12 @@
     python -m benchmarks replicas             # starting 2 vLLM replicas: in turn vs at once
     python -m benchmarks routing              # 2 replicas: dsclient vs round-robin vs vllm-router
     python -m benchmarks governor --help      # each benchmark's own options
+    python -m benchmarks report               # docs/benchmarks.md's tables from the kept results
+    python -m benchmarks report --check       # exit 1 if the page is behind them
 
-``nox -s bench -- governor`` (or ``make bench``) runs the same in nox's venv. Raw results go to
-``benchmarks/results/`` (gitignored); the summaries live in ``docs/benchmarks.md``.
+``nox -s bench -- governor`` (or ``make bench``) runs the same in nox's venv. The benchmarks that
+write through ``benchmarks._results.Run`` keep one summary file per invocation in
+``benchmarks/results/<name>/`` (in git); ``report`` renders the page's tables from those.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def usage() -> str:
     lines = ["usage: python -m benchmarks NAME [ARGS...]", "", "benchmarks:"]
     lines += [f"  {name:{width}}  {about}" for name, (_, about) in BENCHMARKS.items()]
     lines += ["", "'python -m benchmarks NAME --help' shows a benchmark's options."]
+    lines += ["'python -m benchmarks report [--check]' renders docs/benchmarks.md's tables."]
     return "\n".join(lines)
 
 
@@ -97,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
     name, rest = args[0], args[1:]
+    if name == "report":
+        from benchmarks._report import main as report
+
+        return report(rest)
     if name not in BENCHMARKS:
         print(f"unknown benchmark {name!r}\n\n{usage()}", file=sys.stderr)
         return 2

@@ -396,6 +396,7 @@ BATCH_COLUMNS = (
     report.Column("failures", "failures", 0),
 )
 ONLINE_COLUMNS = (
+    report.Column("shorts", "short_n", 0),
     report.Column("short {tail} s", "short_{tail}_s", count="short_n"),
     report.Column("long {tail} s", "long_{tail}_s", count="long_n"),
     report.Column("short p50 s", "short_p50_s"),

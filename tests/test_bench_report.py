@@ -1,0 +1,143 @@
+"""benchmarks._report: the page's generated blocks, and that docs/benchmarks.md is up to date."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import _report as report
+from benchmarks._report import (
+    Column,
+    Versus,
+    headline_table,
+    leg_table,
+    render_page,
+    spread_cell,
+    tail_name,
+)
+
+
+def test_the_page_is_what_the_committed_results_give() -> None:
+    """Fails when results were added (or the renderers changed) without rerunning the report:
+    ``python -m benchmarks report`` rewrites the page's generated blocks."""
+    text = report.PAGE.read_text()
+    assert "<!-- BEGIN generated: headline-table -->" in text
+    assert render_page(text) == text, "run: python -m benchmarks report"
+
+
+def test_spread_cell_is_the_median_with_its_range() -> None:
+    assert spread_cell([3.0, 1.0, 2.0]) == "2.00 (1.00-3.00)"
+    assert spread_cell([1.0, 4.0], 1, "x") == "2.5x (1.0-4.0)"
+    assert spread_cell([2.0]) == "2.00"
+    assert spread_cell([2.0, 2.0]) == "2.00"
+    assert spread_cell([None, None]) == "-"
+    assert spread_cell([None, 1.0]) == "1.00"
+
+
+@pytest.mark.parametrize(
+    ("counts", "tail"),
+    [([200, 250], "p99"), ([199, 400], "p95"), ([20], "p95"), ([19, 300], "max"), ([], "max")],
+)
+def test_a_tail_is_the_p99_only_when_every_run_had_200_samples(counts: list, tail: str) -> None:
+    assert tail_name(counts) == tail
+
+
+ROWS = [
+    {"leg": "a", "run": 1, "x": 1.0, "lat_n": 250, "lat_p99_s": 0.5, "lat_p95_s": 0.4},
+    {"leg": "b", "run": 1, "x": 2.0, "lat_n": 250, "lat_p99_s": 0.9, "lat_p95_s": 0.8},
+    {"leg": "a", "run": 2, "x": 3.0, "lat_n": 150, "lat_p99_s": 0.6, "lat_p95_s": 0.5},
+]
+
+
+def test_leg_table_one_line_per_leg_in_first_seen_order() -> None:
+    table = leg_table(ROWS, [Column("x", "x", 1), Column("lat {tail} s", "lat_{tail}_s",
+                                                          count="lat_n")])  # fmt: skip
+    lines = table.splitlines()
+    assert lines[0] == "| leg | runs | x | lat p95 s |"  # one run had 150 samples
+    assert lines[2] == "| a | 2 | 2.0 (1.0-3.0) | 0.45 (0.40-0.50) |"
+    assert lines[3] == "| b | 1 | 2.0 | 0.80 |"
+    assert leg_table([], []) == "No rows."
+
+
+def test_ratios_pair_runs_and_skip_a_missing_or_zero_peer() -> None:
+    rows = [
+        {"leg": "dsclient", "run": 1, "m": 2.0},
+        {"leg": "p", "run": 1, "m": 4.0},
+        {"leg": "dsclient", "run": 2, "m": 3.0},
+        {"leg": "p", "run": 2, "m": 0.0},
+        {"leg": "p", "run": 3, "m": 1.0},
+    ]
+    assert report.ratios(rows, "m", "p") == (0.5,)
+
+
+def test_headline_table_one_line_per_benchmark_and_peer() -> None:
+    x = "\N{MULTIPLICATION SIGN}"
+    table = headline_table([
+        Versus("routing", "router", "makespan", (0.5, 1.5, 1.0)),
+        Versus("routing", "router", "short-request tail", (0.2, 0.3), "p95"),
+        Versus("headline", "openai", "makespan", (2.0,), workload="batch"),
+    ])  # fmt: skip
+    lines = table.splitlines()
+    assert lines[0].startswith("| benchmark | peer | makespan (dsclient / peer) |")
+    assert lines[2] == f"| routing | router | 1.00{x} (0.50-1.50) | p95: 0.25{x} (0.20-0.30) | - | - | 2 |"
+    assert lines[3] == f"| headline (batch) | openai | 2.00{x} | - | - | - | 1 |"
+    assert headline_table([]) == "No results committed yet."
+    with pytest.raises(ValueError, match="column"):
+        Versus("x", "y", "nonsense", (1.0,))
+
+
+def write(root: Path, benchmark: str, name: str, rows: list[dict], load: float = 0.5) -> None:
+    folder = root / benchmark
+    folder.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "schema": 1, "benchmark": benchmark, "started_utc": "2026-12-04T18:00:00Z",
+        "code": {"commit": "0123456789abcdef", "dirty": True, "changed": ["dsclient/x.py"]},
+        "host": {"cores": 2, "python": "3.11.7", "cpu": "some cpu"},
+        "versions": {"dsclient": "0.1", "peer": None}, "load_before": [load],
+        "load_after": [load], "params": {}, "facts": {}, "notes": ["a note"], "rows": rows,
+    }  # fmt: skip
+    (folder / name).write_text(json.dumps(payload))
+
+
+def test_render_page_rewrites_only_the_blocks(tmp_path: Path) -> None:
+    rows = [
+        {"leg": leg, "run": run, "workload": "batch", "makespan_s": m, "load_1min": 3.0}
+        for run, (leg, m) in enumerate([("dsclient", 1.0), ("httpx", 2.0)], start=1)
+    ]
+    rows = [dict(r, run=1) for r in rows]
+    write(tmp_path, "headline", "20261204T180000Z.json", rows, load=3.0)
+    page = (
+        "# Title\n\nhand text\n\n<!-- BEGIN generated: headline-table -->\nold\n"
+        "<!-- END generated: headline-table -->\n\nmore\n\n"
+        "<!-- BEGIN generated: headline -->\n<!-- END generated: headline -->\n"
+        "<!-- BEGIN generated: routing -->\nstale\n<!-- END generated: routing -->\n"
+    )
+    fresh = render_page(page, tmp_path)
+    assert fresh.startswith("# Title\n\nhand text\n\n<!-- BEGIN generated: headline-table -->\n")
+    assert "| headline (batch) | httpx | 0.50\N{MULTIPLICATION SIGN} | - | - | - | 1 |" in fresh
+    assert "old" not in fresh and "stale" not in fresh
+    assert "No results committed yet: run `python -m benchmarks routing`." in fresh
+    assert "tree differed from the commit (`dsclient/x.py`)" in fresh
+    assert "**Busy machine:**" in fresh  # load 3 on 2 cores
+    assert "Note: a note" in fresh
+    assert render_page(fresh, tmp_path) == fresh  # idempotent
+
+
+def test_a_block_naming_no_benchmark_fails_loudly(tmp_path: Path) -> None:
+    write(tmp_path, "nonesuch", "a.json", [])
+    page = "<!-- BEGIN generated: nonesuch -->\n<!-- END generated: nonesuch -->\n"
+    with pytest.raises(KeyError, match="nonesuch"):
+        render_page(page, tmp_path)
+
+
+def test_check_mode_exits_1_on_a_stale_page(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("<!-- BEGIN generated: headline-table -->\nstale\n"
+                    "<!-- END generated: headline-table -->\n")  # fmt: skip
+    argv = ["--page", str(page), "--results", str(tmp_path / "none")]
+    assert report.main(["--check", *argv]) == 1
+    assert report.main(argv) == 0
+    assert "No results committed yet." in page.read_text()
+    assert report.main(["--check", *argv]) == 0
