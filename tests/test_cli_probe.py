@@ -1,9 +1,15 @@
-"""`dsclient probe` on a server that does not answer: a record of defaults, not a crash."""
+"""`dsclient probe`: nothing answering is an error that says so; a server that publishes no queue
+metrics gets the throughput mode, said in words."""
 
 from __future__ import annotations
 
 import json
 import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
 
 from dsclient.cli import main
 
@@ -14,19 +20,59 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def test_probe_of_a_silent_url_prints_the_defaults(capsys):
+class _Models(BaseHTTPRequestHandler):
+    """An OpenAI-compatible server with a model list and nothing else (no /metrics)."""
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            body = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]})
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+        else:
+            self.send_error(404)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def blackbox_url() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Models)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_probe_of_a_silent_url_fails_and_says_why(capsys):
     url = f"http://127.0.0.1:{_closed_port()}"
-    assert main(["probe", url, "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["kind"] == "unknown"
-    assert out["max_num_seqs"] == 8
-    assert out["sources"]["max_num_seqs"] == "default"
-    assert out["dsclient_limit"] == 5
+    assert main(["probe", url, "--json"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"nothing answers at {url}" in captured.err
+    assert "refused" in captured.err.lower()
 
 
-def test_probe_table_names_the_cap(capsys):
-    url = f"http://127.0.0.1:{_closed_port()}/v1"
-    assert main(["probe", url, "--headroom", "1.0"]) == 0
+def test_probe_of_a_server_without_metrics_says_throughput_mode(blackbox_url, capsys):
+    assert main(["probe", blackbox_url + "/v1", "--headroom", "1.0"]) == 0
     out = capsys.readouterr().out
     assert "dsclient limit: starts at 8 in flight" in out
-    assert "no queue metrics" in out
+    assert "no queue metrics: the limit finds its knee from the answers" in out
+    assert "between 1 and 1024" in out
+
+
+def test_probe_json_names_the_mode_and_signal(blackbox_url, capsys):
+    assert main(["probe", blackbox_url, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["kind"], out["model"]) == ("openai-compatible", "m")
+    assert out["sources"]["max_num_seqs"] == "default"
+    assert (out["dsclient_limit"], out["limit_mode"], out["limit_signal"]) == (
+        5,
+        "throughput",
+        "throughput",
+    )
+    assert out["queue_metrics"] is None

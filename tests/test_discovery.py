@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -591,9 +592,23 @@ async def test_choosing_one_of_several() -> None:
     assert info.sources["model"] == "explicit"
 
 
-async def test_unknown_model_is_a_value_error_listing_what_is_served() -> None:
+async def test_unlisted_model_is_a_value_error_listing_what_is_served_when_asked() -> None:
     with pytest.raises(ValueError, match=r"'nope' is not served .* it serves: 'tiny'"):
-        await _discover(VLLM, model="nope")
+        await _discover(VLLM, model="nope", unlisted="raise")
+
+
+async def test_unlisted_model_named_by_the_caller_is_tried_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # transformers' server lists only its Hugging Face cache and loads others on demand; a
+    # gateway may route names it does not list.
+    caplog.set_level(logging.WARNING, logger="dsclient")
+    info = await _discover(VLLM, model="local/m")
+    assert info.model == "local/m" and info.models == ("tiny",)
+    assert info.sources["model"] == "explicit (not listed by /v1/models)"
+    assert "does not list model 'local/m' (it lists: 'tiny'); trying it anyway" in caplog.text
+    empty = await _discover({"/v1/models": {"object": "list", "data": []}}, model="local/m")
+    assert empty.model == "local/m"
 
 
 async def test_given_model_kept_when_there_is_no_listing() -> None:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import urllib.error
+import urllib.request
 from typing import Any
+
+from .._urls import root_url
 
 
 def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -27,8 +32,27 @@ def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=_run_probe)
 
 
+def _unreachable(url: str, timeout: float = 5.0) -> str | None:
+    """Why nothing answers at ``url`` (refused, no route, timed out), or ``None`` when something
+    does: any HTTP status, 401 and 404 included, is an answer."""
+    try:
+        with urllib.request.urlopen(root_url(url) + "/v1/models", timeout=timeout):  # noqa: S310
+            return None
+    except urllib.error.HTTPError:
+        return None
+    except urllib.error.URLError as exc:
+        return str(exc.reason)
+    except (OSError, ValueError) as exc:
+        return str(exc) or type(exc).__name__
+
+
 def _run_probe(args: argparse.Namespace) -> int:
     import anyio
+
+    why = _unreachable(args.url)
+    if why is not None:
+        print(f"dsclient probe: nothing answers at {args.url}: {why}", file=sys.stderr)
+        return 1
 
     from ..client._client import AsyncClient
 
@@ -52,6 +76,7 @@ def _run_probe(args: argparse.Namespace) -> int:
             **info.to_dict(),
             "dsclient_limit": control.limit,
             "limit_mode": control.mode,
+            "limit_signal": control.signal,
             "limit_ceiling": control.ceiling,
             "queue_metrics": queue,
         }
@@ -65,9 +90,16 @@ def _run_probe(args: argparse.Namespace) -> int:
             f" keeps the server's queue short, between 1 and {control.ceiling}"
         )
         print("  max_num_seqs is learned from it once requests queue, if nothing stated it")
-    else:
+    elif control.mode == "throughput":
         print(
-            "  the server publishes no queue metrics: the limit moves on 429/503 and latency"
-            f" only, between 1 and {control.ceiling}"
+            "  the server publishes no queue metrics: the limit finds its knee from the answers"
+            " (slow start while more in flight buys throughput, then holds where it only buys"
+            f" latency), between 1 and {control.ceiling}; cut on 429/503"
         )
+        print(
+            "  requests ask for vLLM's load on each answer (endpoint-load-metrics); if the"
+            " answers carry it, the limit follows the server's queue instead"
+        )
+    else:
+        print("  fixed: the limit does not move (limit= or adaptive=False)")
     return 0

@@ -148,7 +148,7 @@ class DiscoveryMixin:
         self._model = info.model if info.model is not None else self._model
         load = None
         if info.kind not in ("ollama", "unknown"):
-            load = await fetch_load(self._http, url, model=info.model, timeout=2.0)
+            load = await fetch_load(self._http, url, model=info.model, timeout=2.0, kind=info.kind)
         self._endpoint.seed(info, load)
         if info.has_tokenize and self._tokens.samples == 0:
             await self._calibrate()
@@ -235,6 +235,7 @@ class DiscoveryMixin:
                 model=self._model,
                 max_num_seqs=self._explicit_max_num_seqs,
                 max_model_len=self._explicit_max_model_len,
+                unlisted="raise",  # the other servers may list it: route it to those
             )
         except ValueError:
             if self._model is None:
@@ -247,7 +248,7 @@ class DiscoveryMixin:
         info = self._with_handle_facts(info, url)
         load = None
         if info.kind not in ("ollama", "unknown"):
-            load = await fetch_load(self._http, url, model=info.model, timeout=2.0)
+            load = await fetch_load(self._http, url, model=info.model, timeout=2.0, kind=info.kind)
         endpoint.seed(info, load)
         assert self._pool is not None
         if not info.complete:

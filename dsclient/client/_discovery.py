@@ -560,6 +560,7 @@ async def discover(
     max_model_len: int | None = None,
     timeout: float = 2.0,
     records: RecordSource | Literal["auto"] | None = "auto",
+    unlisted: Literal["warn", "raise"] = "warn",
 ) -> ServerInfo:
     """Find the server's kind, version, models and limits.
 
@@ -576,10 +577,15 @@ async def discover(
         timeout: seconds for each probe; the probes run at the same time.
         records: where launch records come from; ``"auto"`` is ``dsclient._records`` when it
             exists, ``None`` turns records off. Tests inject a fake here.
+        unlisted: a ``model`` the server does not list is tried with a warning (``"warn"``:
+            transformers' server lists only its cache and loads others on demand, a gateway
+            may route names it does not list), or refused (``"raise"``: a pool, whose other
+            servers may list it).
 
     Raises:
-        ValueError: ``model`` is not among the served models, or none is given and several are
-            served (the message lists them); or an explicit limit is not a positive int.
+        ValueError: ``model`` is not among the served models and ``unlisted="raise"``, or none
+            is given and several are served (the message lists them); or an explicit limit is
+            not a positive int.
     """
     for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -665,12 +671,19 @@ async def discover(
     listing = facts["models"]
     served = listing.models if listing is not None else None
     if model is not None:
-        if served is not None and model not in served:
-            raise ValueError(
-                f"model {model!r} is not served at {root}; it serves: "
-                f"{', '.join(map(repr, served)) or '(none)'}"
-            )
         sources["model"] = "explicit"
+        if served is not None and model not in served:
+            listed = ", ".join(map(repr, served)) or "(none)"
+            if unlisted == "raise":
+                raise ValueError(f"model {model!r} is not served at {root}; it serves: {listed}")
+            logger.warning(
+                "dsclient: %s does not list model %r (it lists: %s); trying it anyway: some "
+                "servers load models on demand, and a gateway may route names it does not list",
+                root,
+                model,
+                listed,
+            )
+            sources["model"] = "explicit (not listed by /v1/models)"
     elif served:
         if len(served) > 1:
             raise ValueError(
