@@ -174,6 +174,7 @@ class Versus:
     ratios: tuple[float, ...]
     label: str = ""
     workload: str = ""
+    text: str = ""  # shown instead of the ratios (counts, where a ratio would mislead)
 
     def __post_init__(self) -> None:
         if self.column not in HEADLINE_COLUMNS:
@@ -198,6 +199,30 @@ def ratios(
     return tuple(found)
 
 
+def failures(
+    rows: Sequence[Mapping[str, Any]],
+    key: str,
+    peer: str,
+    benchmark: str,
+    *,
+    ours: str = "dsclient",
+    workload: str = "",
+    **match: Any,
+) -> list[Versus]:
+    """An "other" cell with the failed calls of each side (median over runs), when any failed.
+
+    A peer that fails calls finishes sooner; its makespan ratio alone would flatter it.
+    """
+    if workload:
+        match["workload"] = workload
+    mine = summary(r.get(key) for r in select(rows, leg=ours, **match))
+    theirs = summary(r.get(key) for r in select(rows, leg=peer, **match))
+    if mine is None or theirs is None or (mine[2] == 0 and theirs[2] == 0):
+        return []
+    text = f"failed, median {mine[0]:g} vs {theirs[0]:g} (max {mine[2]:g} vs {theirs[2]:g})"
+    return [Versus(benchmark, peer, "other", (), text=text, workload=workload)]
+
+
 def headline_table(lines: Sequence[Versus]) -> str:
     """The page's opening table: one line per benchmark (and workload) and peer.
 
@@ -207,21 +232,21 @@ def headline_table(lines: Sequence[Versus]) -> str:
     """
     if not lines:
         return "No results committed yet."
-    keys: dict[tuple[str, str, str], dict[str, Versus]] = {}
+    keys: dict[tuple[str, str, str], dict[str, list[Versus]]] = {}
     for v in lines:
-        keys.setdefault((v.benchmark, v.workload, v.peer), {})[v.column] = v
+        keys.setdefault((v.benchmark, v.workload, v.peer), {}).setdefault(v.column, []).append(v)
     head = ["benchmark", "peer", *(f"{c} (dsclient / peer)" for c in HEADLINE_COLUMNS), "runs"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (benchmark, workload, peer), cells in keys.items():
         shown = []
         for column in HEADLINE_COLUMNS:
-            v = cells.get(column)
-            if v is None:
-                shown.append(NONE)
-                continue
-            cell = spread_cell(v.ratios, 2, "\N{MULTIPLICATION SIGN}")
-            shown.append(f"{v.label}: {cell}" if v.label else cell)
-        runs = min(len(v.ratios) for v in cells.values())
+            parts = []
+            for v in cells.get(column, []):
+                cell = v.text or spread_cell(v.ratios, 2, "\N{MULTIPLICATION SIGN}")
+                parts.append(f"{v.label}: {cell}" if v.label else cell)
+            shown.append("; ".join(parts) or NONE)
+        every = [v for vs in cells.values() for v in vs if v.ratios]
+        runs = min((len(v.ratios) for v in every), default=0)
         name = f"{benchmark} ({workload})" if workload else benchmark
         out.append("| " + " | ".join([name, peer, *shown, str(runs)]) + " |")
     return "\n".join(out)

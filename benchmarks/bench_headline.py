@@ -441,6 +441,10 @@ def headline(records: Sequence[dict[str, Any]]) -> list[report.Versus]:
             found = report.ratios(rows, key, peer, workload=workload)
             if peer != "dsclient" and found:
                 lines.append(report.Versus("headline", peer, column, found, label, workload))
+    for workload in ("batch", "online"):
+        for peer in report.legs(report.select(rows, workload=workload)):
+            if peer != "dsclient":
+                lines += report.failures(rows, "failures", peer, "headline", workload=workload)
     return lines
 
 

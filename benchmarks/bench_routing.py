@@ -1018,6 +1018,7 @@ def headline(records: Sequence[dict[str, Any]]) -> list[report_.Versus]:
             found = report_.ratios(rows, key, peer)
             if found:
                 lines.append(report_.Versus("routing", peer, column, found, label))
+        lines += report_.failures(rows, "failed", peer, "routing")
     return lines
 
 

@@ -141,3 +141,65 @@ def test_check_mode_exits_1_on_a_stale_page(tmp_path: Path) -> None:
     assert report.main(argv) == 0
     assert "No results committed yet." in page.read_text()
     assert report.main(["--check", *argv]) == 0
+
+
+def test_failures_show_as_counts_beside_the_ratios() -> None:
+    rows = [
+        {"leg": "dsclient", "run": 1, "failed": 0, "m": 1.0},
+        {"leg": "p", "run": 1, "failed": 7, "m": 0.5},
+        {"leg": "q", "run": 1, "failed": 0, "m": 2.0},
+    ]
+    cells = report.failures(rows, "failed", "p", "b")
+    assert [c.text for c in cells] == ["failed, median 0 vs 7 (max 0 vs 7)"]
+    assert report.failures(rows, "failed", "q", "b") == []
+    lines = [Versus("b", "p", "other", (2.0,), "hit rate"), *cells,
+             Versus("b", "p", "makespan", report.ratios(rows, "m", "p"))]  # fmt: skip
+    row = headline_table(lines).splitlines()[2]
+    x = "\N{MULTIPLICATION SIGN}"
+    assert row == (
+        f"| b | p | 2.00{x} | - | - | hit rate: 2.00{x}; failed, median 0 vs 7 (max 0 vs 7) | 1 |"
+    )
+
+
+def kept_record(benchmark: str, rows: list[dict]) -> dict:
+    return {
+        "benchmark": benchmark, "_file": "f.json", "started_utc": "2026-12-04T18:00:00Z",
+        "code": {"commit": "c0ffee", "dirty": False, "changed": []}, "host": {"cores": 2},
+        "versions": {}, "load_before": [1.0], "load_after": [1.0], "rows": rows, "notes": [],
+        "facts": {},
+    }  # fmt: skip
+
+
+def test_the_routing_shared_and_ray_sections_render_their_rows() -> None:
+    from benchmarks import bench_ray, bench_routing, bench_shared
+
+    routing = [
+        {"leg": leg, "run": run, "makespan_s": m, "short_n": 90, "short_p95_s": m / 10,
+         "long_n": 360, "long_p99_s": m, "hit_rate_own": 0.6, "served_a": 1, "served_b": 2,
+         "failed": 0}
+        for run in (1, 2) for leg, m in (("dsclient", 10.0), ("router-p2", 20.0))
+    ]  # fmt: skip
+    text = bench_routing.render([kept_record("routing", routing)])
+    assert "short p95 s" in text and "long p99 s" in text
+    cells = {(v.peer, v.column): v for v in bench_routing.headline([kept_record("routing", routing)])}
+    assert cells["router-p2", "makespan"].ratios == (0.5, 0.5)
+    assert cells["router-p2", "long-request tail"].label == "p99"
+
+    shared = [
+        {"leg": leg, "run": 1, "makespan_s": m, "queue_p90": q, "queue_max": q, "running_mean": 20,
+         "failed": 0}
+        for leg, m, q in (("four-shared", 8.0, 12), ("four-own", 8.0, 40), ("four-static", 16.0, 0))
+    ]  # fmt: skip
+    assert "four-static" in bench_shared.render([kept_record("shared", shared)])
+    versus = bench_shared.headline([kept_record("shared", shared)])
+    assert {(v.peer, v.column) for v in versus} >= {("four-static", "makespan"),
+                                                    ("four-own", "other")}  # fmt: skip
+
+    ray = [
+        {"leg": leg, "run": 1, "makespan_s": m, "failures": 4, "running_mean": 1.0,
+         "waiting_p90": 0}
+        for leg, m in (("dsclient", 10.0), ("ray-http-actors8", 20.0))
+    ]  # fmt: skip
+    assert "ray-http-actors8" in bench_ray.render([kept_record("ray", ray)])
+    (line,) = bench_ray.headline([kept_record("ray", ray)])
+    assert line.ratios == (0.5,) and line.label == "job"
