@@ -1,6 +1,6 @@
 """One batch job on Ray Data, two ways: dsclient's callable class against Ray's own HTTP processor.
 
-    python -m benchmarks ray                          # launches the tiny vLLM; two runs (~6 min)
+    python -m benchmarks ray                          # launches the tiny vLLM; three runs
     python -m benchmarks ray --url http://127.0.0.1:8000 --runs 1 --rows 200 --qps 10,40
 
 The job: ``--rows`` (400) prompts of ~16 words, plus ``--overlong`` (4) prompts longer than the
@@ -249,6 +249,8 @@ def main() -> None:
         help="Ray HTTP processor legs with this many actors and no qps (default 8)",
     )
     parser.add_argument("--no-shared", action="store_true", help="leave out the Redis leg")
+    parser.add_argument("--wait-for-others", type=float, metavar="SECONDS",
+                        help="wait at most this long for other vLLMs to stop (default: for ever)")
     args = parser.parse_args()
 
     import ray
@@ -271,7 +273,7 @@ def main() -> None:
     # is only needed in this process.
     sys.path.insert(0, str(ROOT))
     with (
-        tiny_vllm(args.url, max_num_seqs=8, max_model_len=2048) as url,
+        tiny_vllm(args.url, max_num_seqs=8, max_model_len=2048, wait_s=args.wait_for_others) as url,
         _redis() if not args.no_shared else _none() as redis_url,
     ):
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -1,6 +1,6 @@
 """Routing over two replicas, one slowed: dsclient vs client round-robin vs vllm-router.
 
-    flock /tmp/dsclient-vllm.lock python -m benchmarks routing             # 4 legs x 2 runs
+    flock /tmp/dsclient-vllm.lock python -m benchmarks routing             # 5 legs x 3 runs
     python -m benchmarks routing --legs round-robin,router-rr --runs 1      # some legs only
     python -m benchmarks routing --urls http://127.0.0.1:8000,http://127.0.0.1:8001
 
@@ -19,18 +19,22 @@ shared prefix) arriving at random over ``--short-window`` seconds. Every prompt 
 with a few words unique to that leg and run (its salt), so no leg finds the previous one's
 prefixes in the caches.
 
-Legs, over the SAME replicas, in forward order in odd runs and reversed in even runs:
+Legs, over the SAME replicas, in an order that rotates between runs (each run starts one leg
+later):
 
 - ``dsclient``: ``dsclient.AsyncClient([url_a, url_b], model=...)``, one ``generate()`` per
   request, every call started at its arrival (``asyncio.gather``), client defaults;
 - ``round-robin``: plain ``httpx.AsyncClient`` alternating the two URLs, **unbounded** (every
   call started at its arrival; the connection pool's limit lifted, as ``asyncio.gather`` over
   the openai SDK, whose pool allows 1000, would do here);
-- ``router-rr`` / ``router-cache``: the same unbounded httpx client through ``vllm-router``
-  (the ``vllm-router`` package, a Rust binary) started in front of the two replicas with
-  ``--policy round_robin`` / ``--policy cache_aware`` and its other defaults, stopped after the
-  leg. It is installed on first use into its own venv (``--router-venv``, default
-  ``~/.cache/dsclient/venvs/vllm-router``), never into the repo's.
+- ``router-rr`` / ``router-cache`` / ``router-p2``: the same unbounded httpx client through
+  ``vllm-router`` (pinned, :data:`ROUTER_VERSION`; a Rust binary) started in front of the two
+  replicas with ``--policy round_robin`` / ``cache_aware`` with its load-balancing guide's
+  settings (:data:`ROUTER_SETTINGS`) / ``power_of_two``, stopped after the leg. It is installed
+  on first use into its own venv (``--router-venv``, default
+  ``~/.cache/dsclient/venvs/vllm-router``), never into the repo's. In these legs the background
+  goes through the router as well, so that the router sees that load (as dsclient sees it in the
+  slowed replica's ``/metrics``); the background's seed is the same in every leg.
 
 Measured per leg: makespan (from the leg's start until its last request ended), short-request
 latency p50 / p99 (from its arrival, so time queued on the client counts), failed requests,
@@ -46,7 +50,9 @@ leg knows which replica answered (dsclient, round-robin), ``facts.last_answer_s`
 each replica's last answer came; for dsclient, ``facts.servers`` holds each server's limit and
 lanes at the end.
 
-Results go to ``benchmarks/results/routing-<timestamp>.json``; the summary table is printed.
+One summary row per leg and run is kept in ``benchmarks/results/routing/<UTC start>.json``
+(:mod:`benchmarks._results`, conditions recorded before the replicas start); the full rows go
+to ``benchmarks/results/routing-<timestamp>.json`` (gitignored); the summary table is printed.
 Hold the vLLM lock while it runs (it starts two vLLM servers).
 """
 
@@ -907,7 +913,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--urls", help="two running vLLMs, comma-separated (default: launch two)")
     p.add_argument("--legs", type=legs_arg, default=list(LEGS), help=",".join(LEGS))
-    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--runs", type=int, default=3)
     p.add_argument("--seed", type=int, default=16)
     p.add_argument("--long", type=int, default=Shape.long, help="requests on shared prefixes")
     p.add_argument("--short", type=int, default=Shape.short, help="short interactive requests")

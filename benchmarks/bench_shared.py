@@ -1,6 +1,6 @@
 """Four processes, one server: a shared budget in Redis against one process doing the same work.
 
-    python -m benchmarks shared                      # 2 runs x 3 legs, launches vLLM and Redis
+    python -m benchmarks shared                      # 3 runs x 4 legs, launches vLLM and Redis
     python -m benchmarks shared --requests 240 --runs 1
     python -m benchmarks shared --url http://127.0.0.1:8000 --redis redis://127.0.0.1:6379/0
     python -m benchmarks shared --cost               # CPU per request, shared= vs not (~1 min)
@@ -90,9 +90,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--url", help="a running vLLM (default: launch the tiny one)")
     p.add_argument("--redis", help="a running Redis (default: start redis-server)")
     p.add_argument("--requests", type=int, default=480, help="requests per leg (all processes)")
-    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--runs", type=int, default=3)
     p.add_argument("--seed", type=int, default=17)
     p.add_argument("--pause", type=float, default=3.0, help="seconds between legs")
+    p.add_argument("--wait-for-others", type=float, metavar="SECONDS",
+                   help="wait at most this long for other vLLMs to stop (default: for ever)")
     p.add_argument(
         "--cost", action="store_true", help="CPU per request only (mock server, real Redis)"
     )
@@ -461,7 +463,9 @@ def main(argv: list[str] | None = None) -> None:
     record.fact("legs", ABOUT)
     with (
         redis_at(args.redis) as redis_url,
-        tiny_vllm(args.url, max_num_seqs=MAX_NUM_SEQS, max_model_len=2048) as url,
+        tiny_vllm(
+            args.url, max_num_seqs=MAX_NUM_SEQS, max_model_len=2048, wait_s=args.wait_for_others
+        ) as url,
     ):
         rows = asyncio.run(run_all(url, redis_url, args, record))
     summary = summarize(rows)
