@@ -11,6 +11,9 @@ a GPU) says so on the line before its fence, and the test reports it with its re
 
     <!-- not-run: needs a Ray cluster -->
 
+A block that needs Redis says ``<!-- with-redis -->`` there instead: it runs with
+``redis://127.0.0.1:6379/0`` replaced by the URL of the tests' own redis-server.
+
 ``benchmarks.md`` is left out: its blocks are the benchmarks' commands and results, not examples.
 """
 
@@ -33,6 +36,8 @@ PAGES = [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]
 WIDTH = 88
 DOCS_URL = "http://127.0.0.1:8000"
 NOT_RUN = re.compile(r"<!--\s*not-run:\s*(.+?)\s*-->")
+WITH_REDIS = re.compile(r"<!--\s*with-redis\s*-->")
+DOCS_REDIS = "redis://127.0.0.1:6379/0"
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)(?P<info>[^\n`]*)$")
 
 
@@ -43,6 +48,7 @@ class Block:
     lang: str
     code: str
     not_run: str | None  # the reason given by a <!-- not-run: ... --> marker
+    redis: bool = False  # <!-- with-redis -->: runs against the tests' redis-server
 
     @property
     def id(self) -> str:
@@ -68,7 +74,16 @@ def blocks(path: Path) -> list[Block]:
         before = lines[i - 1] if i else ""
         marker = NOT_RUN.search(before)
         rel = path.relative_to(ROOT).as_posix()
-        found.append(Block(rel, i + 1, lang, body + "\n", marker[1] if marker else None))
+        found.append(
+            Block(
+                rel,
+                i + 1,
+                lang,
+                body + "\n",
+                marker[1] if marker else None,
+                bool(WITH_REDIS.search(before)),
+            )
+        )
         i = j + 1
     return found
 
@@ -197,8 +212,11 @@ def test_docs_python_block_runs(block: Block, request: pytest.FixtureRequest, tm
     if block.not_run:
         pytest.skip(f"marked not-run in {block.page}: {block.not_run}")
     server = request.getfixturevalue("vllm_server")
+    code = block.code.replace(DOCS_URL, server.url)
+    if block.redis:
+        code = code.replace(DOCS_REDIS, request.getfixturevalue("redis_url"))
     (tmp_path / "runner.py").write_text(RUNNER, encoding="utf-8")
-    (tmp_path / "block.py").write_text(block.code.replace(DOCS_URL, server.url), encoding="utf-8")
+    (tmp_path / "block.py").write_text(code, encoding="utf-8")
     out = subprocess.run(
         [sys.executable, "runner.py", "block.py", block.id],
         cwd=tmp_path,
