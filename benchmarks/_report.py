@@ -175,6 +175,7 @@ class Versus:
     label: str = ""
     workload: str = ""
     text: str = ""  # shown instead of the ratios (counts, where a ratio would mislead)
+    higher_better: bool = False
 
     def __post_init__(self) -> None:
         if self.column not in HEADLINE_COLUMNS:
@@ -319,10 +320,35 @@ def module_for(name: str) -> Any:
     return importlib.import_module(BENCHMARKS[name][0])
 
 
+def verdict(lines: Sequence[Versus]) -> str:
+    """Where dsclient's median was worse than the peer's, and where it was better, in words."""
+    worse, better = [], []
+    for v in lines:
+        found = summary(v.ratios)
+        if found is None or found[0] == 1:
+            continue
+        mid = found[0]
+        name = f"{v.benchmark} ({v.workload})" if v.workload else v.benchmark
+        what = f"{v.label} {v.column}" if v.label and v.column != "other" else v.label or v.column
+        item = f"{name} against {v.peer}, {what} {mid:.2f}\N{MULTIPLICATION SIGN}"
+        (better if (mid > 1) == v.higher_better else worse).append(item)
+    if not worse and not better:
+        return ""
+    parts = []
+    if worse:
+        parts.append(f"dsclient's median was worse in {len(worse)} of {len(worse) + len(better)} "
+                     "cells: " + "; ".join(worse) + ".")  # fmt: skip
+    if better:
+        parts.append(f"It was better in the other {len(better)}.")
+    return " ".join(parts)
+
+
 def render_block(name: str, root: Path) -> str:
     """The markdown of one generated block: the headline table, or a benchmark's section."""
     if name == HEADLINE:
-        return headline_table(headline_lines(root))
+        lines = headline_lines(root)
+        said = verdict(lines)
+        return headline_table(lines) + (f"\n\n{said}" if said else "")
     records = load_records(name, root)
     if not records:
         return "No results committed yet: run `python -m benchmarks " + name + "`."

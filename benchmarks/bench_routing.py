@@ -1014,7 +1014,7 @@ def headline(records: Sequence[dict[str, Any]]) -> list[report_.Versus]:
         ("makespan", "makespan_s", ""),
         ("short-request tail", short, short.split("_")[1]),
         ("long-request tail", long_, long_.split("_")[1]),
-        ("other", "hit_rate_own", "prefix hit rate, higher is better"),
+        ("other", "hit_rate_own", "prefix hit rate (higher is better)"),
     ]
     lines = []
     for peer in report_.legs(rows):
@@ -1023,7 +1023,9 @@ def headline(records: Sequence[dict[str, Any]]) -> list[report_.Versus]:
         for column, key, label in figures:
             found = report_.ratios(rows, key, peer)
             if found:
-                lines.append(report_.Versus("routing", peer, column, found, label))
+                higher = key == "hit_rate_own"
+                lines.append(report_.Versus("routing", peer, column, found, label,
+                                            higher_better=higher))  # fmt: skip
         lines += report_.failures(rows, "failed", peer, "routing")
     return lines
 

@@ -203,3 +203,18 @@ def test_the_routing_shared_and_ray_sections_render_their_rows() -> None:
     assert "ray-http-actors8" in bench_ray.render([kept_record("ray", ray)])
     (line,) = bench_ray.headline([kept_record("ray", ray)])
     assert line.ratios == (0.5,) and line.label == "job"
+
+
+def test_the_verdict_names_where_dsclient_was_worse() -> None:
+    lines = [
+        Versus("h", "p", "makespan", (1.5, 1.2, 2.0)),
+        Versus("h", "p", "short-request tail", (0.1,), "p95"),
+        Versus("r", "q", "other", (0.8,), "hit rate", higher_better=True),
+        Versus("r", "q", "other", (), text="failed, median 0 vs 3 (max 0 vs 3)"),
+    ]
+    x = "\N{MULTIPLICATION SIGN}"
+    assert report.verdict(lines) == (
+        f"dsclient's median was worse in 2 of 3 cells: h against p, makespan 1.50{x}; "
+        f"r against q, hit rate 0.80{x}. It was better in the other 1."
+    )
+    assert report.verdict([]) == ""
