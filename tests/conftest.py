@@ -8,8 +8,10 @@ served name ``"tiny"``. It fails (never skips) when the server venv is missing.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -159,3 +161,55 @@ def redis_server() -> Iterator[RedisServer]:
         pytest.fail(str(exc), pytrace=False)
     with server:
         yield server
+
+
+# --- Servers that publish nothing (tests/integration/blackbox.py) --------------------------------
+
+
+def _serve(server: contextlib.AbstractContextManager[str]) -> Iterator[str]:
+    """Enter a server's context manager; a server that cannot start fails the test (no skip)."""
+    with contextlib.ExitStack() as stack:
+        try:
+            url = stack.enter_context(server)
+        except RuntimeError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        yield url
+
+
+@pytest.fixture(scope="session")
+def nginx_vllm(_vllm_server_session: Server) -> Iterator[str]:
+    """The shared vLLM behind nginx passing only ``/v1/*`` (no /metrics, /tokenize, /health, and
+    no launch record at the gateway's URL). Yields the gateway's URL. Integration tests only."""
+    from tests.integration.blackbox import nginx_gateway
+
+    yield from _serve(nginx_gateway(_vllm_server_session.url))
+
+
+def _transformers_python() -> str:
+    try:
+        return str(resolve_server_python().python)
+    except LaunchError as exc:
+        pytest.fail(f"transformers serve runs from the vLLM server venv: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def transformers_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's folder, without an end-of-sequence token (answers are max_tokens long)."""
+    from tests.integration.blackbox import model_without_eos
+
+    tiny = make_tiny_model(python=_transformers_python())
+    return model_without_eos(tiny, tmp_path_factory.mktemp("tiny-no-eos"))
+
+
+@pytest.fixture(scope="session")
+def transformers_server(
+    transformers_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """transformers' own server (``transformers serve --continuous-batching``, CPU) listing the
+    tiny model as ``"local/m"`` from a private Hugging Face cache; other models (a folder's path)
+    it loads on demand without listing them. Yields its URL."""
+    from tests.integration.blackbox import hub_cache, transformers_server
+
+    home = tmp_path_factory.mktemp("hf-home")
+    hub_cache(transformers_model, home / "hub")
+    yield from _serve(transformers_server(_transformers_python(), hf_home=home))

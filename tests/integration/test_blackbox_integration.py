@@ -1,0 +1,132 @@
+"""The governor on servers that publish nothing about their load: behaviour, not timings.
+
+* ``nginx_vllm``: the shared vLLM behind nginx passing only ``/v1/*`` (the usual gateway): no
+  ``/metrics``, no ``/tokenize``; vLLM's ``endpoint-load-metrics`` answer header still passes.
+* ``transformers_server``: transformers' own server (``transformers serve
+  --continuous-batching``), which has no load signal anywhere: the limit must find the knee from
+  throughput alone.
+  It lists only the models in its Hugging Face cache and loads others on demand: a model the
+  caller names that it does not list must still be tried.
+
+Servers from tests/integration/blackbox.py, started once per session (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+import httpx
+import pytest
+
+import dsclient
+from dsclient import AsyncClient
+from tests.integration.blackbox import HUB_MODEL
+from tests.integration.test_client_integration import words
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+
+#: A map of a few hundred short requests: long enough for the limit to move, short enough for CI.
+BATCH = 300
+MAX_TOKENS = 8
+
+
+async def _map_sampled(
+    client: AsyncClient, n: int, **sampling: object
+) -> tuple[dsclient.BatchResults, list[int]]:
+    """``client.map()`` of ``n`` prompts, sampling ``client.limit`` every 0.1 s meanwhile."""
+    limits = [client.limit]
+    done = anyio.Event()
+
+    async def sample() -> None:
+        while not done.is_set():
+            limits.append(client.limit)
+            await anyio.sleep(0.1)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sample)
+        results = await client.map(
+            [words(12, i) for i in range(n)], max_tokens=MAX_TOKENS, progress=False, **sampling
+        )
+        done.set()
+    limits.append(client.limit)
+    return results, limits
+
+
+def _assert_every_item_once(results: dsclient.BatchResults, n: int) -> None:
+    failures = results.failures
+    assert not failures, f"{len(failures)} of {n} failed, e.g. {failures[0].error!r}"
+    assert [r.index for r in results.ok] == list(range(n))
+    retried = [r.index for r in results.ok if r.attempts != 1]
+    assert not retried, f"items sent more than once: {retried[:10]}"
+
+
+def _assert_limit_moved(control: object, limits: list[int]) -> None:
+    assert control is not None
+    moved = control.changes > 0 or control.limit != control.start  # type: ignore[attr-defined]
+    assert moved, f"the limit never left its start: {control!r}; sampled {sorted(set(limits))}"
+
+
+async def test_the_gateway_passes_only_v1_and_the_load_header(nginx_vllm):
+    async with httpx.AsyncClient(base_url=nginx_vllm, timeout=60) as http:
+        assert (await http.get("/v1/models")).status_code == 200
+        for path in ("/metrics", "/health", "/load", "/server_info"):
+            assert (await http.get(path)).status_code == 404, path
+        tokenize = await http.post("/tokenize", json={"model": "tiny", "prompt": "a b c"})
+        assert tokenize.status_code == 404
+        answer = await http.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": "a b c", "max_tokens": 2},
+            headers={"endpoint-load-metrics-format": "TEXT"},
+        )
+    assert answer.status_code == 200
+    assert "num_requests_waiting" in answer.headers.get("endpoint-load-metrics", "")
+
+
+async def test_vllm_behind_nginx_map_every_item_once_and_the_limit_moves(nginx_vllm):
+    async with AsyncClient(nginx_vllm) as client:
+        assert client.server is not None and client.server.model == "tiny"
+        results, limits = await _map_sampled(client, BATCH, ignore_eos=True)
+        control = client.stats().control
+    _assert_every_item_once(results, BATCH)
+    _assert_limit_moved(control, limits)
+    # The gateway hides /metrics; vLLM's answer header is what drives the limit.
+    assert control.signal == "endpoint-load-metrics", control
+    assert control.signal_age_s is not None
+    assert control.mode == "metrics", control
+
+
+async def test_transformers_serve_map_every_item_once_and_the_limit_finds_more_than_its_start(
+    transformers_server,
+):
+    async with httpx.AsyncClient(base_url=transformers_server, timeout=30) as http:
+        assert (await http.get("/metrics")).status_code == 404  # nothing to scrape
+        listed = [m["id"] for m in (await http.get("/v1/models")).json()["data"]]
+    assert listed == [HUB_MODEL]
+    async with AsyncClient(transformers_server) as client:
+        assert client.server is not None and client.server.model == HUB_MODEL
+        start = client.limit
+        results, limits = await _map_sampled(client, BATCH)
+        control = client.stats().control
+    _assert_every_item_once(results, BATCH)
+    _assert_limit_moved(control, limits)
+    assert control.mode == "throughput", control
+    assert control.signal == "throughput", control
+    # No signal but throughput: the default batch size is where it starts, not a ceiling.
+    assert max(limits) > start, (start, sorted(set(limits)))
+    assert all(r.usage.completion_tokens == MAX_TOKENS for r in results.ok)
+
+
+async def test_a_model_the_server_does_not_list_is_tried_with_a_warning(
+    transformers_server, transformers_model, caplog
+):
+    unlisted = str(transformers_model)  # a folder's path: loaded on demand, never listed
+    async with httpx.AsyncClient(base_url=transformers_server, timeout=30) as http:
+        listed = [m["id"] for m in (await http.get("/v1/models")).json()["data"]]
+    assert unlisted not in listed
+    with caplog.at_level(logging.WARNING, logger="dsclient"):
+        async with AsyncClient(transformers_server, model=unlisted) as client:
+            result = await client.generate("Once upon a time", max_tokens=4)
+    assert result.usage.completion_tokens == 4
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any(unlisted in message for message in warned), warned
