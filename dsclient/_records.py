@@ -70,6 +70,8 @@ class LaunchRecord:
         started_at: Unix time of the start.
         instance: a random token unique to this launch.
         log_path: where the server's output goes.
+        scheduling_policy: vLLM's ``--scheduling-policy`` (``"fcfs"``, ``"priority"``), when
+            the launch passed one; ``None``: vLLM's default (first-come).
     """
 
     url: str
@@ -82,6 +84,7 @@ class LaunchRecord:
     started_at: float
     instance: str
     log_path: str | None = None
+    scheduling_policy: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -97,6 +100,7 @@ class LaunchRecord:
             if not isinstance(data.get(key), str):
                 raise ValueError(f"launch record field {key!r} must be a string")
         log_path = data.get("log_path")
+        policy = data.get("scheduling_policy")
         return cls(
             url=data["url"],
             model=data["model"],
@@ -108,6 +112,7 @@ class LaunchRecord:
             started_at=float(data.get("started_at", 0.0)),
             instance=data["instance"],
             log_path=log_path if isinstance(log_path, str) else None,
+            scheduling_policy=policy if isinstance(policy, str) else None,
         )
 
 

@@ -425,7 +425,7 @@ async def test_batch_results_summary_and_html():
     table = stats_html(stats)
     assert "<td>short</td>" in table and "p99" in table
     # The limit control heads the table: mode, limit, why it last moved, the server's queue.
-    assert "<th>last change</th>" in table and "<td>latency</td>" in table
+    assert "<th>last change</th>" in table and "<td>throughput</td>" in table
     assert "<td>start</td>" in table and "<th>server waiting</th>" in table
 
 

@@ -328,7 +328,9 @@ async def test_vllm_dev_mode() -> None:
         "model": "/v1/models",
         "max_model_len": "/v1/models",
         "max_num_seqs": "vllm /server_info",
+        "priority": "vllm /version (V1 engine: accepted, honoured if its policy is)",
     }
+    assert (info.priority, info.priority_honoured) == ("lower-first", None)
     assert info.url == URL
 
 
@@ -704,3 +706,53 @@ async def test_a_probe_answer_in_an_odd_charset_or_encoding_is_read_as_utf8_or_s
         }
     )
     assert info.model == "tiny" and info.version is None
+
+
+# --- the server's own priority -------------------------------------------------------------------
+def _dev_mode(policy: str) -> dict[str, Any]:
+    return {
+        "vllm_config": {
+            "scheduler_config": {"max_num_seqs": 8, "policy": policy},
+            "model_config": {"max_model_len": 2048},
+        }
+    }
+
+
+@pytest.mark.parametrize(("policy", "honoured"), [("priority", True), ("fcfs", False)])
+async def test_vllm_dev_mode_tells_whether_priority_is_honoured(policy: str, honoured: bool) -> None:
+    routes = {**VLLM, "/server_info": _dev_mode(policy)}
+    info = await _discover(routes)
+    assert (info.priority, info.priority_honoured) == ("lower-first", honoured)
+    assert info.sources["priority"] == "vllm /server_info"
+    assert "priority" in str(info)
+
+
+async def test_priority_is_not_sent_where_the_server_is_not_known_to_take_it() -> None:
+    # A vLLM behind a gateway that routes only /v1/*: no version, so no knowing its engine.
+    gateway = {"/v1/models": VLLM["/v1/models"]}
+    info = await _discover(gateway)
+    assert info.kind == "vllm" and info.priority is None
+    old = await _discover({**gateway, "/version": {"version": "0.6.3"}})
+    assert old.priority is None  # V0 refused a non-zero priority on a first-come server
+    tgi = await _discover({"/info": TGI_INFO})
+    assert tgi.priority is None
+
+
+async def test_the_callers_word_on_priority_wins() -> None:
+    gateway = {"/v1/models": VLLM["/v1/models"]}
+    told = await _discover(gateway, priority=True)
+    assert (told.priority, told.priority_honoured, told.sources["priority"]) == (
+        "lower-first", True, "explicit")
+    never = await _discover(VLLM, priority=False)
+    assert (never.priority, never.priority_honoured) == (None, False)
+
+
+def test_sglang_server_info_priority_scheduling() -> None:
+    on = parse_sglang_server_info({"max_running_requests": 8, "enable_priority_scheduling": True})
+    assert on is not None and (on.priority_order, on.priority_honoured) == ("higher-first", True)
+    low = parse_sglang_server_info(
+        {"max_running_requests": 8, "enable_priority_scheduling": True,
+         "schedule_low_priority_values_first": True})
+    assert low is not None and low.priority_order == "lower-first"
+    off = parse_sglang_server_info({"max_running_requests": 8, "enable_priority_scheduling": False})
+    assert off is not None and (off.priority_order, off.priority_honoured) == (None, False)

@@ -117,6 +117,10 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         retry: the retry policy (:class:`dsclient.Retry`); ``Retry(attempts=1)`` turns it off.
         transport: any ``httpx.AsyncBaseTransport`` (tests pass ``httpx.MockTransport``).
         max_num_seqs: the server's batch size, if you know it better than discovery.
+        server_priority: whether the server reorders by the request field ``priority``
+            (vLLM ``--scheduling-policy priority``, SGLang ``--enable-priority-scheduling``):
+            ``True`` sends each call's lane and urgency there, ``False`` never sends it,
+            ``None`` (default) sends it where discovery knows the server takes it.
         headroom: where the limit starts, as a share of ``max_num_seqs`` (0 < headroom <= 2;
             default 0.7); with ``adaptive=False`` it is the limit for good.
         adaptive: let the limit follow the server (default). ``False`` keeps it where it starts.
@@ -168,6 +172,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         retry: Retry | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         max_num_seqs: int | None = None,
+        server_priority: bool | None = None,
         headroom: float = 0.7,
         adaptive: bool = True,
         limit: int | None = None,
@@ -235,6 +240,9 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
             window=self._retry.budget_window,
         )
         self._explicit_max_num_seqs = max_num_seqs
+        if server_priority is not None and not isinstance(server_priority, bool):
+            raise TypeError(f"server_priority must be a bool or None, got {server_priority!r}")
+        self._server_priority = server_priority
         self._explicit_max_model_len = max_model_len
         self._long_threshold = long_threshold
         self._default_max_tokens = default_max_tokens
@@ -558,8 +566,10 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
             prompt: the text to continue.
             max_tokens: the most tokens to generate; cut to the room the context leaves.
                 ``None`` sends the client's default (cut likewise).
-            urgency: higher is admitted first among waiting calls (client side only; vLLM's own
-                ``priority`` field, where lower runs first, can still be passed in ``sampling``).
+            urgency: higher is admitted first among waiting calls; where the server takes a
+                ``priority`` field (``client.server.priority``), it is sent there too, with the
+                lane (see ``dsclient.client._priority``). A ``priority`` passed in ``sampling``
+                is sent as it is.
             group: the traffic group, for ``group_caps``.
             timeout: seconds for this call (default: the client's).
             degrade: what to give up rather than miss the timeout (:class:`dsclient.Degrade`;

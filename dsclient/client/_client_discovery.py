@@ -60,6 +60,7 @@ class DiscoveryMixin:
     _path: RequestPath
     _model: str | None
     _explicit_max_num_seqs: int | None
+    _server_priority: bool | None
     _explicit_max_model_len: int | None
     _handle_facts: dict[str, dict[str, int]]
     _tokens: TokenCounter
@@ -142,6 +143,7 @@ class DiscoveryMixin:
             url,
             model=self._model,
             max_num_seqs=self._explicit_max_num_seqs,
+            priority=self._server_priority,
             max_model_len=self._explicit_max_model_len,
         )
         info = self._with_handle_facts(info, url)
@@ -234,6 +236,7 @@ class DiscoveryMixin:
                 url,
                 model=self._model,
                 max_num_seqs=self._explicit_max_num_seqs,
+                priority=self._server_priority,
                 max_model_len=self._explicit_max_model_len,
                 unlisted="raise",  # the other servers may list it: route it to those
             )

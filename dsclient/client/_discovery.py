@@ -43,6 +43,7 @@ import httpx
 
 from .._exceptions import DSClientError, ResponseTooLarge, parse_json
 from .._urls import root_url
+from ._priority import PriorityOrder
 from ._streaming import read_body
 
 __all__ = [
@@ -100,6 +101,10 @@ class Facts:
     max_input_tokens: int | None = None
     num_running: int | None = None
     num_waiting: int | None = None
+    #: The server's own priority: the order its values run in (``None``: not said) and
+    #: whether it reorders by them at all (the scheduling policy).
+    priority_order: PriorityOrder | None = None
+    priority_honoured: bool | None = None
 
 
 #: The largest count or length believed. No server runs 2**31 sequences or has a context that
@@ -217,6 +222,15 @@ def parse_vllm_server_info(obj: Any) -> Facts | None:
         length = (
             _pos_int(model_config.get("max_model_len")) if isinstance(model_config, dict) else None
         )
+        policy = scheduler.get("policy") if isinstance(scheduler, dict) else None
+        if policy in ("priority", "fcfs"):
+            return Facts(
+                kind="vllm",
+                max_num_seqs=seqs,
+                max_model_len=length,
+                priority_order="lower-first",
+                priority_honoured=policy == "priority",
+            )
     elif isinstance(config, str):
         seqs = _text_int(_VLLM_TEXT_FIELDS["max_num_seqs"].search(config))
         length = _text_int(_VLLM_TEXT_FIELDS["max_model_len"].search(config))
@@ -275,8 +289,15 @@ def parse_sglang_server_info(obj: Any) -> Facts | None:
     seqs = _pos_int(per_dp * dp_size) if per_dp is not None else None
     seqs = seqs or _pos_int(obj.get("max_running_requests"))
     served = obj.get("served_model_name")
+    enabled = obj.get("enable_priority_scheduling")
+    order: PriorityOrder | None = None
+    if enabled is True:
+        low_first = obj.get("schedule_low_priority_values_first") is True
+        order = "lower-first" if low_first else "higher-first"
     return Facts(
         kind="sglang",
+        priority_order=order,
+        priority_honoured=enabled if isinstance(enabled, bool) else None,
         version=_str(obj.get("version")),
         model=_str(served) or _str(obj.get("model_path")),
         max_num_seqs=seqs,
@@ -384,7 +405,10 @@ class ServerInfo:
     ``max_input_tokens`` is the prompt limit when the server has one apart from the context
     (TGI, SGLang). ``complete`` is false when ``/v1/models`` gave no answer (a connection error,
     a timeout, a 5xx, a garbled body): the model and context are then unknown, not absent, and
-    the client asks again (see ``AsyncClient``).
+    the client asks again (see ``AsyncClient``). ``priority`` is the order in which the client
+    sends each call's ``priority`` field (``"lower-first"``: vLLM; ``"higher-first"``: SGLang;
+    ``None``: not sent, the server is not known to take it) and ``priority_honoured`` whether
+    the server reorders by it (``None``: not known); see ``dsclient.client._priority``.
     """
 
     url: str
@@ -398,6 +422,8 @@ class ServerInfo:
     has_tokenize: bool = False
     sources: Mapping[str, str] = field(default_factory=dict)
     complete: bool = True
+    priority: PriorityOrder | None = None
+    priority_honoured: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
@@ -421,6 +447,8 @@ class ServerInfo:
             "has_tokenize": self.has_tokenize,
             "sources": dict(self.sources),
             "complete": self.complete,
+            "priority": self.priority,
+            "priority_honoured": self.priority_honoured,
         }
 
     def __str__(self) -> str:
@@ -437,6 +465,7 @@ class ServerInfo:
             ("max_num_seqs", str(self.max_num_seqs), "max_num_seqs"),
             ("max_input_tokens", show(self.max_input_tokens), "max_input_tokens"),
             ("/tokenize", "yes" if self.has_tokenize else "no", None),
+            ("priority", _priority_text(self.priority, self.priority_honoured), "priority"),
         ]
         if not self.complete:
             rows.append(("/v1/models", "no answer (asked again later)", None))
@@ -448,6 +477,61 @@ class ServerInfo:
             line = f"{name:<{width}}  {value:<{value_width}}"
             lines.append(f"{line}  ({source})" if source else line.rstrip())
         return "\n".join(lines)
+
+
+def _priority_text(order: PriorityOrder | None, honoured: bool | None) -> str:
+    if order is None:
+        return "not sent"
+    said = {True: "honoured", False: "ignored (first-come)", None: "honoured?"}[honoured]
+    return f"sent, {order}, {said}"
+
+
+#: vLLM's V1 engine (the only one from 0.10) accepts a priority on a first-come server.
+_VLLM_PRIORITY_SAFE = (0, 10)
+
+
+def _version_tuple(version: str | None) -> tuple[int, int] | None:
+    match = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def _priority_of(
+    kind: ServerKind,
+    version: str | None,
+    facts: Mapping[str, Facts | None],
+    record: Any,
+    explicit: bool | None,
+    sources: dict[str, str],
+) -> tuple[PriorityOrder | None, bool | None]:
+    """Whether to send the server's ``priority``, in which order, and whether it honours it."""
+    if explicit is False:
+        sources["priority"] = "explicit"
+        return None, False
+    for key, label in (
+        ("vllm_server_info", "vllm /server_info"),
+        ("sglang_server_info", "sglang /server_info"),
+        ("sglang_get_server_info", "sglang /get_server_info"),
+    ):
+        found = facts.get(key)
+        if found is not None and found.priority_honoured is not None:
+            if explicit:
+                sources["priority"] = "explicit"
+                return found.priority_order or "lower-first", True
+            sources["priority"] = label
+            return found.priority_order, found.priority_honoured
+    policy = getattr(record, "scheduling_policy", None)
+    order: PriorityOrder = "higher-first" if kind == "sglang" else "lower-first"
+    if explicit:
+        sources["priority"] = "explicit"
+        return order, True
+    if kind == "vllm" and policy in ("priority", "fcfs"):
+        sources["priority"] = "launcher record"
+        return "lower-first", policy == "priority"
+    known = _version_tuple(version)
+    if kind == "vllm" and known is not None and known >= _VLLM_PRIORITY_SAFE:
+        sources["priority"] = "vllm /version (V1 engine: accepted, honoured if its policy is)"
+        return "lower-first", None
+    return None, None
 
 
 # --- records ------------------------------------------------------------------------------------
@@ -561,6 +645,7 @@ async def discover(
     timeout: float = 2.0,
     records: RecordSource | Literal["auto"] | None = "auto",
     unlisted: Literal["warn", "raise"] = "warn",
+    priority: bool | None = None,
 ) -> ServerInfo:
     """Find the server's kind, version, models and limits.
 
@@ -581,6 +666,8 @@ async def discover(
             transformers' server lists only its cache and loads others on demand, a gateway
             may route names it does not list), or refused (``"raise"``: a pool, whose other
             servers may list it).
+        priority: the caller's word on the server's priority scheduling: ``True`` it reorders
+            by ``priority`` (send it), ``False`` never send it, ``None`` find out.
 
     Raises:
         ValueError: ``model`` is not among the served models and ``unlisted="raise"``, or none
@@ -754,9 +841,13 @@ async def discover(
             max_input, sources["max_input_tokens"] = found.max_input_tokens, labels[key]
             break
 
+    order, honoured = _priority_of(kind, version, facts, record, priority, sources)
+
     info = ServerInfo(
         url=root,
         kind=kind,
+        priority=order,
+        priority_honoured=honoured,
         version=version,
         model=model,
         models=served or (),

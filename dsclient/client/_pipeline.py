@@ -52,6 +52,7 @@ from .._exceptions import (
 )
 from ..governor._health import Reachability
 from ..governor._load import LOAD_HEADER, LOAD_HEADER_FORMAT
+from ._priority import with_priority
 from ._retry import Retry, RetryBudget, compute_backoff, describe, is_retryable, retry_after_of
 from ._streaming import MAX_BODY_BYTES, read_body, read_json, read_prefix
 
@@ -310,7 +311,10 @@ class RequestPath:
         async def attempt() -> dict[str, Any]:
             slot = await self._take(lane, urgency, group, call)
             try:
-                data = await self._post_json(self._server(call), path, body)
+                server = self._server(call)
+                order = server.info.priority if server.info is not None else None
+                sent = with_priority(body, lane, urgency, order)
+                data = await self._post_json(server, path, sent)
             except BaseException as exc:
                 await self._release_failed(slot, exc, call)
                 raise
@@ -344,7 +348,10 @@ class RequestPath:
         async def attempt() -> tuple[httpx.Response, Lease]:
             slot = await self._take(lane, urgency, group, call)
             try:
-                response = await self._open(self._root(call), path, body)
+                server = self._server(call)
+                order = server.info.priority if server.info is not None else None
+                sent = with_priority(body, lane, urgency, order)
+                response = await self._open(self._root(call), path, sent)
             except BaseException as exc:
                 await self._release_failed(slot, exc, call)
                 raise

@@ -71,6 +71,7 @@ class Client:
         retry: Retry | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         max_num_seqs: int | None = None,
+        server_priority: bool | None = None,
         headroom: float = 0.7,
         adaptive: bool = True,
         limit: int | None = None,

@@ -195,6 +195,16 @@ def plan_launch(
     return plan
 
 
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value given to ``flag`` in ``args`` (``--flag v`` or ``--flag=v``), or ``None``."""
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg[len(flag) + 1 :]
+    return None
+
+
 def _wants_check(check_flags: bool | None, extra_args: Sequence[str]) -> bool:
     return bool(extra_args) if check_flags is None else check_flags
 
@@ -348,7 +358,7 @@ def launch(
 
     ``replicas=N`` plans N servers of the model on this machine instead (each on its own port
     and share of the CPUs or GPUs) and returns them as one
-    :class:`~dsclient.launcher.ServerGroup`, started and stopped together::
+    :class:`~dsclient.launcher.ServerGroup`, started and stopped together:
 
     ```python
     with launch(model_dir, served_model_name="tiny", replicas=2) as group:
@@ -668,6 +678,7 @@ class Server:
             started_at=self.started_at or time.time(),
             instance=self._instance,
             log_path=str(self.log_path),
+            scheduling_policy=_flag_value(self.plan.extra_args, "--scheduling-policy"),
         )
 
     def _ready(self) -> None:
