@@ -3,6 +3,7 @@
     python -m benchmarks                      # list them
     python -m benchmarks headline             # dsclient vs what you would use instead (~8 min)
     python -m benchmarks client-cost          # client CPU per request (mock transport, ~1 min)
+    python -m benchmarks client-scale         # 16-1024 in flight: req/s, CPU per HTTP stack
     python -m benchmarks governor             # online + batch on a real tiny vLLM (~12 min)
     python -m benchmarks placement            # where vLLM's EngineCore runs (real vLLM, ~4 min)
     python -m benchmarks closed-loop          # closed-loop governor on hand-started vLLMs (real)
@@ -38,6 +39,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "client-cost": (
         "benchmarks.bench_client_cost",
         "client CPU per request: bare httpx vs dsclient vs openai (in-process mock server)",
+    ),
+    "client-scale": (
+        "benchmarks.bench_client_scale",
+        "16-1024 in flight on a free local server: req/s and CPU/request per HTTP stack",
     ),
     "governor": (
         "benchmarks.bench_governor",

@@ -27,8 +27,7 @@ import json
 import re
 from typing import Any
 
-import httpx
-
+from ._http import httpx
 from ._retry_after import parse_retry_after_header
 
 __all__ = [

@@ -15,7 +15,7 @@ import email.utils
 import math
 import time
 
-import httpx
+from ._http import httpx
 
 __all__ = ["parse_retry_after", "parse_retry_after_header"]
 

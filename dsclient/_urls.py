@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-import httpx
+from ._http import httpx
 
 __all__ = ["root_url", "url_label"]
 

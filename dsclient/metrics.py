@@ -55,8 +55,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Final
 
-import httpx
-
+from ._http import httpx
 from ._observe import CallRecord
 from ._urls import url_label
 

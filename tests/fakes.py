@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+from dsclient._http import httpx
 
 Handler = Callable[[httpx.Request], httpx.Response]
 

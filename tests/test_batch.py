@@ -9,12 +9,12 @@ import json
 import sys
 
 import anyio
-import httpx
 import pytest
 
 import dsclient
 from dsclient import AsyncClient, Failure, RequestRefused
 from dsclient._display import stats_html
+from dsclient._http import httpx
 from dsclient.batch import _batch
 from dsclient.batch._batch import BatchResults, iter_map_blocking, read_ahead
 from dsclient.batch._jsonl import JsonlStore, derive_id, item_id, valid_length

@@ -9,9 +9,9 @@ import random
 import sys
 
 import anyio
-import httpx
 import pytest
 
+from dsclient._http import httpx
 from dsclient.cli import build_parser
 from dsclient.cli.bench import (
     Bench,

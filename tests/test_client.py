@@ -7,7 +7,6 @@ import logging
 import random
 
 import anyio
-import httpx
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
@@ -23,6 +22,7 @@ from dsclient import (
     Retry,
     TimeoutError,
 )
+from dsclient._http import httpx
 from dsclient.client._tokens import CALIBRATION_TEXT
 
 from .fakes import FakeServer, RecordedSleep, chat_body, completion_body
@@ -659,9 +659,8 @@ async def test_observers_hear_every_call_and_cannot_break_it():
 async def test_public_surface_servers_limit_raise_and_observers() -> None:
     """``client.servers``, ``on_limit_raise`` and ``add_observer``: the surface the batch runner,
     the metrics and the CLI use instead of the client's privates."""
-    import httpx
-
     import dsclient
+    from dsclient._http import httpx
 
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models":

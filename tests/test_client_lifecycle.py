@@ -7,11 +7,11 @@ import random
 import threading
 
 import anyio
-import httpx
 import pytest
 
 import dsclient
 from dsclient import AsyncClient, ConnectionError, Retry
+from dsclient._http import httpx
 
 from .fakes import FakeServer, RecordedSleep
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import anyio
-import httpx
 import pytest
 
 import dsclient
+from dsclient._http import httpx
 from dsclient.client._degrade import MIN_SAMPLES, Degrade, Pace, predict_s
 from tests.fakes import completion_body
 

@@ -7,9 +7,9 @@ import logging
 from types import SimpleNamespace
 from typing import Any
 
-import httpx
 import pytest
 
+from dsclient._http import httpx
 from dsclient.client._discovery import (
     DEFAULT_MAX_NUM_SEQS,
     OLLAMA_DEFAULT_PARALLEL,

@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable
 
 import anyio
-import httpx
 import pytest
 
+from dsclient._http import httpx
 from dsclient.client._discovery import ServerInfo
 from dsclient.governor._endpoint import LEARNED_SOURCE, ControlOptions, Endpoint, fetch_load
 from dsclient.governor._governor import Slot

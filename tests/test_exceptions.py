@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
 import dsclient
@@ -15,6 +14,7 @@ from dsclient._exceptions import (
     context_overflow_from_response,
     error_from_response,
 )
+from dsclient._http import httpx
 
 
 def _openai_error(message: str, code: int = 400) -> str:

@@ -9,7 +9,6 @@ import random
 from collections.abc import AsyncIterator, Iterator
 
 import anyio
-import httpx
 import pytest
 
 from dsclient import (
@@ -20,6 +19,7 @@ from dsclient import (
     Retry,
     TimeoutError,
 )
+from dsclient._http import httpx
 from tests.integration.faultproxy import (
     Drop,
     FaultProxy,

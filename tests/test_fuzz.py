@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
-import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -36,6 +35,7 @@ from dsclient._exceptions import (
     context_overflow_from_response,
     error_from_response,
 )
+from dsclient._http import httpx
 from dsclient._models import CompletionResult, Failure, Result, Usage
 from dsclient.batch._jsonl import MAP_RECORDS, JsonlStore, explicit_id, item_id, scan_records
 from dsclient.client._discovery import (

@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 import anyio
-import httpx
 import pytest
 
 from dsclient import launcher
+from dsclient._http import httpx
 from dsclient._records import read_record, record_matches
 from dsclient.cli import main
 from dsclient.launcher import (

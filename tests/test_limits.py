@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
-import httpx
 import pytest
 
 from dsclient import (
@@ -32,6 +31,7 @@ from dsclient import (
     Retry,
 )
 from dsclient._exceptions import ERROR_BODY_BYTES, ResponseTooLarge
+from dsclient._http import httpx
 from dsclient._models import Failure
 from dsclient.client._discovery import PROBE_BODY_BYTES, discover
 from dsclient.client._pipeline import RequestPath
@@ -341,8 +341,9 @@ async def test_a_stream_that_is_refused_forever_sees_a_bounded_number_of_tries()
 
 # -- TLS ---------------------------------------------------------------------------------------
 def _ssl_context(http: httpx.AsyncClient) -> ssl.SSLContext:
-    # httpx keeps the context on its connection pool; no connection is made to read it.
-    context = http._transport._pool._ssl_context  # type: ignore[attr-defined]
+    # The default transport (aiohttp's pool) keeps the context it hands every TLS connection;
+    # no connection is made to read it.
+    context = http._transport.ssl_context  # type: ignore[attr-defined]
     assert isinstance(context, ssl.SSLContext)
     return context
 

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 
-import httpx
 import openai
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -21,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import dsclient
 import dsclient.metrics
 from dsclient import AsyncClient, DSClientError, RequestRefused
+from dsclient._http import httpx
 from dsclient._observe import CallRecord
 from dsclient.governor._load import Load
 

@@ -8,10 +8,10 @@ import json
 import random
 
 import anyio
-import httpx
 import pytest
 
 from dsclient import AsyncClient, ConnectionError, Retry
+from dsclient._http import httpx
 
 from .fakes import completion_body
 

@@ -7,10 +7,10 @@ import json
 import random
 
 import anyio
-import httpx
 import pytest
 
 from dsclient import AsyncClient, MalformedResponse, Overloaded, RequestRefused, Retry
+from dsclient._http import httpx
 
 from .fakes import FakeServer, completion_body
 

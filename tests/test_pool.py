@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import httpx
 import pytest
 
 import dsclient
+from dsclient._http import httpx
 from tests.fakes import completion_body
 
 pytestmark = pytest.mark.anyio

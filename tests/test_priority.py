@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import random
 
-import httpx
 import pytest
 
 from dsclient import AsyncClient
+from dsclient._http import httpx
 from dsclient.client._priority import server_priority, with_priority
 
 from .fakes import FakeServer, RecordedSleep

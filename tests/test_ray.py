@@ -11,7 +11,6 @@ import pickle
 import subprocess
 import sys
 
-import httpx
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -19,6 +18,7 @@ import pytest
 
 import dsclient
 from dsclient import ChatResult, CompletionResult, ContextOverflow, Failure, Usage
+from dsclient._http import httpx
 from dsclient.ray import (
     OUTPUT_COLUMNS,
     Generate,

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
-import httpx
 import pytest
 
 from dsclient import launcher
+from dsclient._http import httpx
 from dsclient._records import read_record
 from dsclient.cli import main
 from dsclient.launcher import LaunchError, Server, ServerGroup, ServerStartError, _install, launch

@@ -9,10 +9,10 @@ import logging
 import math
 
 import anyio
-import httpx
 import pytest
 
 from dsclient import AsyncClient
+from dsclient._http import httpx
 from dsclient.governor._shared import (
     LEASE_S,
     Peer,

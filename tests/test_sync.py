@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 
-import httpx
-
 import dsclient
+from dsclient._http import httpx
 
 from .fakes import FakeServer, chat_body, completion_body
 

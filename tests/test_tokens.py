@@ -8,10 +8,10 @@ import random
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from dsclient._exceptions import ContextOverflow
+from dsclient._http import httpx
 from dsclient.client import _tokens
 from dsclient.client._tokens import (
     BYTES_PER_TOKEN,

@@ -10,11 +10,11 @@ import random
 from typing import Any
 
 import anyio
-import httpx
 import openai
 import pytest
 
 from dsclient import AsyncClient, Client, Retry
+from dsclient._http import httpx
 from dsclient.client._sdk_plan import overflow_message, parse_options, usage_of
 
 from .fakes import RecordedSleep, chat_body, completion_body

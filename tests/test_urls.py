@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
+from dsclient._http import httpx
 from dsclient._records import normalize_url
 from dsclient._urls import root_url, url_label
 from dsclient.client._discovery import discover

@@ -34,9 +34,9 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any
 
 import anyio
-import httpx
 
 from .._exceptions import DSClientError, RequestRefused, parse_json
+from .._http import httpx
 from .._models import ChatResult, CompletionResult, Failure, Result, Usage
 from ..batch._batch import InvalidItem, Outcome, _Options, _run_direct
 from ..batch._jsonl import JsonlStore, derive_id, explicit_id

@@ -30,9 +30,9 @@ from collections.abc import (
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
-import httpx
 import sniffio
 
+from .._http import httpx, transport_for
 from .._models import ChatResult, CompletionResult, Failure, Result
 from .._observe import Observer
 from ..batch._batch import BatchResults, OnError, iter_map, run_map
@@ -115,7 +115,12 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         max_response_bytes: the largest answer (or stream line) read; a longer one fails with
             :class:`dsclient.ResponseTooLarge` (default 16 MiB: a completion is kilobytes).
         retry: the retry policy (:class:`dsclient.Retry`); ``Retry(attempts=1)`` turns it off.
-        transport: any ``httpx.AsyncBaseTransport`` (tests pass ``httpx.MockTransport``).
+        transport: any ``httpx.AsyncBaseTransport``, of the ``httpx2`` package or of ``httpx``
+            (tests pass ``httpx.MockTransport``); default: ``http_stack``'s.
+        http_stack: how requests are sent when no ``transport`` is given: ``"aiohttp"``
+            (default: aiohttp's connection pool under httpx2's API; httpx2's own under trio),
+            ``"httpx2"`` or ``"httpx"`` (their own pools, several times the CPU per request at
+            hundreds in flight: ``docs/transport.md``).
         max_num_seqs: the server's batch size, if you know it better than discovery.
         server_priority: whether the server reorders by the request field ``priority``
             (vLLM ``--scheduling-policy priority``, SGLang ``--enable-priority-scheduling``):
@@ -171,6 +176,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         max_response_bytes: int = MAX_BODY_BYTES,
         retry: Retry | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        http_stack: str = "aiohttp",
         max_num_seqs: int | None = None,
         server_priority: bool | None = None,
         headroom: float = 0.7,
@@ -287,7 +293,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         # of a call whose own timeout was longer (or None) short, and the call failed after its
         # retries although the server was answering. Connecting stays bounded per attempt.
         self._http = httpx.AsyncClient(
-            transport=transport,
+            transport=transport_for(http_stack, transport),
             headers=request_headers,
             timeout=httpx.Timeout(None, connect=_CONNECT_TIMEOUT_S),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),

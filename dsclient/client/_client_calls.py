@@ -17,9 +17,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
-import httpx
 
 from .._exceptions import TimeoutError
+from .._http import httpx
 from .._models import Result
 from .._observe import CallRecord, Observer
 from ..governor._endpoint import Endpoint

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
-import httpx
 
 from .._exceptions import ConnectionError, DSClientError
+from .._http import httpx
 from ..governor._endpoint import Endpoint, fetch_load
 from ..governor._governor import choose_lane, default_long_threshold
 from ._discovery import ServerInfo, discover

@@ -39,9 +39,9 @@ from typing import Any, Literal, Protocol
 
 import anyio
 import anyio.to_thread
-import httpx
 
 from .._exceptions import DSClientError, ResponseTooLarge, parse_json
+from .._http import httpx
 from .._urls import root_url
 from ._priority import PriorityOrder
 from ._streaming import read_body

@@ -39,7 +39,6 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
-import httpx
 
 from .._exceptions import (
     ConnectionError,
@@ -50,6 +49,7 @@ from .._exceptions import (
     redact,
     translate_request_error,
 )
+from .._http import httpx
 from ..governor._health import Reachability
 from ..governor._load import LOAD_HEADER, LOAD_HEADER_FORMAT
 from ._priority import with_priority

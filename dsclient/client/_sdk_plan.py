@@ -10,9 +10,8 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-import httpx
-
 from .._exceptions import ContextOverflow, parse_json
+from .._http import httpx
 from ..governor._governor import choose_lane, default_long_threshold
 from ..governor._routing import prefix_text
 

@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import httpx
 
 from .._exceptions import DSClientError, TimeoutError, translate_transport_error
+from .._http import httpx
 from .._observe import CallRecord
 from ._pipeline import outcome_of
 from ._request import Lane, Prompt, deadline

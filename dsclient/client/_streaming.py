@@ -18,8 +18,6 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
-
 from .._exceptions import (
     ERROR_BODY_BYTES,
     MalformedResponse,
@@ -28,6 +26,7 @@ from .._exceptions import (
     parse_json,
     translate_request_error,
 )
+from .._http import httpx
 
 __all__ = [
     "MAX_BODY_BYTES",

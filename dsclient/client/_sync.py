@@ -33,9 +33,9 @@ from ._discovery import ServerInfo
 from ._streaming import MAX_BODY_BYTES
 
 if TYPE_CHECKING:
-    import httpx
     import openai
 
+    from .._http import httpx
     from ..batch._batch import OnError
     from ..batch._jsonl import JsonlStore
     from ..governor._routing import RoutingPolicy
@@ -70,6 +70,7 @@ class Client:
         max_response_bytes: int = MAX_BODY_BYTES,
         retry: Retry | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        http_stack: str = "aiohttp",
         max_num_seqs: int | None = None,
         server_priority: bool | None = None,
         headroom: float = 0.7,

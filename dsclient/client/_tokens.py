@@ -40,8 +40,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from .._exceptions import (
     ContextOverflow,
     DSClientError,
@@ -49,6 +47,7 @@ from .._exceptions import (
     decode_text,
     parse_json,
 )
+from .._http import httpx
 from ._streaming import MAX_BODY_BYTES, read_body, read_prefix
 
 __all__ = [

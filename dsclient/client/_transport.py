@@ -74,7 +74,6 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
-import httpx
 
 from .._exceptions import (
     ContextOverflow,
@@ -85,6 +84,7 @@ from .._exceptions import (
     TimeoutError,
     TransportError,
 )
+from .._http import httpx
 from .._observe import CallRecord
 from ._request import deadline
 from ._sdk_plan import (
@@ -644,9 +644,8 @@ def async_openai(
     import openai
 
     http = async_httpx(client, urgency=urgency, group=group, overflow=overflow)
-    # openai 2.x+ is typed for httpx2 clients and accepts httpx ("legacy") ones at run time
-    # (openai/_httpx2.py: is_legacy_httpx_async_client); dsclient is built on httpx.
-    return openai.AsyncOpenAI(http_client=http, **_sdk_kwargs(client, kwargs))  # type: ignore[arg-type]
+    # openai 3.x is built on httpx2, as dsclient is (dsclient/_http.py): the client is its own.
+    return openai.AsyncOpenAI(http_client=http, **_sdk_kwargs(client, kwargs))
 
 
 def async_httpx(
@@ -670,7 +669,7 @@ def sync_openai(
     import openai
 
     http = sync_httpx(portal, client, urgency=urgency, group=group, overflow=overflow)
-    return openai.OpenAI(http_client=http, **_sdk_kwargs(client, kwargs))  # type: ignore[arg-type]
+    return openai.OpenAI(http_client=http, **_sdk_kwargs(client, kwargs))
 
 
 def sync_httpx(

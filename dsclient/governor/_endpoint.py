@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
-import httpx
 
 from .._exceptions import DSClientError, decode_text
+from .._http import httpx
 from ..client._discovery import ServerInfo
 from ..client._streaming import read_body
 from ._control import SLOW_START, CapacityLearner, ControlStats, LimitController, Mode

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, overload
 
 import anyio
 import anyio.to_thread
-import httpx
 
+from .._http import httpx
 from .._records import LaunchRecord, remove_record, state_dir, write_record
 from ._argcheck import check_vllm_flags, vllm_arguments
 from ._errors import LaunchError, ServerStartError, VllmFlagsError

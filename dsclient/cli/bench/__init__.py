@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import anyio
-import httpx
 
+from ..._http import httpx, transport_for
 from .policy import (
     DEFAULT_TOKENS_PER_WORD,
     KNEE_FRACTION,
@@ -286,7 +286,7 @@ def run(
 
     async def main_async() -> None:
         http = httpx.AsyncClient(
-            transport=transport,
+            transport=transport_for("aiohttp", transport),
             timeout=httpx.Timeout(args.timeout, connect=min(args.timeout, 10.0)),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
             headers={"User-Agent": "dsclient-bench/0.1"},

@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
 import anyio
-import httpx
 
+from ..._http import httpx
 from ...governor._load import Load
 from .policy import (
     DEFAULT_TOKENS_PER_WORD,

@@ -1,0 +1,528 @@
+"""Hundreds in flight from one process: requests/s and client CPU per request of each HTTP stack.
+
+    python -m benchmarks client-scale                          # all legs, 2000 and 20000 requests
+    python -m benchmarks client-scale --n 2000 --concurrency 16 256 --legs aiohttp dsclient
+    python -m benchmarks client-scale --profile dsclient --concurrency 256 --n 5000
+
+A local server in its own process (a raw asyncio protocol: it parses the request line and headers,
+skips the body and writes a canned vLLM completion; ``/v1/models`` for dsclient's discovery, 404
+for anything else) costs next to nothing per request, so what limits the rate is the client. Each
+leg runs in a fresh subprocess (its own imports, sockets and memory); it first sends ``concurrency``
+uncounted requests (the pool's connections open), then ``n`` more, all gathered at once behind a
+semaphore of ``concurrency`` (dsclient: behind its own governor, ``limit=concurrency``). Measured
+in the leg: wall seconds and ``time.process_time()`` over the ``n`` (client CPU only: the server
+is another process), RSS after the first 1000 answers and at the end, file descriptors before the
+client was built and after ``aclose()``, and every ``ResourceWarning`` (``-W always``, a
+``gc.collect()`` after closing).
+
+Legs: ``aiohttp`` (a ``ClientSession`` with an unbounded connector), ``httpx2`` and ``httpx`` (an
+unbounded pool), ``openai`` (``AsyncOpenAI`` as users run it, ``max_retries=0``) and
+``openai-aiohttp`` (``http_client=DefaultAioHttpClient()``), ``dsclient`` (``generate()``),
+``dsclient-map`` (``client.map()``), ``dsclient-openai`` (``client.openai()``) and
+``dsclient-httpx`` (dsclient on the httpx stack it used to default to: ``http_stack="httpx"``).
+Results: one JSON per invocation under ``benchmarks/results/`` (see :mod:`benchmarks._results`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import CANNED_COMPLETION, CANNED_MODELS, median, say
+
+LEGS = [
+    "aiohttp",
+    "httpx2",
+    "httpx",
+    "openai",
+    "openai-aiohttp",
+    "dsclient",
+    "dsclient-map",
+    "dsclient-openai",
+    "dsclient-httpx",
+]
+PLAIN = ["aiohttp", "httpx2", "httpx", "openai", "openai-aiohttp"]
+PEERS = ["aiohttp", "httpx2", "httpx", "openai", "httpcore", "httpcore2"]
+MAX_TOKENS = 16
+
+
+def prompt(i: int) -> str:
+    return f"Request {i}: write one sentence about the sea"
+
+
+# -- the server --------------------------------------------------------------------------------
+def _answer(status: str, body: bytes) -> bytes:
+    head = (
+        f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+_COMPLETION = _answer("200 OK", CANNED_COMPLETION)
+_MODELS = _answer("200 OK", CANNED_MODELS)
+_MISSING = _answer("404 Not Found", b'{"detail":"Not Found"}')
+
+
+class _Http(asyncio.Protocol):
+    """HTTP/1.1 keep-alive, one request at a time per connection (no client here pipelines)."""
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.buffer = b""
+        self.need = -1  # body bytes still to skip for the request being read; -1: in the head
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer + data
+        while True:
+            if self.need < 0:
+                end = buffer.find(b"\r\n\r\n")
+                if end < 0:
+                    break
+                head = buffer[:end]
+                buffer = buffer[end + 4 :]
+                line, _, rest = head.partition(b"\r\n")
+                path = line.split(b" ", 2)[1]
+                length = 0
+                for header in rest.split(b"\r\n"):
+                    name, _, value = header.partition(b":")
+                    if name.lower() == b"content-length":
+                        length = int(value)
+                self.need = length
+                self.path = path
+            if len(buffer) < self.need:
+                break
+            buffer = buffer[self.need :]
+            self.need = -1
+            path = self.path
+            if path.endswith(b"/completions"):
+                self.transport.write(_COMPLETION)
+            elif path.startswith(b"/v1/models"):
+                self.transport.write(_MODELS)
+            else:
+                self.transport.write(_MISSING)
+        self.buffer = buffer
+
+
+def serve(port: int) -> None:
+    """Run the server until killed."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(_Http, "127.0.0.1", port, backlog=4096)
+        print("ready", flush=True)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(run())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- the legs ----------------------------------------------------------------------------------
+class Meter:
+    """Counts answers; RSS after the first 1000 and the peak seen every 500."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.rss_1000: int | None = None
+        self.rss_max = 0
+
+    def tick(self) -> None:
+        self.done += 1
+        if self.done % 500 == 0:
+            rss = _rss()
+            self.rss_max = max(self.rss_max, rss)
+            if self.done == 1000:
+                self.rss_1000 = rss
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+Send = Callable[[int], Awaitable[str]]
+
+
+async def _gathered(send: Send, n: int, concurrency: int, meter: Meter, start: int) -> None:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        async with sem:
+            text = await send(i)
+        assert text, i
+        meter.tick()
+
+    await asyncio.gather(*(one(start + i) for i in range(n)))
+
+
+async def _timed(
+    run: Callable[[int, int, Meter], Awaitable[None]], n: int, concurrency: int
+) -> dict[str, Any]:
+    """Warm up (``concurrency`` requests), then time ``n``."""
+    await run(concurrency, -(10**9), Meter())
+    meter = Meter()
+    gc.collect()
+    wall, cpu = time.perf_counter(), time.process_time()
+    await run(n, 0, meter)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    assert meter.done == n, (meter.done, n)
+    return {"wall_s": wall, "cpu_s": cpu, "rss_1000": meter.rss_1000, "rss_max": meter.rss_max}
+
+
+async def leg_aiohttp(url: str, n: int, concurrency: int) -> dict[str, Any]:
+    import aiohttp
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def send(i: int) -> str:
+            body = {"model": "tiny", "prompt": prompt(i), "max_tokens": MAX_TOKENS}
+            async with session.post(url + "/v1/completions", json=body) as response:
+                response.raise_for_status()
+                data = json.loads(await response.read())
+            return str(data["choices"][0]["text"])
+
+        return await _timed(lambda k, s, m: _gathered(send, k, concurrency, m, s), n, concurrency)
+
+
+async def _leg_httpx(module: Any, url: str, n: int, concurrency: int) -> dict[str, Any]:
+    limits = module.Limits(max_connections=None, max_keepalive_connections=None)
+    async with module.AsyncClient(limits=limits, timeout=600) as http:
+
+        async def send(i: int) -> str:
+            body = {"model": "tiny", "prompt": prompt(i), "max_tokens": MAX_TOKENS}
+            response = await http.post(url + "/v1/completions", json=body)
+            response.raise_for_status()
+            return str(json.loads(response.content)["choices"][0]["text"])
+
+        return await _timed(lambda k, s, m: _gathered(send, k, concurrency, m, s), n, concurrency)
+
+
+async def leg_httpx2(url: str, n: int, concurrency: int) -> dict[str, Any]:
+    import httpx2
+
+    return await _leg_httpx(httpx2, url, n, concurrency)
+
+
+async def leg_httpx(url: str, n: int, concurrency: int) -> dict[str, Any]:
+    import httpx
+
+    return await _leg_httpx(httpx, url, n, concurrency)
+
+
+async def _leg_openai(sdk: Any, n: int, concurrency: int) -> dict[str, Any]:
+    async with sdk:
+
+        async def send(i: int) -> str:
+            completion = await sdk.completions.create(
+                model="tiny", prompt=prompt(i), max_tokens=MAX_TOKENS
+            )
+            return str(completion.choices[0].text)
+
+        return await _timed(lambda k, s, m: _gathered(send, k, concurrency, m, s), n, concurrency)
+
+
+async def leg_openai(url: str, n: int, concurrency: int) -> dict[str, Any]:
+    import openai
+
+    sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    return await _leg_openai(sdk, n, concurrency)
+
+
+async def leg_openai_aiohttp(url: str, n: int, concurrency: int) -> dict[str, Any]:
+    import openai
+
+    http = openai.DefaultAioHttpClient()
+    sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, http_client=http)
+    return await _leg_openai(sdk, n, concurrency)
+
+
+def _dsclient(url: str, concurrency: int, **options: Any) -> Any:
+    import dsclient
+
+    return dsclient.AsyncClient(url, limit=concurrency, timeout=600, **options)
+
+
+async def _leg_dsclient(url: str, n: int, concurrency: int, **options: Any) -> dict[str, Any]:
+    async with _dsclient(url, concurrency, **options) as client:
+
+        async def run(k: int, start: int, meter: Meter) -> None:
+            async def one(i: int) -> None:
+                result = await client.generate(prompt(i), max_tokens=MAX_TOKENS)
+                assert result.text
+                meter.tick()
+
+            await asyncio.gather(*(one(start + i) for i in range(k)))
+
+        return await _timed(run, n, concurrency)
+
+
+async def leg_dsclient(url: str, n: int, concurrency: int) -> dict[str, Any]:
+    return await _leg_dsclient(url, n, concurrency)
+
+
+async def leg_dsclient_httpx(url: str, n: int, concurrency: int) -> dict[str, Any]:
+    return await _leg_dsclient(url, n, concurrency, http_stack="httpx")
+
+
+async def leg_dsclient_map(url: str, n: int, concurrency: int) -> dict[str, Any]:
+    async with _dsclient(url, concurrency) as client:
+
+        async def run(k: int, start: int, meter: Meter) -> None:
+            async def items() -> Any:
+                for i in range(k):
+                    yield prompt(start + i)
+                    if i % 500 == 499:  # map() gives results at the end: sample RSS as it feeds
+                        meter.done = i + 1 - 500
+                        for _ in range(500):
+                            meter.tick()
+
+            results = await client.map(items(), max_tokens=MAX_TOKENS, on_error="raise")
+            assert len(results) == k
+            meter.done = k
+
+        return await _timed(run, n, concurrency)
+
+
+async def leg_dsclient_openai(url: str, n: int, concurrency: int) -> dict[str, Any]:
+    async with _dsclient(url, concurrency) as client:
+        sdk = client.openai()
+
+        async def run(k: int, start: int, meter: Meter) -> None:
+            async def one(i: int) -> None:
+                completion = await sdk.completions.create(
+                    model="tiny", prompt=prompt(start + i), max_tokens=MAX_TOKENS
+                )
+                assert completion.choices[0].text
+                meter.tick()
+
+            await asyncio.gather(*(one(i) for i in range(k)))
+
+        try:
+            return await _timed(run, n, concurrency)
+        finally:
+            await sdk.close()
+
+
+LEG_FUNCTIONS: dict[str, Callable[[str, int, int], Awaitable[dict[str, Any]]]] = {
+    "aiohttp": leg_aiohttp,
+    "httpx2": leg_httpx2,
+    "httpx": leg_httpx,
+    "openai": leg_openai,
+    "openai-aiohttp": leg_openai_aiohttp,
+    "dsclient": leg_dsclient,
+    "dsclient-map": leg_dsclient_map,
+    "dsclient-openai": leg_dsclient_openai,
+    "dsclient-httpx": leg_dsclient_httpx,
+}
+
+
+def run_leg(leg: str, url: str, n: int, concurrency: int) -> dict[str, Any]:
+    """One leg in this process: its measurements, fds and ResourceWarnings included."""
+    fds_before = _fds()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        result = asyncio.run(LEG_FUNCTIONS[leg](url, n, concurrency))
+        gc.collect()
+    result["fds_left"] = _fds() - fds_before
+    result["resource_warnings"] = [
+        str(w.message)[:200] for w in caught if issubclass(w.category, ResourceWarning)
+    ]
+    return result
+
+
+def _child(leg: str, url: str, n: int, concurrency: int, timeout: float) -> dict[str, Any]:
+    command = [
+        sys.executable,
+        "-W",
+        "always::ResourceWarning",
+        "-m",
+        "benchmarks.bench_client_scale",
+    ]
+    command += ["--child", leg, "--url", url, "--n", str(n), "--concurrency", str(concurrency)]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, check=False, cwd=_ROOT
+    )
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]}
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- the report --------------------------------------------------------------------------------
+def table(rows: list[dict[str, Any]]) -> str:
+    """A markdown table per ``n``: requests/s and CPU us/request by leg and concurrency."""
+    out = []
+    for n in sorted({r["n"] for r in rows}):
+        concs = sorted({r["concurrency"] for r in rows if r["n"] == n})
+        legs = [leg for leg in LEGS if any(r["leg"] == leg and r["n"] == n for r in rows)]
+        out.append(f"\n{n} requests: requests/s | client CPU us/request (median of the runs)\n")
+        out.append("| leg | " + " | ".join(f"{c} in flight" for c in concs) + " |")
+        out.append("|---|" + "---|" * len(concs))
+        for leg in legs:
+            cells = []
+            for c in concs:
+                mine = [r for r in rows if (r["leg"], r["n"], r["concurrency"]) == (leg, n, c)]
+                ok = [r for r in mine if "rps" in r]
+                if not ok:
+                    cells.append("failed" if mine else "")
+                    continue
+                rps = median([r["rps"] for r in ok])
+                cpu = median([r["cpu_per_req"] for r in ok])
+                cells.append(f"{rps:,.0f} / {cpu * 1e6:,.0f}")
+            out.append(f"| {leg} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def goals(rows: list[dict[str, Any]]) -> list[str]:
+    """Per run, n and concurrency: each dsclient leg against the fastest plain client."""
+    lines = []
+    keys = sorted({(r["run"], r["n"], r["concurrency"]) for r in rows})
+    for run, n, c in keys:
+        here = {r["leg"]: r for r in rows if (r["run"], r["n"], r["concurrency"]) == (run, n, c)}
+        plain = [here[leg] for leg in PLAIN if "rps" in here.get(leg, {})]
+        if not plain:
+            continue
+        best = max(plain, key=lambda r: r["rps"])
+        for leg in ("dsclient", "dsclient-map", "dsclient-openai"):
+            mine = here.get(leg, {})
+            if "rps" not in mine:
+                continue
+            speed = mine["rps"] / best["rps"]
+            cost = mine["cpu_per_req"] / best["cpu_per_req"]
+            met = "met" if speed >= 0.8 and cost <= 1.2 else "MISSED"
+            lines.append(
+                f"run {run} n={n} c={c} {leg}: {speed:.2f}x the rate, {cost:.2f}x the CPU of "
+                f"{best['leg']} -> {met}"
+            )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks client-scale", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--n", type=int, nargs="+", default=[2000, 20000])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64, 256, 1024])
+    parser.add_argument("--legs", nargs="+", default=LEGS, choices=LEGS)
+    parser.add_argument("--runs", type=int, default=1, help="runs in this invocation")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per leg")
+    parser.add_argument("--no-save", action="store_true", help="do not write a results file")
+    parser.add_argument("--profile", choices=LEGS, help="pyinstrument one leg, print its tree")
+    parser.add_argument("--child", choices=LEGS, help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.serve:
+        serve(args.serve)
+        return
+    if args.child:
+        result = run_leg(args.child, args.url, args.n[0], args.concurrency[0])
+        print(json.dumps(result))
+        return
+
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.bench_client_scale", "--serve", str(port)],
+        stdout=subprocess.PIPE,
+        cwd=_ROOT,
+    )
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == b"ready"
+        url = f"http://127.0.0.1:{port}"
+        if args.profile:
+            _profile(args.profile, url, args.n[0], args.concurrency[0])
+            return
+        _measure(args, url)
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def _profile(leg: str, url: str, n: int, concurrency: int) -> None:
+    from pyinstrument import Profiler
+
+    async def go() -> None:
+        profiler = Profiler(async_mode="disabled")
+        profiler.start()
+        result = await LEG_FUNCTIONS[leg](url, n, concurrency)
+        profiler.stop()
+        print(result)
+        print(profiler.output_text(unicode=False, color=False, show_all=False))
+
+    asyncio.run(go())
+
+
+def _measure(args: argparse.Namespace, url: str) -> None:
+    from benchmarks._results import Run
+
+    params = {"n": args.n, "concurrency": args.concurrency, "legs": args.legs, "runs": args.runs}
+    run = Run.begin("client-scale", params=params, peers=PEERS)
+    rows: list[dict[str, Any]] = []
+    for number in range(1, args.runs + 1):
+        for n in args.n:
+            for c in args.concurrency:
+                for leg in args.legs:
+                    got = _child(leg, url, n, c, args.timeout)
+                    row: dict[str, Any] = {"leg": leg, "run": number, "concurrency": c, "n": n}
+                    if "error" in got:
+                        row["error"] = " ".join(got["error"])[:300]
+                        say(f"run {number} n={n} c={c} {leg}: FAILED {got['error']}")
+                    else:
+                        row.update(
+                            rps=n / got["wall_s"],
+                            cpu_per_req=got["cpu_s"] / n,
+                            rss_1000_mb=_mb(got["rss_1000"]),
+                            rss_max_mb=_mb(got["rss_max"]),
+                            fds_left=got["fds_left"],
+                            resource_warnings=len(got["resource_warnings"]),
+                        )
+                        say(
+                            f"run {number} n={n} c={c} {leg}: {row['rps']:,.0f} req/s, "
+                            f"{row['cpu_per_req'] * 1e6:,.0f} us CPU/req, "
+                            f"RSS {row['rss_1000_mb']} -> {row['rss_max_mb']} MB, "
+                            f"fds left {row['fds_left']}, "
+                            f"ResourceWarnings {row['resource_warnings']}"
+                        )
+                    run.add(**row)
+                    rows.append(row)
+    print(table(rows))
+    print()
+    print("\n".join(goals(rows)))
+    if not args.no_save:
+        say(f"saved {run.save()}")
+
+
+def _mb(value: int | None) -> float | None:
+    return None if value is None else round(value / 2**20, 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""The HTTP stack, chosen here and nowhere else: httpx2's API over aiohttp's connections.
+
+    from .._http import httpx          # the httpx API every module uses (the httpx2 package)
+    http = httpx.AsyncClient(transport=default_transport())
+
+Measured with ``python -m benchmarks client-scale`` (``docs/transport.md``): against a local server
+that costs nothing, aiohttp sends a completion for about 0.1 ms of CPU at 16 to 1024 in flight;
+httpx2's own pool takes 0.6 ms at 16 and 3 ms at 256, httpx 0.29's 1.4 and 5.5 ms. dsclient keeps
+httpx's API (``httpx.Request`` / ``Response``, ``MockTransport`` as the unit-test seam, the
+``httpx.AsyncClient`` that :meth:`AsyncClient.httpx` hands to openai 3.x and LangChain) from
+the ``httpx2`` package, the API-compatible fork openai 3.x is built on, and sends over
+:class:`AiohttpTransport`, an ``httpx.AsyncBaseTransport`` on an aiohttp connection pool.
+
+* :func:`default_transport` gives that transport under asyncio and httpx2's own
+  (``httpx.AsyncHTTPTransport``) under trio, which aiohttp does not run on.
+* ``AsyncClient(http_stack="httpx2")`` asks for httpx2's own pool; ``"httpx"`` for httpx 0.29's
+  (the default before; the ``httpx`` package must be installed). Either is a choice, never the
+  default.
+* A transport of the ``httpx`` package (``httpx.MockTransport`` in a caller's tests) still works:
+  :func:`adapt_transport` wraps it so that its requests, answers and errors cross between the two
+  packages.
+
+Errors: the transport turns aiohttp's exceptions into httpx's (``ConnectError``, ``ReadError``,
+``ConnectTimeout``, ``RemoteProtocolError``), as httpx's own transports turn httpcore's; dsclient's
+errors are made from those in one place, :func:`dsclient._exceptions.translate_request_error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import sys
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx2 as httpx
+import sniffio
+
+__all__ = [
+    "HTTP_STACKS",
+    "AiohttpTransport",
+    "HttpStack",
+    "adapt_transport",
+    "default_transport",
+    "httpx",
+    "transport_for",
+]
+
+HttpStack = str
+#: The stacks ``AsyncClient(http_stack=...)`` takes; the first is the default.
+HTTP_STACKS = ("aiohttp", "httpx2", "httpx")
+
+
+def transport_for(stack: HttpStack, transport: Any = None) -> httpx.AsyncBaseTransport:
+    """What a client sends through: ``transport`` if given (:func:`adapt_transport`), else
+    ``stack``'s (:func:`default_transport`).
+
+        http = httpx.AsyncClient(transport=transport_for("aiohttp", None))
+
+    Raises:
+        ValueError: an unknown ``stack`` (even with a ``transport``: the option is still wrong).
+    """
+    if stack not in HTTP_STACKS:
+        raise ValueError(f"http_stack must be one of {', '.join(HTTP_STACKS)}; got {stack!r}")
+    return default_transport(stack) if transport is None else adapt_transport(transport)
+
+
+def default_transport(stack: HttpStack = "aiohttp") -> httpx.AsyncBaseTransport:
+    """The transport of ``stack``: ``"aiohttp"`` (aiohttp's pool under asyncio, httpx2's under
+    trio), ``"httpx2"`` (httpx2's pool), ``"httpx"`` (httpx 0.29's pool, adapted).
+
+    The pool is unbounded: dsclient's governor is the only concurrency limit.
+
+    Raises:
+        ValueError: an unknown stack.
+    """
+    if stack == "aiohttp":
+        return AiohttpTransport()
+    if stack == "httpx2":
+        return httpx.AsyncHTTPTransport(limits=_LIMITS)
+    if stack == "httpx":
+        import httpx as legacy
+
+        limits = legacy.Limits(max_connections=None, max_keepalive_connections=512)
+        return adapt_transport(legacy.AsyncHTTPTransport(limits=limits))
+    raise ValueError(f"http_stack must be one of {', '.join(HTTP_STACKS)}; got {stack!r}")
+
+
+_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+
+
+# -- aiohttp under httpx's API -----------------------------------------------------------------
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    """An httpx transport that sends over an aiohttp connection pool (under asyncio).
+
+        http = httpx.AsyncClient(transport=AiohttpTransport())
+
+    The session is made on the first request, in the running loop; under another event loop
+    library (trio) every request goes through httpx2's own transport instead. The request's
+    ``timeout`` extension bounds connecting and each read (``None``: no bound); bodies are
+    handed over undecoded (httpx decodes ``Content-Encoding``), and an answer not read to its
+    end closes its connection when the response is closed.
+    """
+
+    def __init__(self) -> None:
+        self._ssl: ssl.SSLContext | None = None
+        self._session: Any = None
+        self._fallback: httpx.AsyncBaseTransport | None = None
+        self._closed = False
+
+    @property
+    def ssl_context(self) -> ssl.SSLContext:
+        """What every TLS connection verifies against: certificates and host names, as httpx's
+        default (made on first use: loading the CA bundle takes milliseconds)."""
+        if self._ssl is None:
+            self._ssl = httpx.create_ssl_context()
+        return self._ssl
+
+    def _open(self) -> Any:
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=0, keepalive_timeout=30.0, ssl=self.ssl_context
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,  # httpx decodes, under dsclient's byte cap
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
+            cookie_jar=aiohttp.DummyCookieJar(),
+            timeout=aiohttp.ClientTimeout(total=None),
+        )
+        return self._session
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._closed:
+            raise RuntimeError("the transport is closed")
+        if sniffio.current_async_library() != "asyncio":
+            if self._fallback is None:
+                self._fallback = httpx.AsyncHTTPTransport(limits=_LIMITS)
+            return await self._fallback.handle_async_request(request)
+        session = self._session or self._open()
+        import aiohttp
+        from yarl import URL
+
+        timeouts = request.extensions.get("timeout") or {}
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=timeouts.get("connect"), sock_read=timeouts.get("read")
+        )
+        body = request.content if isinstance(request.stream, httpx.ByteStream) else None
+        if body is None:
+            body = await request.aread()
+        with _aiohttp_errors(request):
+            response = await session.request(
+                request.method,
+                URL(str(request.url), encoded=True),
+                headers=request.headers.multi_items(),
+                data=body or None,
+                timeout=timeout,
+                allow_redirects=False,
+            )
+        return httpx.Response(
+            response.status,
+            headers=response.raw_headers,
+            stream=_AiohttpStream(response, request),
+            extensions={"http_version": b"HTTP/1.1", "reason_phrase": b""},
+        )
+
+    async def aclose(self) -> None:
+        self._closed = True
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+        if self._fallback is not None:
+            await self._fallback.aclose()
+
+
+class _AiohttpStream(httpx.AsyncByteStream):
+    def __init__(self, response: Any, request: httpx.Request) -> None:
+        self._response = response
+        self._request = request
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        with _aiohttp_errors(self._request):
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+
+    async def aclose(self) -> None:
+        # An answer read to its end gives its connection back to the pool; one that was not
+        # (over the cap, cancelled) closes it.
+        self._response.release()
+
+
+@contextlib.contextmanager
+def _aiohttp_errors(request: httpx.Request) -> Iterator[None]:
+    """aiohttp's exceptions as httpx's, the cause kept."""
+    import aiohttp
+
+    try:
+        yield
+    except aiohttp.ClientError as exc:
+        raise _as_httpx(exc, request) from exc
+    except asyncio.TimeoutError as exc:  # a read (or connect) past the request's timeout
+        raise httpx.ReadTimeout(str(exc) or "read timed out", request=request) from exc
+
+
+def _as_httpx(exc: Exception, request: httpx.Request) -> httpx.TransportError:
+    import aiohttp
+
+    message = str(exc) or type(exc).__name__
+    kind: type[httpx.TransportError]
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        kind = httpx.ConnectTimeout
+    elif isinstance(exc, aiohttp.ServerTimeoutError):
+        kind = httpx.ReadTimeout
+    elif isinstance(exc, aiohttp.ClientConnectorError):
+        kind = httpx.ConnectError
+    elif isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError)):
+        kind = httpx.RemoteProtocolError
+    elif isinstance(exc, aiohttp.InvalidURL):
+        kind = httpx.UnsupportedProtocol
+    else:
+        kind = httpx.ReadError
+    return kind(message, request=request)
+
+
+# -- a transport of the httpx package ----------------------------------------------------------
+def adapt_transport(transport: Any) -> httpx.AsyncBaseTransport:
+    """``transport`` as an httpx2 transport: itself if it is one, else (an ``httpx`` package
+    transport: ``httpx.MockTransport(handler)``) wrapped so that requests, answers and errors
+    cross between the two packages.
+
+    Raises:
+        TypeError: neither an httpx2 nor an httpx async transport.
+    """
+    if isinstance(transport, httpx.AsyncBaseTransport):
+        return transport
+    legacy = sys.modules.get("httpx")
+    if legacy is not None and isinstance(transport, legacy.AsyncBaseTransport):
+        return _FromHttpx(transport, legacy)
+    raise TypeError(
+        f"transport must be an httpx.AsyncBaseTransport (httpx2 or httpx), got "
+        f"{type(transport).__name__}"
+    )
+
+
+class _FromHttpx(httpx.AsyncBaseTransport):
+    """An ``httpx`` package transport behind httpx2's interface."""
+
+    def __init__(self, inner: Any, module: Any) -> None:
+        self._inner = inner
+        self._module = module
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        legacy = self._module
+        outgoing = legacy.Request(
+            request.method,
+            str(request.url),
+            headers=request.headers.raw,
+            content=await request.aread(),
+            extensions=request.extensions,
+        )
+        with self._errors(request):
+            response = await self._inner.handle_async_request(outgoing)
+        return httpx.Response(
+            response.status_code,
+            headers=response.headers.raw,
+            stream=_FromHttpxStream(response.stream, request, self),
+            extensions=response.extensions,
+        )
+
+    @contextlib.contextmanager
+    def _errors(self, request: httpx.Request) -> Iterator[None]:
+        try:
+            yield
+        except self._module.HTTPError as exc:
+            kind = getattr(httpx, type(exc).__name__, None)
+            if not (isinstance(kind, type) and issubclass(kind, httpx.RequestError)):
+                kind = httpx.TransportError
+            raise kind(str(exc), request=request) from exc
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _FromHttpxStream(httpx.AsyncByteStream):
+    def __init__(self, stream: Any, request: httpx.Request, owner: _FromHttpx) -> None:
+        self._stream = stream
+        self._request = request
+        self._owner = owner
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        with self._owner._errors(self._request):
+            async for chunk in self._stream:
+                yield chunk
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
