@@ -21,13 +21,15 @@ family                                   type       what
 =======================================  =========  ==============================================
 ``dsclient_limit``                       gauge      the in-flight limit now (at that server)
 ``dsclient_limit_changes_total``         counter    times the limit controller moved it
+``dsclient_limit_signal{mode,signal}``   gauge      1: what drives the limit (see below)
+``dsclient_limit_signal_age_seconds``    gauge      age of that signal's last reading
 ``dsclient_in_flight``                   gauge      calls holding a slot
 ``dsclient_waiting``                     gauge      calls queued in the client for a slot
-``dsclient_server_running``              gauge      the server's batch, as last scraped
-``dsclient_server_waiting``              gauge      the server's own queue, as last scraped
+``dsclient_server_running``              gauge      the server's batch, as last read
+``dsclient_server_waiting``              gauge      the server's own queue, as last read
 ``dsclient_server_waiting_target``       gauge      the server queue the controller aims at
 ``dsclient_server_kv_cache_usage``       gauge      share of the server's KV cache in use
-``dsclient_server_load_age_seconds``     gauge      age of that scrape (none while idle)
+``dsclient_server_load_age_seconds``     gauge      age of that reading (none while idle)
 ``dsclient_max_num_seqs{source}``        gauge      the server's batch size, and who said so
 ``dsclient_requests_total``              counter    calls by ``lane``, ``outcome``, ``status``
 ``dsclient_request_latency_seconds``     histogram  call latency by ``lane`` (retries included)
@@ -35,6 +37,15 @@ family                                   type       what
 ``dsclient_retries_total``               counter    attempts beyond the first
 ``dsclient_tokens_total{kind}``          counter    ``prompt`` / ``completion`` tokens
 =======================================  =========  ==============================================
+
+``dsclient_limit_signal`` has one series a server, value 1, whose labels say how the limit is
+driven: ``mode`` (``metrics``: the server's queue; ``throughput``: no queue signal, the knee found
+from the answers; ``fixed``) and ``signal``, where the reading comes from (``/metrics``,
+``endpoint-load-metrics``: vLLM's load header on every answer, ``sglang /v1/loads``,
+``llama.cpp /slots``, ``throughput``, ``fixed``); it is absent until the controller has a mode.
+``dsclient_limit_signal_age_seconds`` is how old that signal's last reading is (absent before the
+first). ``docs/assets/grafana-dsclient.json`` is a Grafana dashboard of these beside vLLM's own
+gauges.
 
 ``outcome`` is ``"ok"`` or the error's class name (``"RequestRefused"``, ``"Overloaded"``, ...);
 ``status`` the HTTP status of a refusal, empty when the server sent none (success included);
@@ -296,18 +307,30 @@ class Collector:
             "Times the limit controller moved the limit (restarts at rediscovery).",
             labels=server,
         )
+        signal = gauge(
+            "dsclient_limit_signal",
+            "1, labelled with what drives the limit: mode (metrics, throughput, fixed) and signal "
+            "(/metrics, endpoint-load-metrics, sglang /v1/loads, llama.cpp /slots, throughput, "
+            "fixed).",
+            labels=["server", "mode", "signal"],
+        )
+        signal_age = gauge(
+            "dsclient_limit_signal_age_seconds",
+            "Seconds since the signal that drives the limit was last read.",
+            labels=server,
+        )
         in_flight = gauge("dsclient_in_flight", "Calls holding a slot now.", labels=server)
         waiting = gauge(
             "dsclient_waiting", "Calls waiting in the client's queue for a slot.", labels=server
         )
         running = gauge(
             "dsclient_server_running",
-            "Sequences in the server's batch, as last scraped from its /metrics.",
+            "Sequences in the server's batch, as last read (see dsclient_limit_signal).",
             labels=server,
         )
         server_waiting = gauge(
             "dsclient_server_waiting",
-            "Requests in the server's own queue, as last scraped from its /metrics.",
+            "Requests in the server's own queue, as last read (see dsclient_limit_signal).",
             labels=server,
         )
         target = gauge(
@@ -317,12 +340,12 @@ class Collector:
         )
         kv_usage = gauge(
             "dsclient_server_kv_cache_usage",
-            "Share of the server's KV cache in use (0-1), as last scraped.",
+            "Share of the server's KV cache in use (0-1), as last read.",
             labels=server,
         )
         load_age = gauge(
             "dsclient_server_load_age_seconds",
-            "Seconds since the server's /metrics were last scraped (scraped only under traffic).",
+            "Seconds since the server's load was last read (read only under traffic).",
             labels=server,
         )
         max_num_seqs = gauge(
@@ -366,6 +389,9 @@ class Collector:
                     control = view.stats.control
                     if control is not None:
                         changes.add_metric(label, control.changes)
+                        signal.add_metric([*label, control.mode, control.signal], 1)
+                        if control.signal_age_s is not None:
+                            signal_age.add_metric(label, control.signal_age_s)
                         if control.server_running is not None:
                             running.add_metric(label, control.server_running)
                         if control.server_waiting is not None:
@@ -408,6 +434,8 @@ class Collector:
         families = (
             limit,
             changes,
+            signal,
+            signal_age,
             in_flight,
             waiting,
             running,
