@@ -1031,14 +1031,13 @@ def headline(records: Sequence[dict[str, Any]]) -> list[report_.Versus]:
 
 
 def router_version(venv: Path) -> str | None:
+    """The vllm-router installed in ``venv`` (its own interpreter's metadata), or ``None``."""
+    code = "import importlib.metadata as m; print(m.version('vllm-router'))"
     done = subprocess.run(
-        [os.fspath(venv / "bin" / "python"), "-m", "pip", "show", ROUTER_PACKAGE],
+        [os.fspath(venv / "bin" / "python"), "-c", code],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
-    for line in done.stdout.splitlines():
-        if line.startswith("Version:"):
-            return line.split(":", 1)[1].strip()
-    return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
 
 
 if __name__ == "__main__":
