@@ -137,19 +137,33 @@ def leg_table(
     *,
     about: Mapping[str, str] | None = None,
 ) -> str:
-    """One line per leg: its runs, then each column's median (min-max) over them."""
+    """One line per leg: its runs, then each column's median (min-max) over them.
+
+    A tail column's heading names the tail most legs support; a leg whose runs support less
+    (fewer answers: failures) says its own in the cell (``max: 6.25``).
+    """
     if not rows:
         return "No rows."
-    resolved = [resolve(c, rows) for c in columns]
-    head = ["leg", "runs", *(h for h, _ in resolved)]
+    names = legs(rows)
+    per_leg = {name: select(rows, leg=name) for name in names}
+    heads, keys = [], []
+    for column in columns:
+        own = {name: resolve(column, mine) for name, mine in per_leg.items()}
+        tails = [key for _, key in own.values()]
+        common = max(tails, key=tails.count)
+        heads.append(next(h for h, k in own.values() if k == common))
+        keys.append({name: key for name, (_, key) in own.items()} | {"": common})
+    head = ["leg", "runs", *heads]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name in legs(rows):
-        mine = select(rows, leg=name)
+    for name in names:
+        mine = per_leg[name]
         runs = len({r.get("run") for r in mine})
-        cells = [
-            spread_cell((r.get(key) for r in mine), column.digits, column.suffix)
-            for column, (_, key) in zip(columns, resolved, strict=True)
-        ]
+        cells = []
+        for column, key in zip(columns, keys, strict=True):
+            cell = spread_cell((r.get(key[name]) for r in mine), column.digits, column.suffix)
+            if key[name] != key[""] and cell != NONE:
+                cell = f"{key[name].split('_')[1]}: {cell}"
+            cells.append(cell)
         label = f"{name}: {about[name]}" if about and name in about else name
         lines.append("| " + " | ".join([label, str(runs), *cells]) + " |")
     return "\n".join(lines)
@@ -321,26 +335,42 @@ def module_for(name: str) -> Any:
 
 
 def verdict(lines: Sequence[Versus]) -> str:
-    """Where dsclient's median was worse than the peer's, and where it was better, in words."""
-    worse, better = [], []
+    """Per figure, the peers against which dsclient's median was worse, and better, as a list."""
+    groups: dict[tuple[str, str], tuple[list[str], list[str], list[float], list[float]]] = {}
     for v in lines:
         found = summary(v.ratios)
-        if found is None or found[0] == 1:
+        if found is None:
             continue
-        mid = found[0]
         name = f"{v.benchmark} ({v.workload})" if v.workload else v.benchmark
         what = f"{v.label} {v.column}" if v.label and v.column != "other" else v.label or v.column
-        item = f"{name} against {v.peer}, {what} {mid:.2f}\N{MULTIPLICATION SIGN}"
-        (better if (mid > 1) == v.higher_better else worse).append(item)
-    if not worse and not better:
-        return ""
-    parts = []
-    if worse:
-        parts.append(f"dsclient's median was worse in {len(worse)} of {len(worse) + len(better)} "
-                     "cells: " + "; ".join(worse) + ".")  # fmt: skip
-    if better:
-        parts.append(f"It was better in the other {len(better)}.")
-    return " ".join(parts)
+        worse, better, worse_x, better_x = groups.setdefault((name, what), ([], [], [], []))
+        mid = found[0]
+        if mid == 1:
+            continue
+        if (mid > 1) == v.higher_better:
+            better.append(v.peer)
+            better_x.append(mid)
+        else:
+            worse.append(v.peer)
+            worse_x.append(mid)
+
+    def span(values: list[float]) -> str:
+        x = "\N{MULTIPLICATION SIGN}"
+        low, high = min(values), max(values)
+        return f"{low:.2f}{x}" if low == high else f"{low:.2f}-{high:.2f}{x}"
+
+    out = []
+    for (name, what), (worse, better, worse_x, better_x) in groups.items():
+        n = len(worse) + len(better)
+        parts = []
+        if worse:
+            parts.append(f"worse against {', '.join(worse)} ({len(worse)} of {n}; medians "
+                         f"{span(worse_x)})")  # fmt: skip
+        if better:
+            parts.append(f"better against {len(better)} of {n} (medians {span(better_x)})")
+        if parts:
+            out.append(f"- {name}, {what}: dsclient " + "; ".join(parts) + ".")
+    return "\n".join(out)
 
 
 def render_block(name: str, root: Path) -> str:
@@ -348,6 +378,8 @@ def render_block(name: str, root: Path) -> str:
     if name == HEADLINE:
         lines = headline_lines(root)
         said = verdict(lines)
+        if said:
+            said = "Where dsclient's median was worse, and better, by figure:\n\n" + said
         return headline_table(lines) + (f"\n\n{said}" if said else "")
     records = load_records(name, root)
     if not records:

@@ -426,21 +426,26 @@ def headline(records: Sequence[dict[str, Any]]) -> list[report.Versus]:
     if record is None:
         return []
     rows = record["rows"]
-    online = report.select(rows, workload="online")
-    short = report.resolve(report.Column("", "short_{tail}_s", count="short_n"), online)[1]
-    long_ = report.resolve(report.Column("", "long_{tail}_s", count="long_n"), online)[1]
-    figures = [
-        ("batch", "makespan", "makespan_s", ""),
-        ("online", "makespan", "makespan_s", ""),
-        ("online", "short-request tail", short, short.split("_")[1]),
-        ("online", "long-request tail", long_, long_.split("_")[1]),
-    ]
     lines = []
-    for workload, column, key, label in figures:
-        for peer in report.legs(report.select(rows, workload=workload)):
-            found = report.ratios(rows, key, peer, workload=workload)
-            if peer != "dsclient" and found:
-                lines.append(report.Versus("headline", peer, column, found, label, workload))
+    for workload in ("batch", "online"):
+        mine = report.select(rows, workload=workload)
+        for peer in report.legs(mine):
+            if peer == "dsclient":
+                continue
+            pair = [r for r in mine if r["leg"] in ("dsclient", peer)]
+            figures = [("makespan", "makespan_s", "")]
+            if workload == "online":  # the tail both legs' answers support
+                for column, kind in (
+                    ("short-request tail", "short"),
+                    ("long-request tail", "long"),
+                ):
+                    tail = report.Column("", f"{kind}_{{tail}}_s", count=f"{kind}_n")
+                    key = report.resolve(tail, pair)[1]
+                    figures.append((column, key, key.split("_")[1]))
+            for column, key, label in figures:
+                found = report.ratios(rows, key, peer, workload=workload)
+                if found:
+                    lines.append(report.Versus("headline", peer, column, found, label, workload))
     for workload in ("batch", "online"):
         for peer in report.legs(report.select(rows, workload=workload)):
             if peer != "dsclient":

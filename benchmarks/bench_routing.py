@@ -1008,18 +1008,19 @@ def headline(records: Sequence[dict[str, Any]]) -> list[report_.Versus]:
     if record is None:
         return []
     rows = record["rows"]
-    short = report_.resolve(report_.Column("", "short_{tail}_s", count="short_n"), rows)[1]
-    long_ = report_.resolve(report_.Column("", "long_{tail}_s", count="long_n"), rows)[1]
-    figures = [
-        ("makespan", "makespan_s", ""),
-        ("short-request tail", short, short.split("_")[1]),
-        ("long-request tail", long_, long_.split("_")[1]),
-        ("other", "hit_rate_own", "prefix hit rate (higher is better)"),
-    ]
     lines = []
     for peer in report_.legs(rows):
         if peer == "dsclient" or peer in DIAGNOSTIC_LEGS:
             continue
+        pair = [r for r in rows if r["leg"] in ("dsclient", peer)]  # the tail both support
+        short = report_.resolve(report_.Column("", "short_{tail}_s", count="short_n"), pair)[1]
+        long_ = report_.resolve(report_.Column("", "long_{tail}_s", count="long_n"), pair)[1]
+        figures = [
+            ("makespan", "makespan_s", ""),
+            ("short-request tail", short, short.split("_")[1]),
+            ("long-request tail", long_, long_.split("_")[1]),
+            ("other", "hit_rate_own", "prefix hit rate (higher is better)"),
+        ]
         for column, key, label in figures:
             found = report_.ratios(rows, key, peer)
             if found:

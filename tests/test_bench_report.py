@@ -55,9 +55,9 @@ def test_leg_table_one_line_per_leg_in_first_seen_order() -> None:
     table = leg_table(ROWS, [Column("x", "x", 1), Column("lat {tail} s", "lat_{tail}_s",
                                                           count="lat_n")])  # fmt: skip
     lines = table.splitlines()
-    assert lines[0] == "| leg | runs | x | lat p95 s |"  # one run had 150 samples
+    assert lines[0] == "| leg | runs | x | lat p95 s |"  # a run of a had 150 samples
     assert lines[2] == "| a | 2 | 2.0 (1.0-3.0) | 0.45 (0.40-0.50) |"
-    assert lines[3] == "| b | 1 | 2.0 | 0.80 |"
+    assert lines[3] == "| b | 1 | 2.0 | p99: 0.90 |"  # b's every run had 250: its own tail
     assert leg_table([], []) == "No rows."
 
 
@@ -213,8 +213,9 @@ def test_the_verdict_names_where_dsclient_was_worse() -> None:
         Versus("r", "q", "other", (), text="failed, median 0 vs 3 (max 0 vs 3)"),
     ]
     x = "\N{MULTIPLICATION SIGN}"
-    assert report.verdict(lines) == (
-        f"dsclient's median was worse in 2 of 3 cells: h against p, makespan 1.50{x}; "
-        f"r against q, hit rate 0.80{x}. It was better in the other 1."
-    )
+    assert report.verdict(lines).splitlines() == [
+        f"- h, makespan: dsclient worse against p (1 of 1; medians 1.50{x}).",
+        f"- h, p95 short-request tail: dsclient better against 1 of 1 (medians 0.10{x}).",
+        f"- r, hit rate: dsclient worse against q (1 of 1; medians 0.80{x}).",
+    ]
     assert report.verdict([]) == ""
