@@ -15,6 +15,7 @@
     python -m benchmarks shared               # 4 processes, one budget in Redis (real, ~6 min)
     python -m benchmarks replicas             # starting 2 vLLM replicas: in turn vs at once
     python -m benchmarks routing              # 2 replicas: dsclient vs round-robin vs vllm-router
+    python -m benchmarks blackbox             # nginx'd vLLM, transformers serve, vLLM priority
     python -m benchmarks governor --help      # each benchmark's own options
     python -m benchmarks report               # docs/benchmarks.md's tables from the kept results
     python -m benchmarks report --check       # exit 1 if the page is behind them
@@ -87,6 +88,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "routing": (
         "benchmarks.bench_routing",
         "2 replicas, one slowed: dsclient vs client round-robin vs vllm-router (rr, cache_aware)",
+    ),
+    "blackbox": (
+        "benchmarks.bench_blackbox",
+        "servers without /metrics (vLLM behind nginx, transformers serve) and vLLM's own priority",
     ),
 }
 
