@@ -106,6 +106,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     def __init__(self) -> None:
         self._ssl: ssl.SSLContext | None = None
         self._session: Any = None
+        self._timeouts: dict[tuple[float | None, float | None], Any] = {}
         self._fallback: httpx.AsyncBaseTransport | None = None
         self._closed = False
 
@@ -135,7 +136,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if self._closed:
             raise RuntimeError("the transport is closed")
-        if sniffio.current_async_library() != "asyncio":
+        if not _in_asyncio():
             if self._fallback is None:
                 self._fallback = httpx.AsyncHTTPTransport(limits=_LIMITS)
             return await self._fallback.handle_async_request(request)
@@ -144,9 +145,14 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         from yarl import URL
 
         timeouts = request.extensions.get("timeout") or {}
-        timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=timeouts.get("connect"), sock_read=timeouts.get("read")
-        )
+        bounds = (timeouts.get("connect"), timeouts.get("read"))
+        timeout = self._timeouts.get(bounds)
+        if timeout is None:  # a few distinct pairs: the client's, a probe's
+            if len(self._timeouts) >= 64:
+                self._timeouts.clear()
+            timeout = self._timeouts[bounds] = aiohttp.ClientTimeout(
+                total=None, sock_connect=bounds[0], sock_read=bounds[1]
+            )
         body = request.content if isinstance(request.stream, httpx.ByteStream) else None
         if body is None:
             body = await request.aread()
@@ -189,6 +195,16 @@ class _AiohttpStream(httpx.AsyncByteStream):
         # An answer read to its end gives its connection back to the pool; one that was not
         # (over the cap, cancelled) closes it.
         self._response.release()
+
+
+def _in_asyncio() -> bool:
+    """Whether this task runs on an asyncio loop (not trio): ``sniffio``'s answer, at a fraction
+    of its cost on every request."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return sniffio.thread_local.name in (None, "asyncio")
 
 
 @contextlib.contextmanager

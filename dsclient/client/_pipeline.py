@@ -36,6 +36,7 @@ import logging
 import random
 import re
 from collections.abc import Awaitable, Callable
+from json import dumps as _dumps
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -81,6 +82,7 @@ class WouldMiss(Exception):
 
 #: The request header that asks vLLM for its load on the answer (``_load.LOAD_HEADER_FORMAT``).
 _ASK_LOAD = {LOAD_HEADER_FORMAT: "TEXT"}
+_ASK_LOAD_RAW = [(k.encode(), v.encode()) for k, v in _ASK_LOAD.items()]
 #: ``usage.completion_tokens`` in a raw JSON answer (at its end, where OpenAI-shaped answers put
 #: ``usage``), read without parsing the body another SDK will parse.
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,9})\b')
@@ -137,6 +139,11 @@ class RequestPath:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.max_body_bytes = max_body_bytes
         self._http = http
+        #: What :meth:`_build` puts on every request (read from ``http`` on first use), and
+        #: the URLs it has parsed.
+        self._headers: list[tuple[bytes, bytes]] | None = None
+        self._timeouts: dict[str, float | None] = {}
+        self._urls: dict[str, httpx.URL] = {}
         self._endpoint = endpoint
         self._retry = retry
         self._budget = budget
@@ -183,12 +190,8 @@ class RequestPath:
         errors only. Where the server publishes no queue, the request asks for its load on the
         answer (vLLM's ``endpoint-load-metrics``), and the endpoint reads it."""
         wants = endpoint.wants_load_header
-        headers = _ASK_LOAD if wants else None
-        request = self._http.build_request("POST", endpoint.url + path, json=body, headers=headers)
-        try:
-            response = await self._http.send(request, stream=True)
-        except httpx.RequestError as exc:
-            raise translate_request_error(exc) from exc
+        request = self._build(endpoint.url + path, body, ask_load=wants)
+        response = await self._send(request)
         try:
             if response.status_code >= 400:
                 raise error_from_response(response, await read_prefix(response))
@@ -203,11 +206,7 @@ class RequestPath:
 
     async def _open(self, root: str, path: str, body: dict[str, Any]) -> httpx.Response:
         """One streaming POST, open once its status is known to be fine."""
-        request = self._http.build_request("POST", root + path, json=body)
-        try:
-            response = await self._http.send(request, stream=True)
-        except httpx.RequestError as exc:
-            raise translate_request_error(exc) from exc
+        response = await self._send(self._build(root + path, body))
         if response.status_code >= 400:
             try:
                 prefix = await read_prefix(response)
@@ -480,33 +479,62 @@ class RequestPath:
                         call.outage = self.reach.mark_down(str(exc))
         await slot.__aexit__(type(exc), exc, exc.__traceback__)
 
-    async def _exchange(
-        self, request: httpx.Request, stream: bool
-    ) -> tuple[httpx.Response, bytes | None]:
-        """One send of a caller's request: the answer and its body (``None``: an open stream).
+    def _build(self, url: str, body: dict[str, Any], *, ask_load: bool = False) -> httpx.Request:
+        """The POST of ``body`` as JSON to ``url``: what ``http.build_request("POST", url,
+        json=body)`` makes (the client's headers, JSON as httpx encodes it, the client's
+        timeouts), without its per-request merging of headers, cookies and URLs. The client's
+        headers are read once (dsclient never changes them), and the URLs, a few per server,
+        parsed once."""
+        target = self._urls.get(url)
+        if target is None:
+            if len(self._urls) >= 256:  # never more than a few per server; bound it anyway
+                self._urls.clear()
+            target = self._urls[url] = httpx.URL(url)
+        if self._headers is None:
+            self._headers = [*self._http.headers.raw, (b"Content-Type", b"application/json")]
+            self._timeouts = self._http.timeout.as_dict()
+        headers = self._headers
+        if ask_load:
+            headers = [*headers, *_ASK_LOAD_RAW]
+        content = _dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        return httpx.Request(
+            "POST",
+            target,
+            headers=headers,
+            content=content.encode(),
+            extensions={"timeout": self._timeouts},
+        )
 
-        The request goes to the shared client's transport directly, not through
-        ``build_request`` and ``send``: it is already complete (headers merged, body encoded),
-        and for the dozen headers an SDK sends, the client's merge and per-send machinery (auth
-        flow, redirects, cookie-jar passes that look up every header by name) cost about 1.1 M
-        instructions a request, more than a whole ``generate()`` call (callgrind,
-        ``python -m benchmarks instructions --source openai``). The transport is the one the
-        client would pick (``_transport_for_url``: its mounts and proxies); an httpx without
-        that method goes through ``send``. The request names its server: a router that moves
-        attempts between servers must build one per server.
+    async def _send(self, request: httpx.Request) -> httpx.Response:
+        """One request, straight to the shared client's transport; the answer comes back open.
+
+        Not through the client's ``send``: the request is complete (headers merged, body
+        encoded), and the client's per-send machinery (auth flow, redirects, cookie-jar passes
+        that look up every header by name) cost more than the rest of a ``generate()`` call
+        (callgrind, ``python -m benchmarks instructions --source openai``). The transport is the
+        one the client would pick (``_transport_for_url``: its mounts and proxies).
         """
         http = self._http
         if http.is_closed:
             raise RuntimeError("Cannot send a request, as the client has been closed.")
         try:
-            pick = getattr(http, "_transport_for_url", None)
-            if pick is None:  # pragma: no cover - an httpx that renamed it
-                response = await http.send(request, stream=True)
-            else:
-                response = await pick(request.url).handle_async_request(request)
-                response.request = request
+            response = await http._transport_for_url(request.url).handle_async_request(request)
         except httpx.RequestError as exc:
             raise translate_request_error(exc) from exc
+        response.request = request
+        return response
+
+    async def _exchange(
+        self, request: httpx.Request, stream: bool
+    ) -> tuple[httpx.Response, bytes | None]:
+        """One send of a caller's request: the answer and its body (``None``: an open stream).
+
+        The request goes to the shared client's transport directly (:meth:`_send`): for the
+        dozen headers an SDK sends, the client's merge and per-send machinery cost about 1.1 M
+        instructions a request. The request names its server: a router that moves attempts
+        between servers must build one per server.
+        """
+        response = await self._send(request)
         if stream and response.status_code < 400:
             return response, None
         try:
