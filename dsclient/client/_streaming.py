@@ -65,7 +65,7 @@ async def read_body(
     chunks: list[bytes] = []
     size = 0
     try:
-        async for chunk in response.aiter_bytes():
+        async for chunk in _body_chunks(response):
             size += len(chunk)
             if size > limit:
                 head = decode_text((chunks[0] if chunks else chunk)[:2000])
@@ -74,6 +74,20 @@ async def read_body(
     except httpx.RequestError as exc:
         raise translate_request_error(exc) from exc
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)  # one chunk: no copy
+
+
+def _body_chunks(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The body's bytes: the transport's stream itself where there is nothing to decode (no
+    ``Content-Encoding``, a response not yet read), else httpx's decoding ``aiter_bytes``.
+    httpx's own path (raw, decode, re-chunk) costs about a tenth of a ``generate()`` call."""
+    stream = response.stream
+    if (
+        "content-encoding" not in response.headers
+        and not hasattr(response, "_content")
+        and isinstance(stream, httpx.AsyncByteStream)
+    ):
+        return stream.__aiter__()
+    return response.aiter_bytes()
 
 
 async def read_prefix(response: httpx.Response, limit: int = ERROR_BODY_BYTES) -> bytes:
