@@ -101,13 +101,13 @@ def test_hold_keeps_a_step_up_that_buys_throughput_and_drops_one_that_does_not()
     knee = KneeFinder(start=40, ceiling=1024)
     knee.restart(0.0, 40, "start in hold")
     t, wanted = _epoch(knee, 0.0, 1.0)  # base at 40
-    assert wanted == 50
-    t, wanted = _epoch(knee, t, 1.0)  # 50 at the same latency: 1.25x the throughput
-    assert wanted == 63 and "bought throughput" in knee.reason
-    t, wanted = _epoch(knee, t, 63 / 50)  # 63 only queues: latency grows with the limit
-    assert wanted == 40  # one step below the base of 50
-    t, wanted = _epoch(knee, t, 1.0)  # 40 loses throughput against 50: back to 50
-    assert wanted == 50 and "held at 50" in knee.reason
+    assert wanted == 60
+    t, wanted = _epoch(knee, t, 1.0)  # 60 at the same latency: 1.5x the throughput
+    assert wanted == 90 and "bought throughput" in knee.reason
+    t, wanted = _epoch(knee, t, 90 / 60)  # 90 only queues: latency grows with the limit
+    assert wanted == 40  # one step below the base of 60
+    t, wanted = _epoch(knee, t, 1.0)  # 40 loses throughput against 60: back to 60
+    assert wanted == 60 and "held at 60" in knee.reason
 
 
 @pytest.mark.parametrize(

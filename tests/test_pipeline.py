@@ -275,3 +275,16 @@ async def test_a_stream_event_nested_past_the_recursion_limit_is_malformed():
             async with client.stream("x", max_tokens=2) as s:
                 async for _ in s:
                     pass
+
+
+def test_completion_tokens_from_usage_else_from_the_text() -> None:
+    from dsclient.client._pipeline import completion_tokens
+
+    assert completion_tokens({"usage": {"completion_tokens": 64}}) == 64.0
+    # transformers' server reports 0 tokens: the text's length stands in.
+    zero = {"usage": {"completion_tokens": 0}, "choices": [{"text": "x" * 40}]}
+    assert completion_tokens(zero) == 10.0
+    chat = {"choices": [{"message": {"content": "ab"}}]}
+    assert completion_tokens(chat) == 1.0
+    assert completion_tokens({"usage": {"completion_tokens": True}}) is None
+    assert completion_tokens([]) is None
