@@ -33,8 +33,8 @@ limit and is measured again.
 **Phases.**
 
 * *Slow start*: from the start, multiply the limit by 4 an epoch while throughput still rises
-  well (``e >= 0.5``, and after the first epoch), by 2 while ``e >= ELASTICITY``; then settle between the
-  last two limits, nearer the lower the flatter the last step was.
+  well (``e >= 0.5``, and after the first epoch), by 2 while ``e >= ELASTICITY``; then settle
+  between the last two limits, nearer the lower the flatter the last step was.
 * *Hold*: probe one step up (x1.5), keep it if ``e >= ELASTICITY`` and probe up again from
   there; otherwise probe one step down, keep it if the step it gave up was worth less than that
   too and probe down again, else go back to the base and measure it anew. A server that changes
