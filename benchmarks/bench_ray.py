@@ -143,9 +143,11 @@ def _ray_http_leg(
             # autoscaling pool of 1 to n (ray/llm/_internal/batch/processor/utils.py).
             concurrency=(actors, actors),
             batch_size=batch_size,
-            # The two CPUs Ray is given, shared by the pool (2 actors: 0.5 each, as dsclient's
-            # legs ask for; Ray's default of 1 would not fit 8 actors on 2 CPUs).
-            http_request_stage={"num_cpus": min(0.5, 2 / actors)},
+            # One of the two CPUs Ray is given, shared by the pool (2 actors: 0.5 each, as
+            # dsclient's legs ask for). The other stays free for the processor's pre- and
+            # postprocess tasks: with 8 actors at 0.25 the pool took both and preprocess waited
+            # for ever ("backpressured:tasks(ResourceBudget)").
+            http_request_stage={"num_cpus": 1 / actors},
         )
 
         # Closures, so that Ray pickles them by value (workers need not import this module).
