@@ -20,10 +20,17 @@ Every request sends ``ignore_eos``, so the output lengths are exactly what was a
   record (``max_num_seqs`` 8), so the cap is 5 and the long lane holds at most 2 (a closed-loop
   governor moves its cap: ``client.limit`` is sampled every 0.2 s, min / mean / max / final);
 * ``unbounded``: ``asyncio.gather`` over ``openai.AsyncOpenAI(base_url=url + "/v1")`` calls;
-* ``semaphore8``: the same behind ``asyncio.Semaphore(8)``.
+* ``unbounded+priority``: the same, sending vLLM's ``priority`` 0 with short requests and 1 with
+  long ones (the server runs with ``--scheduling-policy priority``: lower runs first);
+* ``semaphoreN+priority`` for N = 5, 8, 16 (0.7x, 1x, 2x ``max_num_seqs``): the same behind
+  ``asyncio.Semaphore(N)``;
+* ``semaphore8``: ``unbounded`` behind ``asyncio.Semaphore(8)``, without ``priority``.
 
-Each scenario runs the strategies interleaved (A B C A B C, ``--runs`` times each) so that drift
-on the machine hits them alike. Every run gets fresh random prompts (same sizes, same arrival
+Each scenario runs the strategies interleaved, each run starting one strategy later, so that
+drift on the machine hits them alike. The conditions are recorded before the server starts and
+one summary row per run is kept in ``benchmarks/results/governor/<UTC start>.json``.
+
+Every run gets fresh random prompts (same sizes, same arrival
 times), so vLLM's prefix cache cannot favour a later run. Latency is counted from submission:
 what the caller waits, client-side queueing included. Raw results go to
 ``benchmarks/results/governor.json``; a markdown summary is printed at the end.
@@ -39,7 +46,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +54,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import _report as report_
 from benchmarks._common import (
     WORDS,
     client_facts,
@@ -61,6 +69,7 @@ from benchmarks._common import (
     write_results,
 )
 from benchmarks._common import gauge as _gauge  # noqa: F401  (tests/test_bench_governor.py)
+from benchmarks._results import Run
 
 MAX_NUM_SEQS = 8
 MAX_MODEL_LEN = 2048
@@ -69,7 +78,18 @@ LONG_PROMPT_TOKENS = 1000
 LONG_TOKENS_OUT = 256
 SHORT_WORDS = 20
 SHORT_TOKENS_OUT = (16, 32)
-STRATEGIES = ("dsclient", "unbounded", "semaphore8")
+STRATEGIES = (
+    "dsclient",
+    "unbounded",
+    "unbounded+priority",
+    "semaphore5+priority",
+    "semaphore8+priority",
+    "semaphore16+priority",
+    "semaphore8",
+)
+#: vLLM honours the request field ``priority`` (lower runs first) only with this policy.
+SERVER_ARGS = ("--scheduling-policy", "priority")
+PRIORITY = {"short": 0, "long": 1}
 #: Requests (3 short : 1 long) sent at once before the first measured run. After a warm-up of
 #: 8, the first measured run was once the session's slowest by far (short service times 4-7x
 #: the next run's); 40 take a few seconds more and leave vLLM having run every batch size.
@@ -213,15 +233,19 @@ async def dsclient_strategy(
         yield call, info
 
 
-def openai_call(client: Any, gate: asyncio.Semaphore | None) -> Call:
-    """One request through ``client`` (an ``openai.AsyncOpenAI``), behind ``gate`` if given."""
+def openai_call(client: Any, gate: asyncio.Semaphore | None, priority: bool = False) -> Call:
+    """One request through ``client`` (an ``openai.AsyncOpenAI``), behind ``gate`` if given,
+    with vLLM's ``priority`` (shorts first) if ``priority``."""
 
     async def send(request: Request) -> None:
+        body: dict[str, Any] = {"ignore_eos": True}
+        if priority:
+            body["priority"] = PRIORITY[request.kind]
         await client.completions.create(
             model=MODEL,
             prompt=request.prompt,
             max_tokens=request.max_tokens,
-            extra_body={"ignore_eos": True},
+            extra_body=body,
         )
 
     async def call(request: Request) -> Outcome | None:
@@ -237,12 +261,13 @@ def openai_call(client: Any, gate: asyncio.Semaphore | None) -> Call:
 
 @contextlib.asynccontextmanager
 async def openai_strategy(
-    url: str, gate: asyncio.Semaphore | None
+    url: str, gate: asyncio.Semaphore | None, priority: bool = False
 ) -> AsyncIterator[tuple[Call, Callable[[], Any]]]:
     import openai
 
+    cap = gate._value if gate else None
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x") as client:
-        yield openai_call(client, gate), lambda: {"semaphore": gate._value if gate else None}
+        yield openai_call(client, gate, priority), lambda: {"semaphore": cap, "priority": priority}
 
 
 def dsclient_options(name: str) -> dict[str, Any] | None:
@@ -267,9 +292,13 @@ def strategy(name: str, url: str) -> contextlib.AbstractAsyncContextManager[Any]
     options = dsclient_options(name)
     if options is not None:
         return dsclient_strategy(url, **options)
-    if name == "unbounded":
-        return openai_strategy(url, None)
-    return openai_strategy(url, asyncio.Semaphore(MAX_NUM_SEQS))
+    priority = name.endswith("+priority")
+    base = name.removesuffix("+priority")
+    if base == "unbounded":
+        return openai_strategy(url, None, priority)
+    if base.startswith("semaphore") and base[len("semaphore") :].isdigit():
+        return openai_strategy(url, asyncio.Semaphore(int(base[len("semaphore") :])), priority)
+    raise ValueError(f"unknown strategy {name!r}")
 
 
 async def execute(call: Call, requests: list[Request]) -> tuple[list[Outcome], float]:
@@ -338,7 +367,7 @@ async def warm_up(url: str, requests: list[Request]) -> None:
         )
 
 
-async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
+async def bench(url: str, args: argparse.Namespace, record: Run | None = None) -> dict[str, Any]:
     import dsclient
 
     scenarios = [s for s in ("online", "batch") if s in args.scenarios.split(",")]
@@ -356,7 +385,8 @@ async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
             build = online_workload if scenario == "online" else batch_workload
             for rate in args.rates if scenario == "online" else [None]:
                 for run in range(1, args.runs + 1):
-                    for name in names:
+                    shift = (run - 1) % len(names)
+                    for name in [*names[shift:], *names[:shift]]:
                         seed = args.seed + 7919 * (len(plans) + 1)
                         requests = await build(seed, args, count, per_word, rate)
                         plans.append((scenario, rate, run, name, requests))
@@ -393,6 +423,8 @@ async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
             "loadavg_1min_after": round(os.getloadavg()[0], 2),
         }
         say("  " + json.dumps({k: v for k, v in row.items() if k != "client"}))
+        if record is not None:
+            record.add(leg=name, run=run, **kept(row, outcomes))
         errors = sorted({o.error for o in outcomes if o.error})
         row["error_samples"] = errors[:5]
         row["requests"] = [asdict(o) for o in outcomes]
@@ -411,6 +443,47 @@ async def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
         "short_prompt_tokens": short_tokens,
         "runs": runs,
     }
+
+
+def kept(row: dict[str, Any], outcomes: list[Outcome]) -> dict[str, Any]:
+    """A run's summary as :meth:`Run.add` keeps it: scalars, with p95 and the counts."""
+    found = {
+        key: value
+        for key, value in row.items()
+        if key not in ("run", "strategy", "client", "lanes")
+        and (value is None or isinstance(value, int | float | str | bool))
+    }
+    for kind in ("short", "long"):
+        ok = [o.latency for o in outcomes if o.kind == kind and o.error is None and o.latency]
+        found[f"{kind}_n"] = len(ok)  # answered, for the tail the page may call p99
+        p95 = percentile(ok, 95)
+        found[f"{kind}_p95_s"] = None if p95 is None else round(p95, 3)
+    return found
+
+
+TABLE = (
+    report_.Column("shorts", "short_n", 0),
+    report_.Column("short {tail} s", "short_{tail}_s", count="short_n"),
+    report_.Column("long {tail} s", "long_{tail}_s", count="long_n"),
+    report_.Column("makespan s", "makespan_s", 1),
+    report_.Column("errors", "errors", 0),
+)
+
+
+def render(records: Sequence[dict[str, Any]]) -> str:
+    """Per scenario (and rate), one line per strategy: median (range) over runs."""
+    record = report_.latest(records)
+    assert record is not None
+    rows = record["rows"]
+    parts = []
+    for scenario in ("online", "batch"):
+        for rate in sorted({r.get("rate") for r in rows if r.get("scenario") == scenario},
+                           key=lambda x: x or 0):  # fmt: skip
+            mine = report_.select(rows, scenario=scenario, rate=rate)
+            title = f"**{scenario}**" + (f" at {rate:g}/s" if rate is not None else "")
+            parts.append(title + "\n\n" + report_.leg_table(mine, TABLE))
+    parts.append(report_.conditions(record, records))
+    return "\n\n".join(parts)
 
 
 def table(runs: list[dict[str, Any]]) -> str:
@@ -472,13 +545,23 @@ def main(argv: list[str] | None = None) -> None:
         if name not in STRATEGIES and dsclient_options(name) is None:
             parser.error(f"unknown strategy {name!r}")
 
+    record = Run.begin(
+        "governor",
+        params={**vars(args), "max_num_seqs": MAX_NUM_SEQS, "server_args": list(SERVER_ARGS)},
+        peers=["openai"],
+    )
     started = time.monotonic()
-    with tiny_vllm(args.url, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN) as url:
-        payload = asyncio.run(bench(url, args))
+    with tiny_vllm(
+        args.url,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_model_len=MAX_MODEL_LEN,
+        extra_args=() if args.url else SERVER_ARGS,
+    ) as url:
+        payload = asyncio.run(bench(url, args, record))
     payload.update(machine=machine(), args=vars(args), wall_s=round(time.monotonic() - started, 1))
     path = write_results("governor", payload)
     print(table(payload["runs"]))
-    print(f"\nwrote {path} in {payload['wall_s']:.0f} s")
+    print(f"\nwrote {path} in {payload['wall_s']:.0f} s; kept: {record.save()}")
 
 
 if __name__ == "__main__":

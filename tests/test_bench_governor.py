@@ -38,3 +38,30 @@ def test_dsclient_options_reads_names_diagnostics_and_literals() -> None:
 def test_dsclient_options_rejects_a_value_that_is_not_a_literal() -> None:
     with pytest.raises(ValueError):
         dsclient_options("dsclient[short_first=yes]")
+
+
+def test_the_plain_peers_send_priority_shorts_first_and_semaphores_span_max_num_seqs() -> None:
+    from benchmarks.bench_governor import PRIORITY, SERVER_ARGS, STRATEGIES, strategy
+
+    assert SERVER_ARGS == ("--scheduling-policy", "priority")
+    assert PRIORITY["short"] < PRIORITY["long"]
+    for n in (5, 8, 16):
+        assert f"semaphore{n}+priority" in STRATEGIES
+    assert "unbounded+priority" in STRATEGIES
+    with pytest.raises(ValueError, match="unknown strategy"):
+        strategy("semaphoreX", "http://127.0.0.1:1")
+
+
+def test_governor_rows_render_with_the_tail_their_counts_allow() -> None:
+    from benchmarks.bench_governor import render
+
+    rows = [
+        {"leg": leg, "run": run, "scenario": "online", "rate": 8.0, "short_n": 120,
+         "short_p95_s": 0.5, "short_p99_s": 0.9, "long_n": 40, "long_p95_s": 9.0,
+         "makespan_s": 20.0, "errors": 0}
+        for run in (1, 2) for leg in ("dsclient", "unbounded+priority")
+    ]  # fmt: skip
+    record = {"benchmark": "governor", "_file": "f.json", "rows": rows, "code": {}, "host": {},
+              "versions": {}, "notes": []}  # fmt: skip
+    text = render([record])
+    assert "**online** at 8/s" in text and "short p95 s" in text and "long p95 s" in text
