@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -369,7 +369,13 @@ def _child(leg: str, url: str, n: int, concurrency: int, timeout: float) -> dict
         command, capture_output=True, text=True, timeout=timeout, check=False, cwd=_ROOT
     )
     if done.returncode != 0:
-        return {"error": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]}
+        # The exception's own line: the last unindented one that is not a warning.
+        lines = [
+            line
+            for line in done.stderr.splitlines()
+            if line and not line[0].isspace() and "Warning" not in line
+        ]
+        return {"error": lines[-1:] or [f"exit {done.returncode}"]}
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
@@ -423,6 +429,58 @@ def goals(rows: list[dict[str, Any]]) -> list[str]:
                 f"{best['leg']} -> {met}"
             )
     return lines
+
+
+def render(records: Sequence[dict[str, Any]]) -> str:
+    """``docs/benchmarks.md``'s block: per number of requests, the last two invocations (the
+    goals are met or not in each), requests/s and CPU us/request per leg and concurrency as
+    median (range) over their runs, then each dsclient leg against the fastest plain client."""
+    from benchmarks import _report as report_
+
+    out = []
+    for n in sorted({r["params"]["n"][0] for r in records if len(r["params"]["n"]) == 1}):
+        mine = [r for r in records if r["params"]["n"] == [n]][-2:]
+        rows = []
+        for number, record in enumerate(mine, 1):
+            rows += [{**row, "run": number} for row in record["rows"]]
+        concs = sorted({r["concurrency"] for r in rows})
+        out.append(f"**{n} requests**, {len(mine)} invocations: requests/s; CPU us/request")
+        out.append("")
+        out.append("| leg | " + " | ".join(f"{c} in flight" for c in concs) + " |")
+        out.append("|---|" + "---|" * len(concs))
+        for leg in report_.legs(rows):
+            cells = []
+            for c in concs:
+                here = report_.select(rows, leg=leg, concurrency=c)
+                if not here:
+                    cells.append(report_.NONE)
+                    continue
+                rps = report_.spread_cell((r.get("rps") for r in here), 0)
+                cpu = [
+                    None if r.get("cpu_per_req") is None else r["cpu_per_req"] * 1e6 for r in here
+                ]
+                cells.append(f"{rps}; {report_.spread_cell(cpu, 0)}")
+            out.append(f"| {leg} | " + " | ".join(cells) + " |")
+        out.append("")
+        out.append("Against the fastest plain client at each concurrency, per invocation:")
+        out.append("")
+        out += [f"- {line}" for line in goals(rows)]
+        out.append("")
+        memory = [r for r in rows if r.get("rss_max_mb") is not None and r.get("rss_1000_mb")]
+        if memory:
+            growth = max(r["rss_max_mb"] - r["rss_1000_mb"] for r in memory)
+            fds = max(r.get("fds_left") or 0 for r in memory)
+            warned = sum(r.get("resource_warnings") or 0 for r in memory)
+            out.append(
+                f"RSS growth after the first 1000 answers: at most {growth:.1f} MB in any leg; "
+                f"file descriptors left open after `aclose()`: at most {fds}; "
+                f"ResourceWarnings: {warned}."
+            )
+            out.append("")
+        for record in mine:
+            out.append(report_.conditions(record))
+            out.append("")
+    return "\n".join(out).rstrip() + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
