@@ -373,6 +373,26 @@ def verdict(lines: Sequence[Versus]) -> str:
     return "\n".join(out)
 
 
+def provenance(names: Sequence[str], root: Path) -> str:
+    """One line per benchmark: the file behind its cells, its commit, the load, busy or not."""
+    out = []
+    for name in names:
+        record = latest(load_records(name, root))
+        if record is None:
+            continue
+        found = loads(record)
+        load = f"1-minute load {min(found):.2f}-{max(found):.2f}" if found else "load not recorded"
+        cores = record.get("host", {}).get("cores")
+        commit = (record.get("code", {}).get("commit") or "unknown")[:10]
+        out.append(
+            f"- {name}: `benchmarks/results/{name}/{record.get('_file')}`, started "
+            f"{record.get('started_utc')}, commit `{commit}`, {load} on {cores} cores"
+            + (" (busy machine)" if busy(record) else "")
+            + "."
+        )
+    return ("Sources:\n\n" + "\n".join(out)) if out else ""
+
+
 def render_block(name: str, root: Path) -> str:
     """The markdown of one generated block: the headline table, or a benchmark's section."""
     if name == HEADLINE:
@@ -380,7 +400,8 @@ def render_block(name: str, root: Path) -> str:
         said = verdict(lines)
         if said:
             said = "Where dsclient's median was worse, and better, by figure:\n\n" + said
-        return headline_table(lines) + (f"\n\n{said}" if said else "")
+        sources = provenance(sorted({v.benchmark.split(" ")[0] for v in lines}), root)
+        return "\n\n".join(part for part in (headline_table(lines), said, sources) if part)
     records = load_records(name, root)
     if not records:
         return "No results committed yet: run `python -m benchmarks " + name + "`."
