@@ -35,10 +35,16 @@ def _feed(knee: KneeFinder, now: float, limit: int, latency: float, work: float 
         knee.on_completion(now, service_s=latency, work=work)
 
 
-def _epoch(knee: KneeFinder, t: float, latency: float) -> tuple[float, int | None]:
-    """Hold the knee's limit for one epoch: ticks with demand, completions, until it decides."""
+def _epoch(
+    knee: KneeFinder, t: float, latency: float, old: int = 0
+) -> tuple[float, int | None]:
+    """Hold the knee's limit for one epoch: ticks with demand, completions, until it decides.
+    ``old``: requests admitted before the epoch, which come back first (in the hold phase the
+    epoch counts only after they have)."""
     began = t
-    wanted = None
+    wanted = knee.on_tick(t, demand=True, in_flight=knee.limit)  # drained, if it was not
+    for _ in range(old):
+        knee.on_completion(t + 0.01, service_s=latency, work=10.0)
     while wanted is None and t < began + 100:
         t += 0.25
         if t - began >= latency:
@@ -77,36 +83,45 @@ def test_an_epoch_without_demand_measures_nothing() -> None:
 
 def test_requests_admitted_before_the_epoch_do_not_count() -> None:
     knee = KneeFinder(start=8, ceiling=64)
-    knee.restart(10.0, 8, "cut")
-    knee.on_completion(10.5, service_s=2.0, work=10)  # admitted at 8.5: before the epoch
+    t = 0.0
+    while knee.limit == 8 and t < 10:  # the first epoch: 1 s answers
+        t += 0.25
+        _feed(knee, t, 2, 1.0)
+        knee.on_tick(t, demand=True, in_flight=8)
+    assert knee.limit == 32 and knee.phase == "slow start"
+    knee.on_completion(t + 0.5, service_s=1.0, work=10)  # admitted before the change
     assert knee._latencies == []
-    knee.on_tick(10.75, demand=True, in_flight=8)
-    knee.on_completion(12.0, service_s=1.0, work=10)  # admitted at 11.0
+    knee.on_completion(t + 1.5, service_s=1.0, work=10)  # admitted after it
     assert len(knee._latencies) == 1
 
 
-def test_after_a_cut_counting_waits_until_in_flight_drained_to_the_limit() -> None:
+def test_after_a_cut_counting_waits_for_the_drain_and_the_old_requests() -> None:
     knee = KneeFinder(start=16, ceiling=64)
     knee.restart(0.0, 8, "the server refused for load")
     assert knee.phase == "hold"
     assert knee.on_tick(0.25, demand=True, in_flight=16) is None
     knee.on_completion(2.0, service_s=1.0, work=10)
     assert knee._latencies == []  # still 16 in flight against 8
-    knee.on_tick(2.25, demand=True, in_flight=8)
-    knee.on_completion(3.5, service_s=1.0, work=10)
+    knee.on_tick(2.25, demand=True, in_flight=8)  # drained: these 8 are the old ones
+    for _ in range(7):
+        knee.on_completion(3.0, service_s=2.0, work=10)
+    knee.on_completion(3.5, service_s=0.5, work=10)  # admitted after the drain: not yet
+    assert knee._latencies == []
+    knee.on_completion(3.6, service_s=2.0, work=10)  # the last old one: counting starts
+    knee.on_completion(5.0, service_s=1.0, work=10)
     assert len(knee._latencies) == 1
 
 
 def test_hold_keeps_a_step_up_that_buys_throughput_and_drops_one_that_does_not() -> None:
     knee = KneeFinder(start=40, ceiling=1024)
     knee.restart(0.0, 40, "start in hold")
-    t, wanted = _epoch(knee, 0.0, 1.0)  # base at 40
+    t, wanted = _epoch(knee, 0.0, 1.0, old=40)  # base at 40
     assert wanted == 60
-    t, wanted = _epoch(knee, t, 1.0)  # 60 at the same latency: 1.5x the throughput
+    t, wanted = _epoch(knee, t, 1.0, old=40)  # 60 at the same latency: 1.5x the throughput
     assert wanted == 90 and "bought throughput" in knee.reason
-    t, wanted = _epoch(knee, t, 90 / 60)  # 90 only queues: latency grows with the limit
+    t, wanted = _epoch(knee, t, 90 / 60, old=60)  # 90 only queues: latency grows with it
     assert wanted == 40  # one step below the base of 60
-    t, wanted = _epoch(knee, t, 1.0)  # 40 loses throughput against 60: back to 60
+    t, wanted = _epoch(knee, t, 1.0, old=40)  # 40 loses throughput against 60: back to 60
     assert wanted == 60 and "held at 60" in knee.reason
 
 
@@ -115,7 +130,8 @@ def test_hold_keeps_a_step_up_that_buys_throughput_and_drops_one_that_does_not()
     [
         (GPU, 3000, 200, 800, 0),  # throughput rises to a batch of 256
         (CPU, 600, 6, 40, 0),  # flat past 8 sequences
-        (REFUSING, 1500, 10, 40, 80),  # 503 past 40 waiting + running
+        # 503 past 40 waiting + running: probes may pass it, and a refusal cuts back
+        (REFUSING, 1500, 10, 48, 80),
         (NOISY, 3000, 200, 800, 0),
     ],
     ids=["gpu-like", "cpu-like", "refusing", "noisy"],

@@ -33,11 +33,16 @@ limit and is measured again.
 **Phases.**
 
 * *Slow start*: from the start, multiply the limit by 4 an epoch while throughput still rises
-  well (``e >= 0.5``, and after the first epoch), by 2 while ``e >= ELASTICITY``; then settle
-  between the last two limits, nearer the lower the flatter the last step was.
+  well (``e >= 0.5``, and after the first epoch; under a limit of 64), by 2 while ``e >=
+  ELASTICITY``; then settle between the last two limits, nearer the lower the flatter the last
+  step was. Its epochs are short (one median service time).
 * *Hold*: probe one step up (x1.5), keep it if ``e >= ELASTICITY`` and probe up again from
   there; otherwise probe one step down, keep it if the step it gave up was worth less than that
-  too and probe down again, else go back to the base and measure it anew. A server that changes
+  too and probe down again, else go back to the base and measure it anew. Its epochs count only
+  once every request in flight when the limit moved has come back (until then the server's
+  queue is not what the new limit makes it: after a step up past the batch, the first answers
+  come from requests that found the queue short, and every probe up looked worth it), over two
+  median service times, with twice the answers. A server that changes
   (other clients, longer prompts) moves the knee, and the probes follow it.
 
 A refusal for load or a cut by another rule restarts the epoch at the new limit in the hold
@@ -63,9 +68,12 @@ ELASTICITY: Final = 0.15
 _FAST_ELASTICITY: Final = 0.5
 _DOUBLE: Final = 2.0
 _FAST: Final = 4.0
+#: x4 only below this limit: past it a x4 step can put hundreds of requests in the server's
+#: queue before the next epoch shows the knee (a simulated batch of 256: 320 -> 1024).
+_FAST_BELOW: Final = 64
 #: The hold phase's step, as a factor of the limit.
 _STEP: Final = 1.5
-#: Completions an epoch counts at least (and an eighth of the limit, if more).
+#: Completions an epoch counts at least (or the limit, if fewer; an eighth of it, if more).
 MIN_SAMPLES: Final = 8
 #: An epoch lasts at least one median service time, bounded: a server whose answers take
 #: minutes would otherwise hold one limit for many minutes per step.
@@ -116,6 +124,8 @@ class KneeFinder:
     __slots__ = (
         "_began",
         "_busy",
+        "_old",
+        "_turnover",
         "_elasticity",
         "_full_ticks",
         "_in_flight_sum",
@@ -165,14 +175,23 @@ class KneeFinder:
         #: The hold phase's probe under way: ``"up"`` / ``"down"`` from the epoch at the base
         #: limit (``None``: measuring the base).
         self._pending: tuple[Literal["up", "down"], Epoch] | None = None
-        self._begin(now=None)
+        self._begin(now=None, drained=True)
 
     # -- epochs -----------------------------------------------------------------------------
-    def _begin(self, now: float | None) -> None:
+    def _begin(self, now: float | None, *, drained: bool, in_flight: int | None = None) -> None:
         """Hold the current limit from ``now``; counting starts once no more than the limit is
-        in flight (after a cut, the requests over it drain first: they ran under the old one)."""
+        in flight (``drained``: already so, as after a rise; after a cut, the requests over it
+        drain first: they ran under the old one)."""
         self._began = -math.inf if now is None else now
-        self._settled = now is None
+        self._settled = drained
+        #: In the hold phase counting waits until the requests in flight when the limit moved
+        #: have all come back (``_old`` of them: known at the next tick): until then the
+        #: server's queue is not yet what the new limit makes it.
+        self._old: int | None = in_flight if drained else None
+        self._turnover = self.phase == "hold" and now is not None and self._old != 0
+        self._reset_counts()
+
+    def _reset_counts(self) -> None:
         self._work = 0.0
         self._busy = 0.0
         self._latencies: list[float] = []
@@ -184,7 +203,17 @@ class KneeFinder:
         """A request finished well: ``service_s`` from its slot to its answer, ``work`` what it
         produced (output tokens; 1 where unknown). Only requests admitted since the epoch began
         count: those admitted before ran, in part, under the previous limit."""
-        if service_s < 0 or not work > 0 or not self._settled or now - service_s < self._began:
+        if service_s < 0 or not work > 0 or not self._settled:
+            return
+        if now - service_s < self._began:
+            if self._turnover and self._old is not None:
+                self._old -= 1
+                if self._old <= 0:  # the last of the old ones: count from here
+                    self._turnover = False
+                    self._began = now
+                    self._reset_counts()
+            return
+        if self._turnover:
             return
         self._work += work
         self._busy += service_s
@@ -200,7 +229,7 @@ class KneeFinder:
         self.phase = "hold"
         self.reason = reason
         self._pending = None
-        self._begin(now)
+        self._begin(now, drained=False)
 
     def _measured(self, now: float) -> Epoch | None:
         """The epoch, once it has counted enough; ``None`` while it goes on.
@@ -211,11 +240,18 @@ class KneeFinder:
         it does not depend on where the window falls among waves of answers of equal length.
         """
         count = len(self._latencies)
-        if count < max(self._min_samples, math.ceil(self.limit / 8)) or self._busy <= 0:
+        hold = self.phase == "hold"
+        if hold:
+            needed = max(2 * self._min_samples, math.ceil(self.limit / 4))
+        else:
+            # At a small limit, one answer per slot will do: a second wave doubles the epoch.
+            needed = max(min(self._min_samples, self.limit), math.ceil(self.limit / 8))
+        if count < needed or self._busy <= 0:
             return None
         median = statistics.median(self._latencies)
-        # Not only the quickest of the first requests admitted: a median service time at least.
-        if now - self._began < min(median, _MAX_WINDOW_S):
+        # Not only the quickest of the first requests admitted. Slow start takes one median
+        # service time (fast: an overshoot is what the hold phase corrects), the hold phase two.
+        if now - self._began < min((2.0 if hold else 1.0) * median, _MAX_WINDOW_S):
             return None
         in_flight = self._in_flight_sum / self._ticks if self._ticks else float(self.limit)
         return Epoch(self.limit, in_flight * self._work / self._busy, median, count)
@@ -227,7 +263,11 @@ class KneeFinder:
         if not self._settled:
             self._settled = in_flight is None or in_flight <= self.limit
             self._began = now
-        if self._settled:
+        if self._settled and self._turnover and self._old is None:
+            # Just drained after a cut: no call was admitted since, so all in flight are old.
+            self._old = self.limit if in_flight is None else in_flight
+            self._turnover = self._old > 0
+        if self._settled and not self._turnover:
             self._ticks += 1
             self._full_ticks += demand
             self._in_flight_sum += self.limit if in_flight is None else in_flight
@@ -237,13 +277,13 @@ class KneeFinder:
         if self._full_ticks < _FULL_SHARE * self._ticks:
             # The client did not keep this limit full: the epoch measured the client's demand,
             # not the server. Measure again; the limit stays.
-            self._begin(now)
+            self._begin(now, drained=True)
             return None
         self.epochs = [*self.epochs[-2:], epoch]
         previous, self.last = self.last, epoch
         wanted = self._decide(epoch, previous)
         wanted = max(1, min(wanted, self.ceiling))
-        self._begin(now)
+        self._begin(now, drained=wanted >= self.limit, in_flight=in_flight)
         if wanted == self.limit:
             return None
         self.limit = wanted
@@ -259,7 +299,8 @@ class KneeFinder:
                 return math.ceil(limit * _FAST)
             e = elasticity(previous, epoch)
             if e >= self._elasticity:
-                factor = _FAST if e >= _FAST_ELASTICITY else _DOUBLE
+                fast = e >= _FAST_ELASTICITY and limit < _FAST_BELOW
+                factor = _FAST if fast else _DOUBLE
                 self.reason = (
                     f"slow start: throughput x{epoch.throughput / previous.throughput:.2f} "
                     f"for limit {previous.limit} -> {limit} (elasticity {e:.2f})"
