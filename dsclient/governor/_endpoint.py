@@ -333,16 +333,7 @@ class Endpoint:
         if info.sources.get("max_num_seqs") == LEARNED_SOURCE:
             known = info.max_num_seqs
         self.info = info
-        self.controller = LimitController(
-            start=start,
-            mode=mode,
-            capacity=known,
-            ceiling=options.max_limit,
-            queue_share=options.queue_share,
-            slow_start=options.slow_start,
-            latency_target=options.latency_target,
-            period=options.scrape_interval,
-        )
+        self.controller = self._controller(start, mode, known, options.slow_start)
         if mode == "throughput":
             logger.info(
                 "dsclient: %s publishes no queue metrics; the limit starts at %d and finds the "
@@ -369,13 +360,22 @@ class Endpoint:
         old, options = self.controller, self.options
         if old.mode == "fixed" and options.limit is not None:
             return  # an explicit limit is the same in every client
-        self.controller = LimitController(
-            start=max(1, start),
-            mode=old.mode,
-            capacity=old.capacity,
+        self.controller = self._controller(
+            max(1, start), old.mode, old.capacity, _TAKEOVER_SLOW_START
+        )
+
+    def _controller(
+        self, start: int, mode: Mode, capacity: int | None, slow_start: float
+    ) -> LimitController:
+        """A limit controller with this endpoint's options."""
+        options = self.options
+        return LimitController(
+            start=start,
+            mode=mode,
+            capacity=capacity,
             ceiling=options.max_limit,
             queue_share=options.queue_share,
-            slow_start=_TAKEOVER_SLOW_START,
+            slow_start=slow_start,
             latency_target=options.latency_target,
             period=options.scrape_interval,
         )
@@ -455,15 +455,8 @@ class Endpoint:
         self._answer_load, self._answer_at = load, now
         controller = self.controller
         if self.route is None and controller.mode == "throughput" and not self._shared_active:
-            self.controller = LimitController(
-                start=self.governor.limit,
-                mode="metrics",
-                capacity=controller.capacity,
-                ceiling=self.options.max_limit,
-                queue_share=self.options.queue_share,
-                slow_start=self.options.slow_start,
-                latency_target=self.options.latency_target,
-                period=self.options.scrape_interval,
+            self.controller = self._controller(
+                self.governor.limit, "metrics", controller.capacity, self.options.slow_start
             )
             self.controller.start = controller.start
             self.signal = LOAD_HEADER
