@@ -158,3 +158,15 @@ def test_git_state_tells_a_clean_tree_from_a_changed_one(tmp_path: Path) -> None
 
 def test_git_state_outside_a_checkout_is_all_none(tmp_path: Path) -> None:
     assert git_state(tmp_path) == {"commit": None, "dirty": None, "changed": None}
+
+
+def test_every_kept_result_file_is_a_small_summary_with_its_conditions() -> None:
+    for name in benchmarks_with_results():
+        for record in load_records(name):
+            where = f"benchmarks/results/{name}/{record['_file']}"
+            size = len(json.dumps(record))
+            assert size < MAX_BYTES, f"{where} is {size} bytes: keep summaries, not traces"
+            assert record["benchmark"] == name, where
+            for key in ("started_utc", "code", "versions", "host", "load_before", "rows"):
+                assert key in record, f"{where} has no {key!r}"
+            assert all("leg" in row and "run" in row for row in record["rows"]), where
