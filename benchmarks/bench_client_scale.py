@@ -431,6 +431,19 @@ def goals(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _versus(
+    rows: Sequence[dict[str, Any]], leg: str, run: int, concurrency: int
+) -> tuple[float, float] | None:
+    """``leg``'s requests/s and CPU/request over the fastest plain client's, in one run."""
+    here = {r["leg"]: r for r in rows if (r["run"], r["concurrency"]) == (run, concurrency)}
+    plain = [here[name] for name in PLAIN if "rps" in here.get(name, {})]
+    mine = here.get(leg, {})
+    if not plain or "rps" not in mine:
+        return None
+    best = max(plain, key=lambda r: r["rps"])
+    return mine["rps"] / best["rps"], mine["cpu_per_req"] / best["cpu_per_req"]
+
+
 def render(records: Sequence[dict[str, Any]]) -> str:
     """``docs/benchmarks.md``'s block: per number of requests, the last two invocations (the
     goals are met or not in each), requests/s and CPU us/request per leg and concurrency as
@@ -459,21 +472,41 @@ def render(records: Sequence[dict[str, Any]]) -> str:
                 cpu = [
                     None if r.get("cpu_per_req") is None else r["cpu_per_req"] * 1e6 for r in here
                 ]
-                cells.append(f"{rps}; {report_.spread_cell(cpu, 0)}")
+                failed = sum("error" in r for r in here)
+                note = f" ({failed} run failed)" if failed else ""
+                cells.append(f"{rps}; {report_.spread_cell(cpu, 0)}{note}")
             out.append(f"| {leg} | " + " | ".join(cells) + " |")
         out.append("")
-        out.append("Against the fastest plain client at each concurrency, per invocation:")
+        out.append(
+            "Against the fastest plain client at each concurrency, per invocation: requests/s "
+            "ratio; CPU/request ratio (the goal: at least 0.8x; at most 1.2x)"
+        )
         out.append("")
-        out += [f"- {line}" for line in goals(rows)]
+        out.append("| leg | " + " | ".join(f"{c} in flight" for c in concs) + " |")
+        out.append("|---|" + "---|" * len(concs))
+        for leg in ("dsclient", "dsclient-map", "dsclient-openai"):
+            cells = []
+            for c in concs:
+                pairs = []
+                for number in sorted({r["run"] for r in rows}):
+                    ratio = _versus(rows, leg, number, c)
+                    if ratio is not None:
+                        pairs.append(f"{ratio[0]:.2f}x; {ratio[1]:.2f}x")
+                cells.append(" / ".join(pairs) or report_.NONE)
+            out.append(f"| {leg} | " + " | ".join(cells) + " |")
         out.append("")
         memory = [r for r in rows if r.get("rss_max_mb") is not None and r.get("rss_1000_mb")]
         if memory:
-            growth = max(r["rss_max_mb"] - r["rss_1000_mb"] for r in memory)
+            growth = {
+                leg: max(r["rss_max_mb"] - r["rss_1000_mb"] for r in memory if r["leg"] == leg)
+                for leg in report_.legs(memory)
+            }
+            grown = ", ".join(f"{leg} {mb:.1f}" for leg, mb in growth.items())
             fds = max(r.get("fds_left") or 0 for r in memory)
             warned = sum(r.get("resource_warnings") or 0 for r in memory)
             out.append(
-                f"RSS growth after the first 1000 answers: at most {growth:.1f} MB in any leg; "
-                f"file descriptors left open after `aclose()`: at most {fds}; "
+                f"RSS growth after the first 1000 answers, most in any run (MB): {grown}. "
+                f"File descriptors left open after `aclose()`: at most {fds}. "
                 f"ResourceWarnings: {warned}."
             )
             out.append("")

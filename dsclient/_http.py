@@ -169,7 +169,10 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             response.status,
             headers=response.raw_headers,
             stream=_AiohttpStream(response, request),
-            extensions={"http_version": b"HTTP/1.1", "reason_phrase": b""},
+            extensions={
+                "http_version": b"HTTP/1.1",
+                "reason_phrase": (response.reason or "").encode("ascii", "replace"),
+            },
         )
 
     async def aclose(self) -> None:
