@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import ssl
 import sys
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -130,6 +131,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
             cookie_jar=aiohttp.DummyCookieJar(),
             timeout=aiohttp.ClientTimeout(total=None),
+            # Proxies from the environment (HTTP_PROXY, NO_PROXY), as httpx's own pool takes
+            # them; read per request only where one is set.
+            trust_env=bool(urllib.request.getproxies()),
         )
         return self._session
 
