@@ -358,7 +358,14 @@ def render(records: Sequence[dict[str, Any]]) -> str:
     assert record is not None
     about = record.get("facts", {}).get("legs")
     table = report_.leg_table(record["rows"], TABLE, about=about)
-    return table + "\n\n" + report_.conditions(record, records)
+    params = record.get("params", {})
+    n = params.get("blocks")
+    setup = (
+        f"{params.get('rows')} rows and {params.get('overlong')} over the context; the input in "
+        + (f"{n} blocks" if n else "Ray's default blocks (`--blocks 0`)")
+        + f"; batches of at most {params.get('batch_size')}."
+    )
+    return table + "\n\n" + setup + "\n\n" + report_.conditions(record, records)
 
 
 def headline(records: Sequence[dict[str, Any]]) -> list[report_.Versus]:
