@@ -150,7 +150,9 @@ async def test_arguments_are_validated():
 
 
 # -- input -------------------------------------------------------------------------------------
-async def test_input_is_read_lazily():
+@pytest.mark.parametrize(("order", "window"), [("input", 0), ("shape", 32)])
+async def test_input_is_read_lazily(order, window):
+    # order="shape" reads a window ahead of what has started: the bound grows by the window.
     consumed = 0
 
     def items():
@@ -161,10 +163,14 @@ async def test_input_is_read_lazily():
 
     server = EchoServer(delay=lambda p: 0.001)
     async with make_client(server) as client:
-        bound = client.limit + 2 * read_ahead(client.limit)  # workers + buffer
+        bound = client.limit + 2 * read_ahead(client.limit) + window  # workers + buffer
         yielded = 0
         worst = 0
-        async with contextlib.aclosing(client.imap(items(), progress=False)) as results:
+        options = _batch._Options(
+            "return", False, None, False, None, 0, None, None, {}, order, window or 1
+        )
+        run = _batch._run_batch(client, items(), options)
+        async with contextlib.aclosing(run) as results:
             async for _ in results:
                 yielded += 1
                 worst = max(worst, consumed - yielded)
@@ -173,7 +179,8 @@ async def test_input_is_read_lazily():
     assert worst <= bound, (worst, bound)
 
 
-async def test_map_reads_at_most_the_cap_ahead_of_what_is_done():
+@pytest.mark.parametrize(("order", "window"), [("input", 0), ("shape", 32)])
+async def test_map_reads_at_most_the_cap_ahead_of_what_is_done(order, window):
     server = EchoServer(delay=lambda p: 0.001 * (int(p[1:]) % 7))
     done = 0
     worst = 0
@@ -193,11 +200,15 @@ async def test_map_reads_at_most_the_cap_ahead_of_what_is_done():
         assert [r.text for r in results] == [f"p{i}" for i in range(200)]
         # The bound, seen through the runner's hook (map() collects with the same hook).
         worst = 0
-        options = _batch._Options("return", False, None, False, None, 0, None, None, {})
+        options = _batch._Options(
+            "return", False, None, False, None, 0, None, None, {}, order, window or 1
+        )
         await _batch._run_direct(client, items(), count, options)
         assert done == 200
-        # Workers: the limit plus a few waiting in the governor (the controller's demand).
-        assert 0 < worst <= client.limit + read_ahead(client.limit), (worst, client.limit)
+        # Workers: the limit plus a few waiting in the governor (the controller's demand), plus
+        # the window order="shape" reads ahead of what has started.
+        bound = client.limit + read_ahead(client.limit) + window
+        assert 0 < worst <= bound, (worst, client.limit)
 
 
 async def test_map_stops_with_the_outputs_own_error(tmp_path):
@@ -489,3 +500,106 @@ async def test_map_follows_the_limit_as_it_rises():
     assert [r.text for r in results] == [f"p{i}" for i in range(400)]
     assert grown > 5
     assert server.most > 5 + read_ahead(5)
+
+
+# -- the start order (order="shape", dsclient/batch/_order.py) ---------------------------------
+def _prefix_heavy(n_prefixes: int = 4, per_prefix: int = 6) -> list[str]:
+    """Shuffled prompts on ``n_prefixes`` system prompts of 600 characters (2 whole blocks)."""
+    import random
+
+    systems = [f"System {p}: " + f"rule {p} applies. " * 40 for p in range(n_prefixes)]
+    prompts = [s + f"Question {q}?" for s in systems for q in range(per_prefix)]
+    random.Random(4).shuffle(prompts)
+    return prompts
+
+
+def _runs(prompts: list[str]) -> int:
+    heads = [p.split(":")[0] for p in prompts]
+    return sum(1 for i, h in enumerate(heads) if i == 0 or h != heads[i - 1])
+
+
+@pytest.mark.parametrize("order", ["shape", "input"])
+async def test_shape_order_sends_shared_prefixes_together_and_keeps_output_order(order):
+    prompts = _prefix_heavy()
+    server = EchoServer()
+    # Limit 1: the calls reach the server in the order the items start.
+    async with make_client(server, max_num_seqs=1) as client:
+        results = await client.map(prompts, max_tokens=4, progress=False, order=order)
+    assert [r.text for r in results] == prompts
+    assert [r.index for r in results] == list(range(len(prompts)))
+    assert sorted(server.calls) == sorted(prompts)
+    if order == "input":
+        assert server.calls == prompts
+    else:
+        assert _runs(server.calls) == 4 < _runs(prompts)
+
+
+async def test_shape_order_starts_the_longest_first():
+    prompts = ["short"] * 5 + ["long"] + ["short"] * 5
+    server = EchoServer()
+    # 100 tokens out is still the short lane (a long-lane call may wait behind short ones).
+    items = [
+        {"prompt": f"{p} {i}", "max_tokens": 100 if p == "long" else 8}
+        for i, p in enumerate(prompts)
+    ]
+    async with make_client(server, max_num_seqs=1) as client:
+        results = await client.map(items, progress=False)
+    assert server.calls[0] == "long 5"
+    assert [r.index for r in results] == list(range(11))
+
+
+async def test_shape_order_resumes_the_same_ids_exactly_once(tmp_path):
+    # A first run in input order that fails some items, resumed in shape order: the ids match,
+    # the successes are read back and only the failures are sent again.
+    out = tmp_path / "out.jsonl"
+    prompts = [
+        p if i % 3 else p.replace("Question", "bad Question") for i, p in enumerate(_prefix_heavy())
+    ]
+    async with make_client(EchoServer()) as client:
+        first = await client.map(prompts, output=out, progress=False, order="input")
+    assert len(first.failures) == 8
+    server = EchoServer()
+    async with make_client(server) as client:
+        again = await client.map(prompts, output=out, resume=True, progress=False)
+    assert again.resumed == 16
+    assert sorted(server.calls) == sorted(p for p in prompts if "bad" in p)
+    assert [r.index for r in again] == list(range(24))
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert len(ids) == 24 + 8 and len(set(ids)) == 24
+
+
+async def test_shape_order_does_not_wait_for_a_slow_async_input_to_fill_the_window():
+    # An input that yields the next item only after the previous one's result came back: a
+    # window that waited to fill would never start the first.
+    answered = anyio.Event()
+    seen = []
+
+    async def items():
+        for i in range(3):
+            yield f"p{i}"
+            await answered.wait()
+
+    server = EchoServer()
+    async with make_client(server) as client:
+        with anyio.fail_after(10):
+            async with contextlib.aclosing(client.imap(items(), progress=False)) as results:
+                async for index, result in results:
+                    seen.append(index)
+                    answered.set()
+    assert sorted(seen) == [0, 1, 2]
+
+
+async def test_shape_order_raises_an_async_inputs_error():
+    async def items():
+        yield "p0"
+        raise OSError("disk gone")
+
+    async with make_client(EchoServer()) as client:
+        with pytest.raises(OSError, match="disk gone"):
+            await client.map(items(), progress=False)
+
+
+async def test_order_is_checked():
+    async with make_client(EchoServer()) as client:
+        with pytest.raises(ValueError, match="order must be"):
+            await client.map(["a"], order="random", progress=False)

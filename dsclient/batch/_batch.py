@@ -3,16 +3,24 @@
     results = await client.map(prompts, max_tokens=32, output="results.jsonl", resume=True)
     print(results.failures, results.summary())
 
-A pool of workers pulls items from the input one at a time and calls the client; the client's
-governor orders the calls. There are ``limit + read_ahead(limit)`` workers, so a few calls always
-wait in the governor: that waiting is the demand the limit controller grows on. The pool follows
-the limit: when it rises, workers are added (never removed; extra ones just wait for a slot).
+A pool of workers pulls items one at a time and calls the client; the client's governor orders
+the calls. There are ``limit + read_ahead(limit)`` workers, so a few calls always wait in the
+governor: that waiting is the demand the limit controller grows on. The pool follows the limit:
+when it rises, workers are added (never removed; extra ones just wait for a slot).
+
+Which item a free worker takes is the order's (``order=``): by default a window of the next
+``WINDOW`` (1024) items read is kept, and a :class:`~dsclient.batch._order.Lineup` hands out
+items that share a prefix together and the longest first (:mod:`dsclient.batch._order`);
+``order="input"`` reads the input one item per worker, in order. Items are numbered, named and
+matched against the output file as they are read, in input order, so an item's index and id
+(and so resume) do not depend on the order they start in.
+
 For ``map()`` each worker records its own outcomes, so the input is read at most
-``L + read_ahead(L)`` items ahead of what is done, ``L`` the highest limit of the run. For
-``imap()`` a finished outcome waits in its worker or in a buffer of read-ahead size until the
-consumer takes it, so the input is read at most ``L + 2 * read_ahead(L)`` items ahead of what
-has been yielded, whatever its length: with ``output=`` a batch of a million items runs in flat
-memory.
+``L + read_ahead(L)`` items ahead of what is done, ``L`` the highest limit of the run (plus the
+window). For ``imap()`` a finished outcome waits in its worker or in a buffer of read-ahead size
+until the consumer takes it, so the input is read at most ``L + 2 * read_ahead(L)`` items (plus
+the window) ahead of what has been yielded, whatever its length: with ``output=`` a batch of a
+million items runs in flat memory.
 
 Items are prompts (``str``), message lists, or request dicts::
 
@@ -42,7 +50,7 @@ from collections.abc import (
 )
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, TypeVar
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -56,9 +64,11 @@ from ..client._request import (
     check_prompt,
 )
 from ._jsonl import JsonlStore, derive_id, explicit_id
+from ._order import ORDERS, WINDOW, ItemShape, Lineup, Order, predicted_tokens, prefix_of
 from ._progress import Progress, open_progress
 
 if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
     from anyio.from_thread import BlockingPortal
 
     from ..client._client import AsyncClient
@@ -182,18 +192,26 @@ class _Source:
         self._count = 0
         self._exhausted = False
 
+    @property
+    def is_async(self) -> bool:
+        return self._aiter is not None
+
+    def next_nowait(self) -> tuple[int, Any] | None:
+        """The next item of a plain iterable (no await, so workers cannot interleave here)."""
+        assert self._iter is not None
+        if self._exhausted:
+            return None
+        try:
+            item = next(self._iter)
+        except StopIteration:
+            self._exhausted = True
+            return None
+        index, self._count = self._count, self._count + 1
+        return index, item
+
     async def next(self) -> tuple[int, Any] | None:
         if self._iter is not None:
-            # No await between reading and numbering, so workers cannot interleave here.
-            if self._exhausted:
-                return None
-            try:
-                item = next(self._iter)
-            except StopIteration:
-                self._exhausted = True
-                return None
-            index, self._count = self._count, self._count + 1
-            return index, item
+            return self.next_nowait()
         assert self._aiter is not None
         async with self._lock:
             if self._exhausted:
@@ -269,6 +287,143 @@ class _Options:
     group: str | None
     timeout: Any
     sampling: dict[str, Any]
+    order: Order = "shape"
+    window: int = WINDOW  # items read ahead of those started, for order="shape"
+
+
+class _Prepared:
+    """One item read, numbered and looked at: its id, whether the file has its outcome, and
+    its request (or why it cannot be one). Done once, in input order, whatever the order the
+    items then start in, so resume matches ids exactly as it did before items were reordered."""
+
+    __slots__ = ("index", "item", "offset", "parsed", "rid")
+
+    def __init__(
+        self,
+        index: int,
+        item: Any,
+        rid: str | None,
+        offset: int | None,
+        parsed: tuple[Literal["completion", "chat"], Any, int | None, dict[str, Any]] | Exception,
+    ) -> None:
+        self.index = index
+        self.item = item
+        self.rid = rid
+        self.offset = offset  # where the output file holds its outcome, on resume
+        self.parsed = parsed
+
+
+class _Feed(Protocol):
+    """Where workers take their next item from: input order, or the batch's shape."""
+
+    @property
+    def exhausted(self) -> bool:
+        """Nothing is left to hand out, nor will be."""
+        ...
+
+    def start(self, tg: TaskGroup) -> None:
+        """Start what the feed runs beside the workers, in the batch's task group."""
+        ...
+
+    async def next(self) -> _Prepared | None:
+        """The next item to start; ``None`` at the end; the input's own error if it raised."""
+        ...
+
+
+class _InOrder:
+    """Items in input order, read one at a time as workers ask (``order="input"``)."""
+
+    def __init__(self, source: _Source, run: _Run) -> None:
+        self._source = source
+        self._run = run
+
+    @property
+    def exhausted(self) -> bool:
+        return self._source.exhausted
+
+    def start(self, tg: TaskGroup) -> None:
+        pass
+
+    async def next(self) -> _Prepared | None:
+        got = await self._source.next()
+        return None if got is None else self._run.prepare(*got)
+
+
+class _Shaped:
+    """Items read up to ``window`` ahead of those started and handed out by a :class:`Lineup`
+    (``order="shape"``, :mod:`dsclient.batch._order`).
+
+    A plain iterable is topped up in the worker that asks, with no await (as input order reads
+    it). An async iterable is read by a task of its own: a worker never waits for the window to
+    fill, only for a first item, so a slow or open-ended source starts items as they come.
+    """
+
+    def __init__(self, source: _Source, run: _Run, window: int = WINDOW) -> None:
+        self._source = source
+        self._run = run
+        self._window = window
+        self._lineup: Lineup[_Prepared] = Lineup()
+        self._error: Exception | None = None
+        self._read_all = False  # the reader task has ended (async sources)
+        self._arrived = anyio.Event()  # an item was added, or the reader ended
+        self._room: anyio.Event | None = None  # set when the reader waits for room
+        # The reader wakes when an eighth of the window is free, not at every item started.
+        self._low = window - max(1, window // 8)
+
+    @property
+    def exhausted(self) -> bool:
+        done = self._read_all if self._source.is_async else self._source.exhausted
+        return done and not self._lineup
+
+    def start(self, tg: TaskGroup) -> None:
+        if self._source.is_async:
+            tg.start_soon(self._read)
+
+    async def next(self) -> _Prepared | None:
+        lineup = self._lineup
+        if not self._source.is_async:
+            while len(lineup) < self._window and (got := self._source.next_nowait()):
+                self._add(*got)
+        else:
+            while not lineup:
+                if self._error is not None:
+                    raise self._error
+                if self._read_all:
+                    return None
+                arrived = self._arrived
+                if arrived.is_set():
+                    arrived = self._arrived = anyio.Event()
+                await arrived.wait()
+        if self._error is not None:
+            raise self._error
+        if not lineup:
+            return None
+        prepared = lineup.pop()
+        if self._room is not None and len(lineup) <= self._low:
+            self._room.set()
+            self._room = None
+        return prepared
+
+    def _add(self, index: int, item: Any) -> None:
+        prepared = self._run.prepare(index, item)
+        self._lineup.add(prepared, self._run.shape_of(prepared))
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                if len(self._lineup) >= self._window:
+                    room = self._room = anyio.Event()
+                    await room.wait()
+                got = await self._source.next()
+                if got is None:
+                    return
+                self._add(*got)
+                self._arrived.set()
+        except Exception as exc:
+            self._error = exc  # raised in the workers, as input order raises it
+        finally:
+            self._read_all = True
+            self._arrived.set()
 
 
 class _Run:
@@ -286,20 +441,20 @@ class _Run:
         self.running = 0
 
     async def worker(
-        self, source: _Source, send: MemoryObjectSendStream[_Done | _InputFailed], pool: _Pool
+        self, feed: _Feed, send: MemoryObjectSendStream[_Done | _InputFailed], pool: _Pool
     ) -> None:
         async with send:
             while True:
                 message: _Done | _InputFailed
                 try:
-                    got = await source.next()
+                    got = await feed.next()
                 except Exception as exc:
                     message = _InputFailed(exc)
                 else:
                     if got is None:
                         pool.grow()  # the input is done: the pool closes its own sender
                         return
-                    message = await self.process(*got)
+                    message = await self.process(got)
                     pool.grow()
                 try:
                     try:
@@ -311,20 +466,43 @@ class _Run:
                 if isinstance(message, _InputFailed):
                     return
 
-    async def process(self, index: int, item: Any) -> _Done:
+    def prepare(self, index: int, item: Any) -> _Prepared:
+        """Number, name and parse one item as it is read (in input order)."""
         rid: str | None = None
+        offset: int | None = None
         if self.store is not None:
             rid = _id_of(item, index)
             offset = self.done_ids.pop(rid, None)
-            if offset is not None:
-                return index, self.store.load(offset, index), rid, True
-        options = self.options
+        parsed: tuple[Literal["completion", "chat"], Any, int | None, dict[str, Any]] | Exception
         try:
-            kind, prompt, max_tokens, sampling = _parse_item(
-                item, index, options.max_tokens, options.sampling
-            )
+            parsed = _parse_item(item, index, self.options.max_tokens, self.options.sampling)
         except (ValueError, TypeError) as exc:
-            return index, Failure(index=index, id=rid or _id_of(item, index), error=exc), rid, False
+            parsed = exc
+        return _Prepared(index, item, rid, offset, parsed)
+
+    def shape_of(self, prepared: _Prepared) -> ItemShape:
+        """What the order needs of an item: its prefix and predicted tokens."""
+        parsed = prepared.parsed
+        if prepared.offset is not None or isinstance(parsed, Exception):
+            return ItemShape(free=True)
+        _, prompt, max_tokens, _ = parsed
+        client = self.client
+        wanted = max_tokens if max_tokens is not None else client._default_max_tokens
+        return ItemShape(
+            blocks=prefix_of(prompt), cost=predicted_tokens(prompt, wanted, client._tokens)
+        )
+
+    async def process(self, prepared: _Prepared) -> _Done:
+        index, item, rid = prepared.index, prepared.item, prepared.rid
+        if prepared.offset is not None:
+            assert self.store is not None
+            return index, self.store.load(prepared.offset, index), rid, True
+        options = self.options
+        parsed = prepared.parsed
+        if isinstance(parsed, Exception):
+            failure = Failure(index=index, id=rid or _id_of(item, index), error=parsed)
+            return index, failure, rid, False
+        kind, prompt, max_tokens, sampling = parsed
         self.running += 1
         try:
             result = await self.client._request(
@@ -389,6 +567,7 @@ async def iter_map(
     urgency: int = 0,
     group: str | None = None,
     timeout: float | UseDefault | None = USE_DEFAULT,
+    order: Order = "shape",
     **sampling: Any,
 ) -> AsyncGenerator[tuple[int, Outcome], None]:
     """Yield ``(index, result or Failure)`` as each item finishes (completion order).
@@ -408,7 +587,9 @@ async def iter_map(
     run = _run_batch(
         client,
         items,
-        _Options(on_error, progress, output, resume, max_tokens, urgency, group, timeout, sampling),
+        _Options(
+            on_error, progress, output, resume, max_tokens, urgency, group, timeout, sampling, order
+        ),
     )
     async with aclosing(run) as outcomes:
         async for index, outcome, _ in outcomes:
@@ -417,10 +598,12 @@ async def iter_map(
 
 async def _open_batch(
     client: AsyncClient, items: Iterable[Any] | AsyncIterable[Any], options: _Options
-) -> tuple[_Source, JsonlStore | None, _Run, Progress]:
+) -> tuple[_Feed, JsonlStore | None, _Run, Progress]:
     """Check the arguments, discover the server, open the output and the bar."""
     if options.on_error not in _ON_ERROR:
         raise ValueError(f"on_error must be 'return' or 'raise', got {options.on_error!r}")
+    if options.order not in ORDERS:
+        raise ValueError(f"order must be 'shape' or 'input', got {options.order!r}")
     if not isinstance(options.resume, bool):
         raise TypeError(f"resume must be a bool, got {type(options.resume).__name__}")
     check_max_tokens(options.max_tokens)
@@ -429,13 +612,16 @@ async def _open_batch(
     await client.discover()
     store, done_ids = _open_store(options.output, options.resume)
     run = _Run(client, store, done_ids, options)
+    feed: _Feed = (
+        _Shaped(source, run, options.window) if options.order == "shape" else _InOrder(source, run)
+    )
     try:
         bar: Progress = open_progress(options.progress, total=_total_of(items))
     except BaseException:
         if store is not None:
             store.close()
         raise
-    return source, store, run, bar
+    return feed, store, run, bar
 
 
 async def _run_direct(
@@ -453,7 +639,7 @@ async def _run_direct(
     stop the batch (``on_error="raise"``, the input raising, the output failing) cancels the
     other workers and is raised as itself, not as an ``ExceptionGroup``.
     """
-    source, store, run, bar = await _open_batch(client, items, options)
+    feed, store, run, bar = await _open_batch(client, items, options)
     stop: list[BaseException] = []
     pool: _Pool | None = None
     try:
@@ -461,15 +647,16 @@ async def _run_direct(
 
             async def worker() -> None:
                 try:
-                    while (got := await source.next()) is not None:
-                        done = await run.process(*got)
+                    while (got := await feed.next()) is not None:
+                        done = await run.process(got)
                         sink(*_settle(done, store, bar, run.running, options.on_error))
                         workers.grow()
                 except Exception as exc:
                     stop.append(exc)
                     tg.cancel_scope.cancel()
 
-            pool = workers = _Pool(client, source, lambda: tg.start_soon(worker))
+            feed.start(tg)
+            pool = workers = _Pool(client, feed, lambda: tg.start_soon(worker))
             workers.follow()
     finally:
         if pool is not None:
@@ -485,7 +672,7 @@ async def _run_batch(
     client: AsyncClient, items: Iterable[Any] | AsyncIterable[Any], options: _Options
 ) -> AsyncGenerator[tuple[int, Outcome, bool], None]:
     """The run behind ``imap()``: yields ``(index, outcome, read back from the output file)``."""
-    source, store, run, bar = await _open_batch(client, items, options)
+    feed, store, run, bar = await _open_batch(client, items, options)
     # Errors leave the task group only after it is closed, so callers get the original error,
     # not an ExceptionGroup, and aclose() gets its GeneratorExit back.
     stop: BaseException | None = None
@@ -497,10 +684,11 @@ async def _run_batch(
         async with receive, anyio.create_task_group() as tg:
             # The workers' clones of `send` close the stream when the last one ends, so the pool
             # keeps the original open while it may still start workers.
+            feed.start(tg)
             pool = _Pool(
                 client,
-                source,
-                lambda: tg.start_soon(run.worker, source, send.clone(), pool),
+                feed,
+                lambda: tg.start_soon(run.worker, feed, send.clone(), pool),
                 on_close=send.close,
             )
             pool.follow()
@@ -540,7 +728,7 @@ class _Pool:
     def __init__(
         self,
         client: AsyncClient,
-        source: _Source,
+        source: _Feed,
         start: Callable[[], object],
         on_close: Callable[[], None] | None = None,
     ) -> None:
@@ -632,6 +820,7 @@ async def run_map(
     urgency: int = 0,
     group: str | None = None,
     timeout: float | UseDefault | None = USE_DEFAULT,
+    order: Order = "shape",
     **sampling: Any,
 ) -> BatchResults:
     """Run every item; return a :class:`BatchResults` list, one entry per item, never dropped.
@@ -651,6 +840,12 @@ async def run_map(
             from the file), retry those that failed; a torn last line is cut.
         max_tokens, urgency, group, timeout, sampling: as in :meth:`AsyncClient.generate`;
             a request dict's own ``max_tokens`` and sampling keys override them.
+        order: the order items *start* in (outcomes keep their input index either way).
+            ``"shape"`` (default): within a window of the next 1024 items read, items that
+            share a prefix start together (the server computes it once while it is cached),
+            and the longest (prompt + ``max_tokens``) first, none waiting more than two
+            windows of starts (:mod:`dsclient.batch._order`). ``"input"``: in input order, read one
+            at a time.
     """
     start = time.perf_counter()
     outcomes: list[Outcome | None] = []
@@ -670,7 +865,9 @@ async def run_map(
         client,
         items,
         keep,
-        _Options(on_error, progress, output, resume, max_tokens, urgency, group, timeout, sampling),
+        _Options(
+            on_error, progress, output, resume, max_tokens, urgency, group, timeout, sampling, order
+        ),
     )
     missing = [i for i, o in enumerate(outcomes) if o is None]
     if missing:  # a broken invariant must never look like a short batch

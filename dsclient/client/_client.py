@@ -655,6 +655,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         urgency: int = 0,
         group: str | None = None,
         timeout: float | UseDefault | None = USE_DEFAULT,
+        order: Literal["shape", "input"] = "shape",
         **sampling: Any,
     ) -> BatchResults:
         """Run every item; results come back in input order, one per item, never dropped.
@@ -664,7 +665,8 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         Parameters are those of :func:`dsclient.batch._batch.run_map` (``docs/batch.md``): items are
         prompts, message lists or request dicts; ``output`` a JSONL file that ``resume=True``
         continues; ``on_error="raise"`` stops at the first failure; ``sampling`` goes into every
-        request body.
+        request body. ``order="shape"`` (default) starts items that share a prefix together and
+        the longest first, within a window of the input; ``order="input"`` starts them as read.
         """
         return await run_map(
             self,
@@ -678,6 +680,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
             urgency=urgency,
             group=group,
             timeout=timeout,
+            order=order,
             **sampling,
         )
 
@@ -693,6 +696,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         urgency: int = 0,
         group: str | None = None,
         timeout: float | UseDefault | None = USE_DEFAULT,
+        order: Literal["shape", "input"] = "shape",
         **sampling: Any,
     ) -> AsyncIterator[tuple[int, Result | Failure]]:
         """Yield ``(index, result)`` as each item finishes (completion order). Parameters are
@@ -712,6 +716,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
             urgency=urgency,
             group=group,
             timeout=timeout,
+            order=order,
             **sampling,
         )
 

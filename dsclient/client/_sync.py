@@ -229,6 +229,7 @@ class Client:
         urgency: int = 0,
         group: str | None = None,
         timeout: float | UseDefault | None = USE_DEFAULT,
+        order: Literal["shape", "input"] = "shape",
         **sampling: Any,
     ) -> BatchResults:
         """Run every item; results in input order. Works inside a Jupyter cell too.
@@ -249,6 +250,7 @@ class Client:
                 urgency=urgency,
                 group=group,
                 timeout=timeout,
+                order=order,
                 **sampling,
             )
         )
@@ -265,6 +267,7 @@ class Client:
         urgency: int = 0,
         group: str | None = None,
         timeout: float | UseDefault | None = USE_DEFAULT,
+        order: Literal["shape", "input"] = "shape",
         **sampling: Any,
     ) -> Iterator[tuple[int, Result | Failure]]:
         """A plain iterator of ``(index, result)`` in completion order.
@@ -288,6 +291,7 @@ class Client:
             urgency=urgency,
             group=group,
             timeout=timeout,
+            order=order,
             **sampling,
         )
 
