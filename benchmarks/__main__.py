@@ -16,6 +16,7 @@
     python -m benchmarks replicas             # starting 2 vLLM replicas: in turn vs at once
     python -m benchmarks routing              # 2 replicas: dsclient vs round-robin vs vllm-router
     python -m benchmarks blackbox             # nginx'd vLLM, transformers serve, vLLM priority
+    python -m benchmarks batch-shape          # map(): prefix groups, longest first vs input order
     python -m benchmarks governor --help      # each benchmark's own options
     python -m benchmarks report               # docs/benchmarks.md's tables from the kept results
     python -m benchmarks report --check       # exit 1 if the page is behind them
@@ -92,6 +93,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "blackbox": (
         "benchmarks.bench_blackbox",
         "servers without /metrics (vLLM behind nginx, transformers serve) and vLLM's own priority",
+    ),
+    "batch-shape": (
+        "benchmarks.bench_batch_shape",
+        "map() order='shape' (prefix groups, longest first) vs order='input' on a small KV cache",
     ),
 }
 

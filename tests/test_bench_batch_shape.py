@@ -1,0 +1,101 @@
+"""benchmarks/bench_batch_shape.py: the batches, the ratios, the goals and the page block."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from benchmarks import bench_batch_shape as bench
+
+
+def test_prefix_heavy_is_20_prefixes_of_30_questions_shuffled():
+    items = bench.make_batch("prefix-heavy", 1, "s")
+    assert len(items) == 600
+    heads = [item["prompt"].split(":")[0] for item in items]
+    assert set(Counter(heads).values()) == {30} and len(set(heads)) == 20
+    assert heads[:20] != sorted(heads[:20])  # shuffled
+    system = items[0]["prompt"].split("\nQuestion")[0]
+    assert 1200 < len(system) < 2000
+
+
+def test_mixed_has_a_tenth_long_items_and_salts_differ():
+    items = bench.make_batch("mixed", 1, "a")
+    outs = Counter(item["max_tokens"] for item in items)
+    assert set(outs) == {32, 512} and 10 <= outs[512] <= 35
+    other = bench.make_batch("mixed", 1, "b")
+    assert items[0]["prompt"] != other[0]["prompt"]
+
+
+def test_legs_alternate_and_the_hit_rate_is_a_difference_of_counters():
+    assert bench.leg_order(1) == ["shape", "input"]
+    assert bench.leg_order(2) == ["input", "shape"]
+    assert bench.hit_rate((100.0, 1000.0), (400.0, 2000.0)) == 0.3
+    assert bench.hit_rate((0.0, 5.0), (0.0, 5.0)) is None
+
+
+def rows():
+    out = []
+    for run in (1, 2):
+        out += [
+            {
+                "leg": "shape",
+                "run": run,
+                "workload": "prefix-heavy",
+                "makespan_s": 8.0,
+                "hit_rate": 0.6,
+                "failed": 0,
+                "items": 600,
+            },
+            {
+                "leg": "input",
+                "run": run,
+                "workload": "prefix-heavy",
+                "makespan_s": 10.0,
+                "hit_rate": 0.3,
+                "failed": 0,
+                "items": 600,
+            },
+            {
+                "leg": "shape",
+                "run": run,
+                "workload": "plain",
+                "makespan_s": 10.5,
+                "hit_rate": 0.0,
+                "failed": 0,
+                "items": 200,
+            },
+            {
+                "leg": "input",
+                "run": run,
+                "workload": "plain",
+                "makespan_s": 10.0,
+                "hit_rate": 0.0,
+                "failed": 0,
+                "items": 200,
+            },
+        ]
+    return out
+
+
+def test_goals_are_checked_per_run():
+    lines = bench.goal_lines(rows())
+    assert "- prefix-heavy, hit rate: shape / input = 2.00x, 2.00x (goal >= 1.5x): met" in lines
+    assert any(
+        line.startswith("- prefix-heavy, makespan") and "0.80x" in line and line.endswith(": met")
+        for line in lines
+    )
+    assert any(line.startswith("- plain, makespan") and "**not met**" in line for line in lines)
+
+
+def test_render_has_a_table_per_workload_and_the_conditions():
+    record = {
+        "benchmark": "batch-shape",
+        "_file": "x.json",
+        "rows": rows(),
+        "host": {"cores": 2},
+        "code": {"commit": "abc", "dirty": False},
+        "versions": {},
+    }
+    text = bench.render([record])
+    assert "**prefix-heavy** (600 items)" in text and "**plain** (200 items)" in text
+    assert "| shape | 2 |" in text
+    assert "benchmarks/results/batch-shape/x.json" in text
