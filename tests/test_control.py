@@ -1050,3 +1050,123 @@ def test_room_in_the_batch_is_at_most_the_batch_seen_while_queued() -> None:
     target = control.target
     assert target == 48
     assert control.limit == 30 + math.ceil(0.5 * (target + 12 - 8))
+
+
+# --- a server that reports only its queue (vLLM's load header on each answer) ---------------------
+
+
+class FrontedServer:
+    """An engine behind an API server: admitted requests wait ``transit`` periods, then pass the
+    API server at most ``rate`` a period (tokenizing: a flood piles up there, where no gauge
+    shows it), then queue for a batch of ``capacity``; each runs 2-6 periods. The client reads
+    only the engine's queue, on the answers (none in a period without answers)."""
+
+    def __init__(self, capacity: int, *, rate: int, transit: int = 1, seed: int = 1) -> None:
+        self.capacity, self.rate, self.transit = capacity, rate, transit
+        self.rng = random.Random(seed)
+        self.front: deque[tuple[int, int]] = deque()  # (admitted, reaches the API server)
+        self.waiting: deque[int] = deque()  # admitted period of each
+        self.running: list[tuple[int, int]] = []  # (admitted, periods left)
+
+    def step(self, period: int) -> list[int]:
+        """One period; the admitted periods of the requests answered in it."""
+        passed = 0
+        while self.front and self.front[0][1] <= period and passed < self.rate:
+            self.waiting.append(self.front.popleft()[0])
+            passed += 1
+        done = [admitted for admitted, left in self.running if left <= 1]
+        self.running = [(admitted, left - 1) for admitted, left in self.running if left > 1]
+        while self.waiting and len(self.running) < self.capacity:
+            self.running.append((self.waiting.popleft(), self.rng.randint(2, 6)))
+        return done
+
+
+def simulate_queue_only(
+    server: FrontedServer, control: LimitController, periods: int
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """One client with unlimited demand; returns per period its limit, the batch running, the
+    engine's queue and the requests answered."""
+    limits: list[int] = []
+    running: list[int] = []
+    waiting: list[int] = []
+    answered: list[int] = []
+    in_flight = 0
+    for period in range(periods):
+        now = period * PERIOD
+        room = max(0, control.limit - in_flight)
+        server.front.extend([(period, period + server.transit)] * room)
+        in_flight += room
+        done = server.step(period)
+        in_flight -= len(done)
+        for admitted in done:
+            control.on_outcome(now, "ok", (period - admitted + 1) * PERIOD)
+        if done:
+            control.on_load(
+                now, running=None, waiting=len(server.waiting), in_flight=in_flight, demand=True
+            )
+        else:
+            control.on_idle_period(now, demand=True, in_flight=in_flight)
+        limits.append(control.limit)
+        running.append(len(server.running))
+        waiting.append(len(server.waiting))
+        answered.append(len(done))
+        assert 1 <= control.limit <= control.ceiling
+    return limits, running, waiting, answered
+
+
+@pytest.mark.parametrize("rate", [1000, 6], ids=["fast-api-server", "slow-api-server"])
+@pytest.mark.parametrize("capacity", [8, 32, 256])
+def test_queue_only_keeps_the_batch_full_and_the_limit_near_it(capacity: int, rate: int) -> None:
+    """With only the engine's queue in view (the knee finder grows, the queue cuts), the batch
+    stays full, the queue's p90 within the target and the limit under twice batch + target:
+    behind nginx, a vLLM with a batch of 32 had its limit run to 1280 while requests piled up
+    in its API server (the estimated batch was everything in flight, the target half of it).
+    Measured: the batch 89-99% full, the limit at most 1.8x batch + target."""
+    server = FrontedServer(capacity, rate=max(rate, capacity // 2))
+    control = LimitController(start=5, mode="metrics", capacity=None)
+    limits, running, waiting, _ = simulate_queue_only(server, control, PERIODS + 200)
+    settled = slice(WARM_UP + 100, None)
+    assert statistics.mean(running[settled]) >= 0.85 * capacity
+    target = target_waiting(capacity, SIM_SHARE, capacity)
+    assert max(limits[settled]) <= 2 * (capacity + target)
+    assert _p90(waiting[settled]) <= target
+
+
+def test_queue_only_batch_is_the_smallest_bound_while_queued() -> None:
+    batch = _control.QueueOnlyBatch()
+    assert batch.running(0.0, in_flight=60, waiting=10) == 50  # one queued reading: no bound
+    assert batch.value is None
+    assert batch.running(0.25, in_flight=60, waiting=12) == 48
+    assert batch.value == 48
+    assert batch.running(0.5, in_flight=90, waiting=20) == 48  # the rest is in transit
+    assert batch.running(0.75, in_flight=45, waiting=5) == 40  # a smaller bound
+    assert batch.value == 40
+    assert batch.running(1.0, in_flight=30, waiting=0) == 30  # no queue: room, bound kept
+    assert batch.value == 40
+
+
+def test_queue_only_batch_forgets_old_bounds_and_skips_others_queues() -> None:
+    batch = _control.QueueOnlyBatch()
+    batch.running(0.0, in_flight=20, waiting=4)
+    batch.running(0.25, in_flight=20, waiting=4)
+    assert batch.value == 16
+    batch.running(40.0, in_flight=50, waiting=10)
+    batch.running(40.25, in_flight=50, waiting=10)
+    assert batch.value == 40  # the bound of 16 is older than the window
+    batch.running(41.0, in_flight=5, waiting=30)  # other clients' queue: says nothing
+    batch.running(41.25, in_flight=5, waiting=30)
+    assert batch.value == 40
+
+
+def test_queue_only_holds_the_limit_where_an_api_server_is_the_bottleneck() -> None:
+    """An API server that passes 3 requests a period in front of a batch of 32 (that could do
+    8): the engine's queue never stands, so only the throughput can stop the growth. Growing
+    on the estimated batch (everything in flight) took the limit to the thousands."""
+    server = FrontedServer(32, rate=3)
+    control = LimitController(start=5, mode="metrics", capacity=None)
+    limits, _, waiting, answered = simulate_queue_only(server, control, PERIODS)
+    settled = slice(WARM_UP, None)
+    assert max(waiting) <= 1
+    assert max(limits) <= 160
+    assert statistics.mean(answered[settled]) >= 0.9 * 3
+    assert control.stats().knee_phase == "hold"

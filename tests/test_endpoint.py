@@ -703,8 +703,13 @@ async def test_an_answer_with_vllms_load_header_moves_throughput_mode_to_the_que
     slots = await hold(endpoint, 5)
     clock.now = 0.5
     fed = endpoint._answer_signal(clock.now)
-    assert fed is not None and (fed.waiting, fed.running, fed.kv_usage) == (3, 2, 0.5)
+    # No running count in the header: the controller estimates the batch from the queue.
+    assert fed is not None and (fed.waiting, fed.running, fed.kv_usage) == (3, None, 0.5)
     assert endpoint._answer_signal(clock.now) is None  # each answer's load is fed once
+    endpoint.observe_load(fed, clock.now)
+    control = endpoint.control_stats()
+    assert (control.server_running, control.server_waiting) == (2, 3)  # 5 in flight, 3 queued
+    assert control.knee_phase == "slow start"  # the throughput grows it; the queue cuts
     clock.now = 1.5
     stats = endpoint.control_stats()
     assert stats.signal == "endpoint-load-metrics" and stats.signal_age_s == 1.5

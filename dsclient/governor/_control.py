@@ -36,6 +36,9 @@ metrics     the server reports running and waiting. Grow while the client has ca
             No growth for ``cooldown`` after any cut (the cut needs a round trip to show). Room
             in the batch counts only while the queue is empty: a queue means the batch is full,
             whatever ``max_num_seqs`` says. Bounds: 1 .. ``max(64, 4 x capacity)``.
+            A server that reports its queue but not its batch (vLLM's load header on each
+            answer): the queue cuts as above, on an estimated batch (:class:`QueueOnlyBatch`),
+            and the knee finder grows the limit, as in throughput mode.
 throughput  no queue signal (a gateway that passes only ``/v1/*``, transformers' server, Ollama,
             any OpenAI-compatible endpoint): the limit finds the knee from the answers alone,
             rising while more in flight still buys throughput and holding where it only buys
@@ -76,6 +79,7 @@ __all__ = [
     "LimitController",
     "Mode",
     "Outcome",
+    "QueueOnlyBatch",
     "target_waiting",
 ]
 
@@ -137,6 +141,8 @@ _OVER_MEMORY_S: Final = 30.0
 #: server the trough of every wave of equal-length answers shows an empty queue for a scrape or
 #: two, and forgetting there let the loop climb back over the target at once.
 _DRY_SCRAPES: Final = 4
+#: Seconds over which :class:`QueueOnlyBatch` takes the smallest bound on the batch.
+_QUEUE_ONLY_WINDOW_S: Final = 30.0
 #: Latency rule (the tuning literature's baseline): halve above 120% of the target.
 _LATENCY_SLACK: Final = 1.2
 _LATENCY_CUT: Final = 0.5
@@ -254,6 +260,51 @@ class CapacityLearner:
         return False
 
 
+class QueueOnlyBatch:
+    """The batch of a server that reports its queue but not its running count (vLLM's
+    ``endpoint-load-metrics`` header on each answer: waiting and KV usage).
+
+        batch = QueueOnlyBatch()
+        batch.running(now, in_flight=60, waiting=10)   # 50: no bound yet
+        batch.running(now, in_flight=60, waiting=12)   # 48: queued twice, bound 48
+        batch.running(now, in_flight=90, waiting=20)   # 48: what is beyond it is in transit
+
+    What this client has in flight less the queue is what runs plus what is still on its way
+    (HTTP, an API server tokenizing): an upper bound on the batch whenever the queue stands,
+    since a queue means the batch is full. The smallest bound of the last
+    :data:`_QUEUE_ONLY_WINDOW_S` seconds (queued in two readings in a row, as the capacity
+    learner asks) is the estimate, kept when no queue has stood since. Taking the batch as
+    everything in flight instead let the target queue grow with the limit (half of it): behind
+    nginx a vLLM with a batch of 32 had its limit run to 1280, requests piling up in its API
+    server while its engine's queue stayed short.
+
+    With other clients on the server their queue counts here too, so the bound comes out low
+    and this client holds back: readings where the queue exceeds what is in flight are skipped.
+    """
+
+    __slots__ = ("_bounds", "_queued_last", "value")
+
+    def __init__(self) -> None:
+        self.value: int | None = None
+        self._queued_last = False
+        self._bounds: deque[tuple[float, int]] = deque()
+
+    def running(self, now: float, *, in_flight: int, waiting: int) -> int:
+        """This reading's running count: in flight less the queue, at most the bound."""
+        seen = max(0, in_flight - max(0, waiting))
+        queued = waiting > 0 and seen > 0
+        if queued and self._queued_last:
+            bounds = self._bounds
+            while bounds and now - bounds[0][0] > _QUEUE_ONLY_WINDOW_S:
+                bounds.popleft()
+            while bounds and bounds[-1][1] >= seen:
+                bounds.pop()  # a smaller, newer bound makes the older larger ones moot
+            bounds.append((now, seen))
+            self.value = bounds[0][1]
+        self._queued_last = queued
+        return seen if self.value is None else min(seen, self.value)
+
+
 def _nearest_rank(values: list[float], percent: int) -> float:
     ordered = sorted(values)
     return ordered[max(1, (percent * len(ordered) + 99) // 100) - 1]
@@ -296,6 +347,7 @@ class LimitController:
         "_over_limit",
         "_preemptions",
         "_queue_cap",
+        "_queue_only",
         "_queue_seen",
         "_queued_last",
         "_refused_at",
@@ -384,6 +436,8 @@ class LimitController:
         self._unseen_seen: deque[tuple[float, int]] = deque(maxlen=64)
         self._last_queue_cut = -math.inf
         self._most_running = 0
+        #: The batch estimated where the server reports no running count (its first reading).
+        self._queue_only: QueueOnlyBatch | None = None
         #: The knee finder that moves the limit in throughput mode (``None`` in the others).
         self._knee = KneeFinder(start=start, ceiling=self.ceiling) if mode == "throughput" else None
 
@@ -400,7 +454,7 @@ class LimitController:
             return self.start
         if self._ceiling_fixed is not None:
             return max(self.start, self._ceiling_fixed)
-        if self.mode == "throughput":
+        if self.mode == "throughput" or self._queue_only is not None:
             # The knee finder stops where throughput does; max_num_seqs is where it starts.
             return max(self.start, THROUGHPUT_CEILING, _CEILING_PER_SEQ * (self._capacity or 0))
         # The most ever seen running, not the last scrape's: a ceiling that fell with the
@@ -418,7 +472,7 @@ class LimitController:
         self,
         now: float,
         *,
-        running: int,
+        running: int | None,
         waiting: int,
         in_flight: int,
         demand: bool,
@@ -428,11 +482,20 @@ class LimitController:
 
         Parameters:
             now: seconds on the caller's monotonic clock.
-            running: sequences in the server's batch; waiting: its queue (all clients').
+            running: sequences in the server's batch (``None``: the server reports only its
+                queue; the batch is then estimated, see :class:`QueueOnlyBatch`);
+                waiting: its queue (all clients').
             in_flight: this client's requests in flight to the server now.
             demand: whether this client has calls waiting for a slot (or uses every slot).
             preemptions: the server's cumulative preemption counter, if it has one.
         """
+        queue_only = running is None
+        if running is None:
+            if self._queue_only is None:
+                self._queue_only = QueueOnlyBatch()
+                if self._knee is None and self.mode == "metrics":
+                    self._knee = KneeFinder(start=self.limit, ceiling=THROUGHPUT_CEILING)
+            running = self._queue_only.running(now, in_flight=in_flight, waiting=waiting)
         self.server_running, self.server_waiting = running, waiting
         self._most_running = max(self._most_running, running)
         self._queue_seen.append((now, waiting))
@@ -440,6 +503,8 @@ class LimitController:
             # Queued in two scrapes running (one may be a request caught between steps): the
             # batch was full at this many, whatever max_num_seqs says.
             self._batch_seen = max(self._batch_seen or 0, running)
+            if self._queue_only is not None and self._queue_only.value is not None:
+                self._batch_seen = self._queue_only.value  # the smallest bound, not the most
         self._queued_last = waiting > 0
         target = target_waiting(self._capacity, self.queue_share, running)
         if self._queue_cap is not None:
@@ -483,6 +548,12 @@ class LimitController:
                     wanted, f"server queue {waiting} > target {target} (running {running})"
                 )
             return False
+        if queue_only:
+            # No running count: what is in flight beyond the queue may be running or piling up
+            # in an API server that fell behind, where no gauge shows it (growing on it doubled
+            # the limit past a thousand). Whether more in flight buys anything is for the
+            # throughput to say, as without any signal; the queue still cuts.
+            return self._knee_step(now, demand=demand, in_flight=in_flight)
         if not demand or now - self._last_grow < self.period or not self._latency_allows():
             return False
         if now - self._last_cut_any < self.cooldown:
@@ -635,6 +706,11 @@ class LimitController:
         """
         if self._check_latency(now):
             return True
+        return self._knee_step(now, demand=demand, in_flight=in_flight)
+
+    def _knee_step(self, now: float, *, demand: bool, in_flight: int | None) -> bool:
+        """Let the knee finder move the limit (growth under the growth cap and the latency
+        target). True when the limit changed."""
         knee = self._knee
         if knee is None:
             return False

@@ -468,14 +468,12 @@ class Endpoint:
 
     def _answer_signal(self, now: float) -> Load | None:
         """The answer header's load for this period: the newest, if the poller has not fed it
-        yet, with ``running`` as this client's requests at the server less its queue (the
-        header has no running count)."""
+        yet (it has no running count: the controller estimates the batch from the queue)."""
         load, at = self._answer_load, self._answer_at
         if load is None or at is None or (self._fed_at is not None and at <= self._fed_at):
             return None
         self._fed_at = at
-        running = max(0, self._in_flight() - (load.waiting or 0))
-        return dataclasses.replace(load, running=running)
+        return load
 
     def observe_load(self, load: Load, now: float) -> None:
         """Feed one scrape to the capacity learner and the controller."""
@@ -486,7 +484,7 @@ class Endpoint:
         self.load, self.load_at = load, now
         self.scrapes += 1
         self._learn(load)
-        if load.running is None or load.waiting is None:
+        if load.waiting is None or (load.running is None and load.source != LOAD_HEADER):
             self.tick(now)
             return
         if self.controller.on_load(
