@@ -1,7 +1,7 @@
-"""The governor on a real (tiny, CPU) vLLM: online and batch traffic, three client strategies.
+"""The governor on a real (tiny, CPU) vLLM: online and batch traffic, dsclient against 6 peers.
 
-    .venv/bin/python -m benchmarks governor              # ~10 min; writes results/governor.json
-    .venv/bin/python -m benchmarks governor --runs 1 --online-seconds 8   # a quick look
+    .venv/bin/python -m benchmarks governor              # 3 runs of every leg, ~20-30 min
+    .venv/bin/python -m benchmarks governor --runs 1 --online-seconds 8 --no-save  # a quick look
     .venv/bin/python -m benchmarks governor --scenarios online --rates 4,8  # two arrival rates
 
 Starts ONE vLLM server through ``dsclient.launcher`` (the tiny random Llama, ``max_num_seqs`` 8,
@@ -27,13 +27,16 @@ Every request sends ``ignore_eos``, so the output lengths are exactly what was a
 * ``semaphore8``: ``unbounded`` behind ``asyncio.Semaphore(8)``, without ``priority``.
 
 Each scenario runs the strategies interleaved, each run starting one strategy later, so that
-drift on the machine hits them alike. The conditions are recorded before the server starts and
-one summary row per run is kept in ``benchmarks/results/governor/<UTC start>.json``.
+drift on the machine hits them alike. The conditions (commit, versions, the server's vLLM, cores,
+load) are recorded before the server starts and one summary row per strategy and run is kept in
+``benchmarks/results/governor/<UTC start>.json`` (in git; ``python -m benchmarks report`` renders
+the page's section from it). A row keeps p50, p95, p99 and the maximum with the count of answers;
+the page calls a tail p99 only where every run had 200 answers of that kind, else p95 or max.
 
 Every run gets fresh random prompts (same sizes, same arrival
 times), so vLLM's prefix cache cannot favour a later run. Latency is counted from submission:
-what the caller waits, client-side queueing included. Raw results go to
-``benchmarks/results/governor.json``; a markdown summary is printed at the end.
+what the caller waits, client-side queueing included. Per-request traces go to the gitignored
+``benchmarks/results/governor.json``; the section's tables are printed at the end.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -57,6 +61,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks import _report as report_
 from benchmarks._common import (
     WORDS,
+    busiest_processes,
     client_facts,
     engine_sampler,
     machine,
@@ -65,6 +70,7 @@ from benchmarks._common import (
     say,
     spread,
     tiny_vllm,
+    vllm_processes,
     words,
     write_results,
 )
@@ -87,6 +93,19 @@ STRATEGIES = (
     "semaphore16+priority",
     "semaphore8",
 )
+#: What each leg is, for the tables (kept in the results file's facts).
+ABOUT = {
+    "dsclient": "`AsyncClient(url)` defaults, `generate()` per request",
+    "unbounded": "`AsyncOpenAI`, `asyncio.gather`, unbounded, no `priority`",
+    "unbounded+priority": "`AsyncOpenAI`, unbounded, `priority` 0 for shorts, 1 for longs",
+    **{
+        f"semaphore{n}+priority": f"the same behind `asyncio.Semaphore({n})` ({x} max_num_seqs)"
+        for n, x in ((5, "0.7x"), (8, "1x"), (16, "2x"))
+    },
+    "semaphore8": "`AsyncOpenAI` behind `asyncio.Semaphore(8)`, no `priority`",
+}
+#: vLLM took over 300 s (the launcher's default) to start beside other engineers' servers.
+STARTUP_TIMEOUT_S = 900.0
 #: vLLM honours the request field ``priority`` (lower runs first) only with this policy.
 SERVER_ARGS = ("--scheduling-policy", "priority")
 PRIORITY = {"short": 0, "long": 1}
@@ -470,20 +489,64 @@ TABLE = (
 )
 
 
+def _workloads(rows: Sequence[dict[str, Any]]) -> list[tuple[str, float | None]]:
+    """(scenario, rate) pairs in the page's order: online by rate, then batch."""
+    found = []
+    for scenario in ("online", "batch"):
+        rates = {r.get("rate") for r in rows if r.get("scenario") == scenario}
+        found += [(scenario, rate) for rate in sorted(rates, key=lambda x: x or 0)]
+    return found
+
+
 def render(records: Sequence[dict[str, Any]]) -> str:
     """Per scenario (and rate), one line per strategy: median (range) over runs."""
     record = report_.latest(records)
     assert record is not None
     rows = record["rows"]
+    about = record.get("facts", {}).get("legs", ABOUT)
     parts = []
-    for scenario in ("online", "batch"):
-        for rate in sorted({r.get("rate") for r in rows if r.get("scenario") == scenario},
-                           key=lambda x: x or 0):  # fmt: skip
-            mine = report_.select(rows, scenario=scenario, rate=rate)
-            title = f"**{scenario}**" + (f" at {rate:g}/s" if rate is not None else "")
-            parts.append(title + "\n\n" + report_.leg_table(mine, TABLE))
+    for scenario, rate in _workloads(rows):
+        mine = report_.select(rows, scenario=scenario, rate=rate)
+        title = f"**{scenario}**" + (f" at {rate:g}/s" if rate is not None else "")
+        parts.append(title + "\n\n" + report_.leg_table(mine, TABLE, about=about))
     parts.append(report_.conditions(record, records))
     return "\n\n".join(parts)
+
+
+def headline(records: Sequence[dict[str, Any]]) -> list[report_.Versus]:
+    """dsclient over each peer, per run: makespan, and the short and long tails both support.
+
+    The batch's makespan is the figure a batch is run for; the online makespan is the burst's
+    last answer. A peer whose calls failed gets an "other" cell with the counts.
+    """
+    record = report_.latest(records)
+    if record is None:
+        return []
+    rows = record["rows"]
+    lines: list[report_.Versus] = []
+    several = len({rate for scenario, rate in _workloads(rows) if scenario == "online"}) > 1
+    for scenario, rate in _workloads(rows):
+        match = {"scenario": scenario, "rate": rate}
+        workload = f"online {rate:g}/s" if several and rate is not None else scenario
+        mine = report_.select(rows, **match)
+        for peer in report_.legs(mine):
+            if peer == "dsclient":
+                continue
+            pair = [r for r in mine if r["leg"] in ("dsclient", peer)]
+            figures = [("makespan", "makespan_s", "")]
+            for column, kind in (("short-request tail", "short"), ("long-request tail", "long")):
+                tail = report_.Column("", f"{kind}_{{tail}}_s", count=f"{kind}_n")
+                key = report_.resolve(tail, pair)[1]
+                figures.append((column, key, key.split("_")[1]))
+            for column, key, label in figures:
+                found = report_.ratios(mine, key, peer)
+                if found:
+                    lines.append(report_.Versus("governor", peer, column, found, label, workload))
+            # ``mine`` is this workload's rows already (they carry scenario and rate, not the
+            # ``workload`` field failures() would select on): name the workload afterwards.
+            failed = report_.failures(mine, "errors", peer, "governor")
+            lines += [dataclasses.replace(v, workload=workload) for v in failed]
+    return lines
 
 
 def table(runs: list[dict[str, Any]]) -> str:
@@ -508,11 +571,12 @@ def table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: ``--runs`` (3), the scenarios, strategies and rates."""
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks governor", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--runs", type=int, default=2, help="runs of each strategy per scenario")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each strategy per scenario")
     parser.add_argument("--scenarios", default="online,batch")
     parser.add_argument(
         "--strategies",
@@ -536,7 +600,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=160, help="requests in the batch (3:1)")
     parser.add_argument("--pause", type=float, default=2.0, help="idle seconds between runs")
     parser.add_argument("--seed", type=int, default=20240611)
-    parser.add_argument("--url", help="use this running server instead of launching one")
+    parser.add_argument("--url", help="use this running server instead of launching one"
+                        " (it must run with --scheduling-policy priority)")  # fmt: skip
+    parser.add_argument("--no-save", action="store_true", help="keep no results file (a try-out)")
+    parser.add_argument(
+        "--wait-for-others",
+        type=float,
+        metavar="SECONDS",
+        help="wait at most this long for other vLLM servers to stop, then run beside them"
+        " (default: wait for ever)",
+    )
     args = parser.parse_args(argv)
     args.rates = args.rates or [args.rate]
     if any(rate <= 0 for rate in args.rates):
@@ -544,24 +617,64 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.strategies.split(","):
         if name not in STRATEGIES and dsclient_options(name) is None:
             parser.error(f"unknown strategy {name!r}")
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    return args
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    # Everything the figures depend on is recorded before the server and the first leg start.
     record = Run.begin(
         "governor",
-        params={**vars(args), "max_num_seqs": MAX_NUM_SEQS, "server_args": list(SERVER_ARGS)},
+        params={
+            **{k: v for k, v in vars(args).items() if k != "no_save"},
+            "max_num_seqs": MAX_NUM_SEQS,
+            "max_model_len": MAX_MODEL_LEN,
+            "server_args": list(SERVER_ARGS),
+        },
         peers=["openai"],
+        versions={"vllm (server)": None if args.url else server_version()},
     )
+    names = args.strategies.split(",")
+    record.fact("legs", {name: ABOUT.get(name, f"dsclient options {dsclient_options(name)}")
+                         for name in names})  # fmt: skip
     started = time.monotonic()
     with tiny_vllm(
         args.url,
         max_num_seqs=MAX_NUM_SEQS,
         max_model_len=MAX_MODEL_LEN,
+        wait_s=args.wait_for_others,
+        startup_timeout=STARTUP_TIMEOUT_S,
         extra_args=() if args.url else SERVER_ARGS,
     ) as url:
+        at_start = {"busiest": busiest_processes(), "vllm": vllm_processes()}
+        record.fact("busiest_at_start", at_start["busiest"])
+        if len(at_start["vllm"]) > 1:
+            record.note(f"{len(at_start['vllm'])} vLLM servers ran on the machine at the start")
         payload = asyncio.run(bench(url, args, record))
-    payload.update(machine=machine(), args=vars(args), wall_s=round(time.monotonic() - started, 1))
-    path = write_results("governor", payload)
+    payload.update(
+        machine=machine(),
+        at_start=at_start,
+        args=vars(args),
+        wall_s=round(time.monotonic() - started, 1),
+    )
+    trace = write_results("governor", payload)
     print(table(payload["runs"]))
-    print(f"\nwrote {path} in {payload['wall_s']:.0f} s; kept: {record.save()}")
+    print()
+    print(render([{**record.payload(), "_file": "(this run)"}]))
+    if args.no_save:
+        print(f"\nwrote the trace {trace} only (--no-save), in {payload['wall_s']:.0f} s")
+        return
+    kept = record.save()
+    print(f"\nwrote {kept} (kept) and the trace {trace}, in {payload['wall_s']:.0f} s")
+
+
+def server_version() -> str | None:
+    """The vLLM version the launcher will start (its own venv), for the record."""
+    from dsclient.launcher import resolve_server_python
+
+    return resolve_server_python().version
 
 
 if __name__ == "__main__":

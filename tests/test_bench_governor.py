@@ -65,3 +65,44 @@ def test_governor_rows_render_with_the_tail_their_counts_allow() -> None:
               "versions": {}, "notes": []}  # fmt: skip
     text = render([record])
     assert "**online** at 8/s" in text and "short p95 s" in text and "long p95 s" in text
+
+
+def _record(rows: list) -> dict:
+    return {"benchmark": "governor", "_file": "f.json", "rows": rows, "code": {}, "host": {},
+            "versions": {}, "notes": [], "facts": {}}  # fmt: skip
+
+
+def test_headline_is_dsclient_over_each_peer_per_run_with_the_tail_both_support() -> None:
+    from benchmarks.bench_governor import headline
+
+    def row(leg: str, run: int, scenario: str, makespan: float, errors: int = 0) -> dict:
+        return {"leg": leg, "run": run, "scenario": scenario,
+                "rate": 8.0 if scenario == "online" else None, "makespan_s": makespan,
+                "short_n": 120, "short_p95_s": makespan / 10, "short_p99_s": 99.0,
+                "long_n": 40, "long_p95_s": makespan, "errors": errors}  # fmt: skip
+
+    rows = [
+        row(leg, run, scenario, base * (2 if leg == "semaphore5+priority" else 1),
+            errors=3 if leg == "semaphore5+priority" and scenario == "batch" else 0)
+        for run in (1, 2, 3) for scenario, base in (("online", 20.0), ("batch", 30.0))
+        for leg in ("dsclient", "semaphore5+priority")
+    ]  # fmt: skip
+    lines = headline([_record(rows)])
+    cells = {(v.workload, v.column): v for v in lines}
+    assert cells["batch", "makespan"].ratios == (0.5, 0.5, 0.5)
+    assert cells["online", "short-request tail"].label == "p95"  # 120 answers: not a p99
+    assert cells["online", "long-request tail"].ratios == (0.5, 0.5, 0.5)
+    assert cells["batch", "other"].text.startswith("failed, median 0 vs 3")
+    assert ("online", "other") not in cells  # nothing failed online
+    assert {v.peer for v in lines} == {"semaphore5+priority"}
+
+
+def test_three_runs_of_every_leg_by_default_every_strategy_described() -> None:
+    from benchmarks.bench_governor import ABOUT, STRATEGIES, parse_args
+
+    args = parse_args([])
+    assert args.runs == 3  # the issue: at least 3 runs per leg behind a headline figure
+    assert args.strategies.split(",") == list(STRATEGIES)
+    assert set(ABOUT) == set(STRATEGIES)
+    with pytest.raises(SystemExit):
+        parse_args(["--strategies", "dsclient,nonesuch"])
