@@ -603,3 +603,23 @@ async def test_order_is_checked():
     async with make_client(EchoServer()) as client:
         with pytest.raises(ValueError, match="order must be"):
             await client.map(["a"], order="random", progress=False)
+
+
+@pytest.mark.parametrize("order", ["shape", "input"])
+async def test_on_two_servers_each_sees_a_prefix_group_together(order):
+    # The router puts a call where there is room first, so a group started together spreads
+    # over both servers when it is larger than one's room; but each server then gets the
+    # group's items one after another, and computes the prefix once rather than once per
+    # eviction. As read, the prefixes interleave on each server.
+    from tests.test_pool import Replica, client_for
+
+    a, b = Replica("a", delay=0.005), Replica("b", delay=0.005)
+    prompts = _prefix_heavy(n_prefixes=6, per_prefix=8)
+    async with client_for([a, b], limit=2) as client:
+        results = await client.map(prompts, max_tokens=4, progress=False, order=order)
+    assert not results.failures and [r.index for r in results] == list(range(48))
+    runs = [_runs(r.seen) for r in (a, b)]
+    if order == "shape":
+        assert max(runs) <= 6 + 1, runs
+    else:
+        assert min(runs) > 12, runs
