@@ -2,7 +2,8 @@
 
     flock /tmp/dsclient-vllm.lock python -m benchmarks batch-shape          # 3 workloads x 2 runs
     python -m benchmarks batch-shape --workloads prefix-heavy --runs 1       # some only
-    python -m benchmarks batch-shape --url http://127.0.0.1:8000             # a server running
+    python -m benchmarks batch-shape --replicas 2 --legs shape,input,router-cache
+    python -m benchmarks batch-shape --urls http://127.0.0.1:8000            # servers running
 
 One tiny vLLM (the launcher's), with prefix caching on and a **small KV cache**
 (``--num-gpu-blocks-override``, default 24 blocks of 128 tokens: 3072 tokens, the least that
@@ -16,30 +17,33 @@ input order hit 82% of prompt tokens, the first kept invocation.) Three batches
 - ``mixed``: 90% short items (32 tokens out), 10% long (512 out), in random order;
 - ``plain``: neither shape: unique short prompts, 64 tokens out each (no cost expected).
 
-Legs, on the same server: ``shape`` (``order="shape"``, the default) and ``input``
-(``order="input"``), alternating which goes first from run to run. Every prompt of a leg begins
-with a salt of its own (workload, leg, run), so no leg finds another's prefixes in the cache.
-Outputs are fixed-length (``ignore_eos``, temperature 0).
+Legs, on the same server(s): ``shape`` (``order="shape"``, the default) and ``input``
+(``order="input"``), rotating which goes first from run to run. With ``--replicas 2`` the
+launcher starts two replicas (one core each) and the client gets both URLs (its pool routes by
+load and prefix); the ``router-cache`` leg then sends the batch in input order through
+vllm-router (pinned as in ``bench_routing``) with ``--policy cache_aware`` at its guide's
+settings, started in front of the same replicas for the leg (the client sees one server: the
+router). Every prompt of a leg begins with a salt of its own (workload, leg, run), so no leg finds
+another's prefixes in the cache. Outputs are fixed-length (``ignore_eos``, temperature 0).
 
 Measured per leg: the makespan (the map() call, from its start to its last result), failures,
 and vLLM's prefix-cache hit rate over the leg: the increase of ``vllm:prefix_cache_hits_total``
-over that of ``vllm:prefix_cache_queries_total`` (tokens), read before and after. Goals (issue
-27): prefix-heavy hit rate >= 1.5x input order's and makespan <= 0.85x; mixed makespan <= 0.9x;
-plain within 3%. One summary row per leg and run is kept in
-``benchmarks/results/batch-shape/<UTC start>.json`` (:mod:`benchmarks._results`).
-
-Not measured here (yet): two replicas, and vllm-router's ``cache_aware`` in front of them fed in
-input order, which the issue also asks for.
+over that of ``vllm:prefix_cache_queries_total`` (tokens), summed over the replicas, read before
+and after. Goals (issue 27), against each other leg: prefix-heavy hit rate >= 1.5x and makespan
+<= 0.85x; mixed makespan <= 0.9x; plain within 3%. One summary row per leg and run is kept in
+``benchmarks/results/batch-shape/<UTC start>.json`` (:mod:`benchmarks._results`); the page shows
+the latest invocation per number of servers.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +56,8 @@ from benchmarks._results import Run
 
 MODEL = "tiny"
 WORKLOADS = ("prefix-heavy", "mixed", "plain")
-LEGS = ("shape", "input")
+#: ``router-cache`` needs several servers (``--replicas`` or ``--urls``) and vllm-router.
+LEGS = ("shape", "input", "router-cache")
 #: The issue's goals: (figure, shape / input must be at most (or at least) this).
 GOALS: dict[str, list[tuple[str, str, float]]] = {
     "prefix-heavy": [("hit_rate", ">=", 1.5), ("makespan_s", "<=", 0.85)],
@@ -86,9 +91,10 @@ def make_batch(workload: str, seed: int, salt: str, scale: float = 1.0) -> list[
     return items
 
 
-def leg_order(run: int) -> list[str]:
-    """``shape`` first on odd runs, ``input`` first on even ones."""
-    return list(LEGS) if run % 2 else list(reversed(LEGS))
+def leg_order(legs: Sequence[str], run: int) -> list[str]:
+    """``legs`` rotated by one per run: run 1 as given, run 2 from the second, ..."""
+    k = (run - 1) % len(legs)
+    return [*legs[k:], *legs[:k]]
 
 
 def hit_rate(before: tuple[float, float], after: tuple[float, float]) -> float | None:
@@ -97,52 +103,75 @@ def hit_rate(before: tuple[float, float], after: tuple[float, float]) -> float |
     return round((after[0] - before[0]) / queries, 4) if queries > 0 else None
 
 
-def ratios(rows: Sequence[dict[str, Any]], workload: str, key: str) -> list[float]:
-    """Per run, shape's figure over input's."""
+def ratios(
+    rows: Sequence[dict[str, Any]], workload: str, key: str, peer: str = "input"
+) -> list[float]:
+    """Per run, shape's figure over ``peer``'s."""
     out = []
     for run in sorted({r["run"] for r in rows if r.get("workload") == workload}):
         pair = {
             r["leg"]: r.get(key) for r in rows if r.get("workload") == workload and r["run"] == run
         }
-        a, b = pair.get("shape"), pair.get("input")
+        a, b = pair.get("shape"), pair.get(peer)
         if isinstance(a, int | float) and isinstance(b, int | float) and b:
             out.append(round(a / b, 3))
     return out
 
 
 def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """One line per goal: the ratios per run and whether every run met it."""
+    """One line per goal and peer: the ratios per run and whether every run met it."""
     lines = []
+    peers = [leg for leg in LEGS if leg != "shape" and any(r["leg"] == leg for r in rows)]
     for workload, goals in GOALS.items():
         for key, sense, bound in goals:
-            found = ratios(rows, workload, key)
-            if not found:
-                continue
-            met = all((x >= bound) if sense == ">=" else (x <= bound) for x in found)
-            shown = ", ".join(f"{x:.2f}x" for x in found)
-            name = "hit rate" if key == "hit_rate" else "makespan"
-            lines.append(
-                f"- {workload}, {name}: shape / input = {shown} (goal {sense} {bound}x): "
-                + ("met" if met else "**not met**")
-            )
+            for peer in peers:
+                found = ratios(rows, workload, key, peer)
+                if not found:
+                    continue
+                met = all((x >= bound) if sense == ">=" else (x <= bound) for x in found)
+                shown = ", ".join(f"{x:.2f}x" for x in found)
+                name = "hit rate" if key == "hit_rate" else "makespan"
+                lines.append(
+                    f"- {workload}, {name}: shape / {peer} = {shown} (goal {sense} {bound}x): "
+                    + ("met" if met else "**not met**")
+                )
     return lines
 
 
-async def metrics(url: str) -> tuple[float, float]:
+async def metrics(urls: Sequence[str]) -> tuple[float, float]:
+    """``(hits, queries)`` of vLLM's prefix cache, summed over ``urls``."""
     import httpx
 
+    hits = queries = 0.0
     async with httpx.AsyncClient(timeout=30.0) as http:
-        text = (await http.get(url + "/metrics")).text
-    return gauge(text, "vllm:prefix_cache_hits_total"), gauge(
-        text, "vllm:prefix_cache_queries_total"
-    )
+        for url in urls:
+            text = (await http.get(url + "/metrics")).text
+            hits += gauge(text, "vllm:prefix_cache_hits_total")
+            queries += gauge(text, "vllm:prefix_cache_queries_total")
+    return hits, queries
 
 
-async def run_leg(url: str, items: list[dict[str, Any]], order: str) -> dict[str, Any]:
-    """One map() of ``items``; its makespan, failures and the server's hit rate over it."""
+async def run_leg(
+    urls: Sequence[str], items: list[dict[str, Any]], leg: str, router: Path | None = None
+) -> dict[str, Any]:
+    """One map() of ``items``; its makespan, failures and the servers' hit rate over it."""
+    before = await metrics(urls)
+    if leg == "router-cache":
+        from benchmarks.bench_routing import running_router
+
+        assert router is not None
+        async with running_router(router, urls, "cache_aware") as url:
+            found = await send(url, items, "input")
+    else:
+        found = await send(list(urls) if len(urls) > 1 else urls[0], items, leg)
+    after = await metrics(urls)
+    return {**found, "hit_rate": hit_rate(before, after)}
+
+
+async def send(url: str | list[str], items: list[dict[str, Any]], order: str) -> dict[str, Any]:
+    """``client.map(items, order=order)`` with client defaults; what came back."""
     from dsclient import AsyncClient
 
-    before = await metrics(url)
     async with AsyncClient(url, model=MODEL) as client:
         await client.discover()
         t0 = time.perf_counter()
@@ -151,11 +180,9 @@ async def run_leg(url: str, items: list[dict[str, Any]], order: str) -> dict[str
         )
         makespan = time.perf_counter() - t0
         limit = client.limit
-    after = await metrics(url)
     tokens = sum(r.usage.completion_tokens for r in results.ok)
     return {
         "makespan_s": round(makespan, 3),
-        "hit_rate": hit_rate(before, after),
         "failed": len(results.failures),
         "items": len(results),
         "completion_tokens": tokens,
@@ -163,16 +190,46 @@ async def run_leg(url: str, items: list[dict[str, Any]], order: str) -> dict[str
     }
 
 
-async def run_all(args: argparse.Namespace, url: str, run: Run) -> None:
+async def run_all(
+    args: argparse.Namespace, urls: Sequence[str], run: Run, router: Path | None
+) -> None:
     for n in range(1, args.runs + 1):
         for workload in args.workloads:
-            for leg in leg_order(n):
+            for leg in leg_order(args.legs, n):
                 salt = f"{workload}-{leg}-{n}-{args.seed}"
                 items = make_batch(workload, args.seed + n, salt, args.scale)
-                say(f"run {n}, {workload}, order={leg}: {len(items)} items ...")
-                found = await run_leg(url, items, leg)
-                row = run.add(leg=leg, run=n, workload=workload, **found)
+                say(f"run {n}, {workload}, {leg}: {len(items)} items ...")
+                found = await run_leg(urls, items, leg, router)
+                row = run.add(leg=leg, run=n, workload=workload, servers=len(urls), **found)
                 say(f"  {row}")
+
+
+@contextlib.contextmanager
+def servers(args: argparse.Namespace) -> Iterator[list[str]]:
+    """The servers of the run: ``--urls`` as given, else one or ``--replicas`` launched."""
+    extra = ["--num-gpu-blocks-override", str(args.blocks), "--enable-prefix-caching"]
+    if args.urls or args.replicas == 1:
+        url = args.urls.split(",")[0] if args.urls else None
+        if args.urls and "," in args.urls:
+            yield [u.rstrip("/") for u in args.urls.split(",")]
+            return
+        with tiny_vllm(
+            url, max_num_seqs=args.max_num_seqs, max_model_len=2048, wait_s=args.wait,
+            extra_args=extra,
+        ) as one:  # fmt: skip
+            yield [one]
+        return
+    from dsclient.launcher import launch, make_tiny_model, resolve_server_python
+
+    install = resolve_server_python()
+    group = launch(
+        make_tiny_model(python=install.python), python=install.python,
+        max_num_seqs=args.max_num_seqs, max_model_len=2048, served_model_name=MODEL,
+        dtype="float32", replicas=args.replicas, extra_args=extra,
+        progress=lambda m: say(f"[vllm] {m}"),
+    )  # fmt: skip
+    with group:
+        yield list(group.urls)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -191,7 +248,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=27)
     parser.add_argument("--blocks", type=int, default=24, help="KV blocks (128 tokens each)")
     parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument("--url", help="a running vLLM instead of a launched one")
+    parser.add_argument("--legs", default="shape,input", help="from " + ", ".join(LEGS))
+    parser.add_argument("--replicas", type=int, default=1, help="vLLM replicas to launch")
+    parser.add_argument("--urls", help="running vLLMs (comma-separated) instead of launched ones")
     parser.add_argument(
         "--wait",
         type=float,
@@ -203,32 +262,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for w in args.workloads:
         if w not in WORKLOADS:
             parser.error(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
+    args.legs = [leg for leg in args.legs.split(",") if leg]
+    for leg in args.legs:
+        if leg not in LEGS:
+            parser.error(f"unknown leg {leg!r}; choose from {', '.join(LEGS)}")
+    several = args.replicas > 1 or (args.urls and "," in args.urls)
+    if "router-cache" in args.legs and not several:
+        parser.error("the router-cache leg needs several servers: --replicas 2 or --urls A,B")
+    if args.replicas < 1:
+        parser.error("--replicas must be >= 1")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    params = {k: v for k, v in vars(args).items() if k != "url"}
-    params["url_given"] = bool(args.url)
-    run = Run.begin("batch-shape", params=params)
-    extra = ["--num-gpu-blocks-override", str(args.blocks), "--enable-prefix-caching"]
-    with tiny_vllm(
-        args.url,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=2048,
-        wait_s=args.wait,
-        extra_args=extra,
-    ) as url:
+    params = {k: v for k, v in vars(args).items() if k != "urls"}
+    params["urls_given"] = bool(args.urls)
+    router = None
+    versions = {}
+    if "router-cache" in args.legs:
+        from benchmarks.bench_routing import ROUTER_VENV, ensure_router, router_version
+
+        router = ensure_router()
+        versions["vllm-router"] = router_version(ROUTER_VENV)
+    run = Run.begin("batch-shape", params=params, versions=versions)
+    with servers(args) as urls:
         run.fact(
             "server",
             {
+                "servers": len(urls),
                 "max_num_seqs": args.max_num_seqs,
                 "kv_blocks": args.blocks,
                 "block_tokens": 128,
                 "prefix_caching": True,
             },
         )
-        asyncio.run(run_all(args, url, run))
+        asyncio.run(run_all(args, urls, run, router))
     path = run.save()
     say(f"kept {path}")
     print(render([{**run.payload(), "_file": path.name}]))
@@ -241,23 +310,34 @@ TABLE = (
 )
 
 
+def servers_of(record: dict[str, Any]) -> int:
+    """How many servers an invocation ran on (its first files predate ``--replicas``: one)."""
+    return int(record.get("params", {}).get("replicas", 1))
+
+
 def render(records: Sequence[dict[str, Any]]) -> str:
-    """Per workload, one line per leg (median (range) over the runs), then the goals."""
-    record = report_.latest(records)
-    assert record is not None
-    rows = record["rows"]
-    parts = []
-    for workload in WORKLOADS:
-        mine = report_.select(rows, workload=workload)
-        if not mine:
-            continue
-        n = max((r.get("items") or 0) for r in mine)
-        parts.append(f"**{workload}** ({n} items)\n\n" + report_.leg_table(mine, TABLE))
-    goals = goal_lines(rows)
-    if goals:
-        parts.append("Against the issue's goals, per run:\n\n" + "\n".join(goals))
-    parts.append(report_.conditions(record, records))
-    return "\n\n".join(parts)
+    """The latest invocation per number of servers: per workload, one line per leg (median
+    (range) over the runs), then the goals, then its conditions."""
+    sections = []
+    counts = sorted({servers_of(r) for r in records})
+    for n in counts:
+        mine = [r for r in records if servers_of(r) == n]
+        record = report_.latest(mine)
+        assert record is not None
+        rows = record["rows"]
+        parts = [f"*{'One server' if n == 1 else f'{n} replicas'}:*"] if len(counts) > 1 else []
+        for workload in WORKLOADS:
+            these = report_.select(rows, workload=workload)
+            if not these:
+                continue
+            count = max((r.get("items") or 0) for r in these)
+            parts.append(f"**{workload}** ({count} items)\n\n" + report_.leg_table(these, TABLE))
+        goals = goal_lines(rows)
+        if goals:
+            parts.append("Against the issue's goals, per run:\n\n" + "\n".join(goals))
+        parts.append(report_.conditions(record, mine))
+        sections.append("\n\n".join(parts))
+    return "\n\n".join(sections)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,13 @@ def test_mixed_has_a_tenth_long_items_and_salts_differ():
 
 
 def test_legs_alternate_and_the_hit_rate_is_a_difference_of_counters():
-    assert bench.leg_order(1) == ["shape", "input"]
-    assert bench.leg_order(2) == ["input", "shape"]
+    assert bench.leg_order(["shape", "input"], 1) == ["shape", "input"]
+    assert bench.leg_order(["shape", "input"], 2) == ["input", "shape"]
+    assert bench.leg_order(["shape", "input", "router-cache"], 3) == [
+        "router-cache",
+        "shape",
+        "input",
+    ]
     assert bench.hit_rate((100.0, 1000.0), (400.0, 2000.0)) == 0.3
     assert bench.hit_rate((0.0, 5.0), (0.0, 5.0)) is None
 
@@ -99,3 +104,29 @@ def test_render_has_a_table_per_workload_and_the_conditions():
     assert "**prefix-heavy** (600 items)" in text and "**plain** (200 items)" in text
     assert "| shape | 2 |" in text
     assert "benchmarks/results/batch-shape/x.json" in text
+
+
+def test_the_router_leg_needs_several_servers():
+    import pytest
+
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--legs", "shape,router-cache"])
+    args = bench.parse_args(["--legs", "shape,input,router-cache", "--replicas", "2"])
+    assert args.legs == ["shape", "input", "router-cache"] and args.replicas == 2
+    assert bench.parse_args(["--urls", "http://a:1,http://b:2", "--legs", "router-cache"])
+
+
+def test_goals_are_given_against_each_peer_and_invocations_per_server_count():
+    two = [dict(r, leg="router-cache") for r in rows() if r["leg"] == "input"]
+    lines = bench.goal_lines(rows() + two)
+    assert any("shape / router-cache" in line for line in lines)
+    one = {"benchmark": "batch-shape", "_file": "1.json", "rows": rows(), "params": {}}
+    pair = {
+        "benchmark": "batch-shape",
+        "_file": "2.json",
+        "rows": rows() + two,
+        "params": {"replicas": 2},
+    }
+    text = bench.render([one, pair])
+    assert "*One server:*" in text and "*2 replicas:*" in text
+    assert "*One server:*" not in bench.render([one])
