@@ -32,8 +32,8 @@ import contextlib
 import ssl
 import sys
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any, NamedTuple
 
 import httpx2 as httpx
 import sniffio
@@ -42,6 +42,9 @@ __all__ = [
     "HTTP_STACKS",
     "AiohttpTransport",
     "HttpStack",
+    "RawHeaders",
+    "Read",
+    "Timeouts",
     "adapt_transport",
     "default_transport",
     "httpx",
@@ -49,6 +52,10 @@ __all__ = [
 ]
 
 HttpStack = str
+#: Request headers as :meth:`AiohttpTransport.post` takes them: ``((name, value), ...)``, bytes.
+RawHeaders = tuple[tuple[bytes, bytes], ...]
+#: httpx's ``timeout`` extension: ``{"connect": 10.0, "read": None, ...}``.
+Timeouts = dict[str, float | None]
 #: The stacks ``AsyncClient(http_stack=...)`` takes; the first is the default.
 HTTP_STACKS = ("aiohttp", "httpx2", "httpx")
 
@@ -108,6 +115,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         self._ssl: ssl.SSLContext | None = None
         self._session: Any = None
         self._timeouts: dict[tuple[float | None, float | None], Any] = {}
+        #: What :meth:`post` has turned into aiohttp's types: URLs, header sets (a few each).
+        self._urls: dict[str, Any] = {}
+        self._headers: dict[RawHeaders, Any] = {}
         self._fallback: httpx.AsyncBaseTransport | None = None
         self._closed = False
 
@@ -145,39 +155,122 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 self._fallback = httpx.AsyncHTTPTransport(limits=_LIMITS)
             return await self._fallback.handle_async_request(request)
         session = self._session or self._open()
-        import aiohttp
         from yarl import URL
 
-        timeouts = request.extensions.get("timeout") or {}
-        bounds = (timeouts.get("connect"), timeouts.get("read"))
-        timeout = self._timeouts.get(bounds)
-        if timeout is None:  # a few distinct pairs: the client's, a probe's
-            if len(self._timeouts) >= 64:
-                self._timeouts.clear()
-            timeout = self._timeouts[bounds] = aiohttp.ClientTimeout(
-                total=None, sock_connect=bounds[0], sock_read=bounds[1]
-            )
         body = request.content if isinstance(request.stream, httpx.ByteStream) else None
         if body is None:
             body = await request.aread()
-        with _aiohttp_errors(request):
+        try:
             response = await session.request(
                 request.method,
                 URL(str(request.url), encoded=True),
                 headers=request.headers.multi_items(),
                 data=body or None,
-                timeout=timeout,
+                timeout=self._timeout(request.extensions.get("timeout")),
                 allow_redirects=False,
             )
-        return httpx.Response(
-            response.status,
-            headers=response.raw_headers,
-            stream=_AiohttpStream(response, request),
-            extensions={
-                "http_version": b"HTTP/1.1",
-                "reason_phrase": (response.reason or "").encode("ascii", "replace"),
-            },
-        )
+        except Exception as exc:
+            error = _as_httpx(exc, request)
+            if error is None:
+                raise
+            raise error from exc
+        return _response(response, request)
+
+    @property
+    def direct(self) -> bool:
+        """Whether :meth:`post` may be used now: the transport is open, on asyncio."""
+        return not self._closed and _in_asyncio()
+
+    async def post(
+        self,
+        url: str,
+        headers: RawHeaders,
+        content: bytes,
+        timeout: Timeouts | None,
+        *,
+        read_up_to: int | None = None,
+    ) -> httpx.Response | Read:
+        """POST ``content`` to ``url`` without an ``httpx.Request``: what
+        :meth:`handle_async_request` does for a request of these parts, the answer's ``request``
+        left unset. Only while :attr:`direct` (the caller checks).
+
+            answer = await transport.post(url, ((b"Content-Type", b"application/json"),),
+                                          b"{}", {"connect": 10.0, "read": None}, read_up_to=2**20)
+
+        dsclient's own calls come this way: building an ``httpx.Request`` (its headers
+        normalized, its URL parsed), turning it back into aiohttp's arguments and the answer
+        into an ``httpx.Response`` cost about as much as aiohttp itself per call
+        (``python -m benchmarks client-scale``). ``headers`` and ``url`` are converted once each
+        and kept.
+
+        Parameters:
+            read_up_to: read a 2xx answer here and give it back whole (:class:`Read`, its
+                connection back in the pool) when it declares a ``Content-Length`` of at most
+                this many bytes and no ``Content-Encoding``; any other answer comes back as an
+                ``httpx.Response``, unread. ``None``: always the latter.
+
+        Raises:
+            httpx.TransportError: as :meth:`handle_async_request` (``request`` unset).
+        """
+        session = self._session or self._open()
+        target = self._urls.get(url)
+        if target is None:
+            from yarl import URL
+
+            if len(self._urls) >= 256:  # a few per server; bound it anyway
+                self._urls.clear()
+            target = self._urls[url] = URL(url)
+        prepared = self._headers.get(headers)
+        if prepared is None:
+            from multidict import CIMultiDict
+
+            if len(self._headers) >= 64:
+                self._headers.clear()
+            prepared = self._headers[headers] = CIMultiDict(
+                (k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
+            )
+        try:
+            response = await session.request(
+                "POST",
+                target,
+                headers=prepared,
+                data=content,
+                timeout=self._timeout(timeout),
+                allow_redirects=False,
+            )
+            if read_up_to is not None and response.status < 400:
+                answer = response.headers
+                declared = answer.get("Content-Length", "")
+                if (
+                    "Content-Encoding" not in answer
+                    and declared.isascii()
+                    and declared.isdigit()
+                    and len(declared) <= 15
+                    and int(declared) <= read_up_to
+                ):
+                    # aiohttp reads no further than the declared length.
+                    return Read(response.status, answer, await response.read())
+        except Exception as exc:
+            error = _as_httpx(exc, None)
+            if error is None:
+                raise
+            raise error from exc
+        return _response(response, None)
+
+    def _timeout(self, timeouts: Timeouts | None) -> Any:
+        """aiohttp's timeout for httpx's ``timeout`` extension: connect and each read bounded
+        (``None``: not), the whole of it never (the call's deadline is dsclient's)."""
+        bounds = (None, None) if not timeouts else (timeouts.get("connect"), timeouts.get("read"))
+        timeout = self._timeouts.get(bounds)
+        if timeout is None:  # a few distinct pairs: the client's, a probe's
+            import aiohttp
+
+            if len(self._timeouts) >= 64:
+                self._timeouts.clear()
+            timeout = self._timeouts[bounds] = aiohttp.ClientTimeout(
+                total=None, sock_connect=bounds[0], sock_read=bounds[1]
+            )
+        return timeout
 
     async def aclose(self) -> None:
         self._closed = True
@@ -188,15 +281,42 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             await self._fallback.aclose()
 
 
+class Read(NamedTuple):
+    """An answer :meth:`AiohttpTransport.post` read whole: its status, its headers (names in
+    any case), its body."""
+
+    status_code: int
+    headers: Mapping[str, str]
+    content: bytes
+
+
+def _response(response: Any, request: httpx.Request | None) -> httpx.Response:
+    """aiohttp's answer as httpx's, its body unread."""
+    return httpx.Response(
+        response.status,
+        headers=response.raw_headers,
+        stream=_AiohttpStream(response, request),
+        extensions={
+            "http_version": b"HTTP/1.1",
+            "reason_phrase": (response.reason or "").encode("ascii", "replace"),
+        },
+    )
+
+
 class _AiohttpStream(httpx.AsyncByteStream):
-    def __init__(self, response: Any, request: httpx.Request) -> None:
+    def __init__(self, response: Any, request: httpx.Request | None) -> None:
         self._response = response
         self._request = request
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        with _aiohttp_errors(self._request):
+        try:
             async for chunk in self._response.content.iter_any():
                 yield chunk
+        except Exception as exc:
+            error = _as_httpx(exc, self._request)
+            if error is None:
+                raise
+            raise error from exc
 
     async def aclose(self) -> None:
         # An answer read to its end gives its connection back to the pool; one that was not
@@ -214,22 +334,15 @@ def _in_asyncio() -> bool:
     return sniffio.thread_local.name in (None, "asyncio")
 
 
-@contextlib.contextmanager
-def _aiohttp_errors(request: httpx.Request) -> Iterator[None]:
-    """aiohttp's exceptions as httpx's, the cause kept."""
+def _as_httpx(exc: Exception, request: httpx.Request | None) -> httpx.TransportError | None:
+    """aiohttp's exception as httpx's, for the caller to raise ``from exc``; ``None`` for an
+    exception that is not aiohttp's (it goes on as it is)."""
     import aiohttp
 
-    try:
-        yield
-    except aiohttp.ClientError as exc:
-        raise _as_httpx(exc, request) from exc
-    except asyncio.TimeoutError as exc:  # a read (or connect) past the request's timeout
-        raise httpx.ReadTimeout(str(exc) or "read timed out", request=request) from exc
-
-
-def _as_httpx(exc: Exception, request: httpx.Request) -> httpx.TransportError:
-    import aiohttp
-
+    if isinstance(exc, asyncio.TimeoutError):  # a read (or connect) past the request's timeout
+        return httpx.ReadTimeout(str(exc) or "read timed out", request=request)
+    if not isinstance(exc, aiohttp.ClientError):
+        return None
     message = str(exc) or type(exc).__name__
     kind: type[httpx.TransportError]
     if isinstance(exc, aiohttp.ConnectionTimeoutError):

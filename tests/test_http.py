@@ -94,6 +94,19 @@ class _Server(asyncio.Protocol):
             await asyncio.sleep(30)
         elif prompt == "big":
             self.transport.write(_answer(b" " * 2**20 + COMPLETION))
+        elif prompt == "chunked":  # no Content-Length: the transport does not read it whole
+            size = f"{len(COMPLETION):x}".encode()
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            chunked = b"transfer-encoding: chunked\r\n\r\n" + size + b"\r\n"
+            self.transport.write(head + chunked + COMPLETION + b"\r\n0\r\n\r\n")
+        elif prompt == "refused":
+            body = b'{"error": "busy"}'
+            self.transport.write(_answer(body, status="429 Too Many", headers="retry-after: 0\r\n"))
+        elif prompt == "not json":
+            self.transport.write(_answer(b"<html>"))
+        elif prompt == "cut":  # the connection closes inside the declared body
+            self.transport.write(_answer(COMPLETION)[:-10])
+            self.transport.close()
         elif prompt == "gzip":
             self.transport.write(
                 _answer(gzip.compress(COMPLETION), headers="content-encoding: gzip\r\n")
@@ -224,6 +237,40 @@ async def test_a_cancelled_call_frees_its_slot(url):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        assert client.in_flight == 0
+        assert (await client.generate("after", max_tokens=1)).text == " the sea"
+
+
+@pytest.mark.anyio
+async def test_generate_hands_the_transport_its_parts_and_gets_the_answer_read(url, monkeypatch):
+    answers: list[str] = []
+    post = AiohttpTransport.post
+
+    async def spy(self: AiohttpTransport, *args: Any, **kwargs: Any) -> Any:
+        answer = await post(self, *args, **kwargs)
+        answers.append(type(answer).__name__)
+        return answer
+
+    monkeypatch.setattr(AiohttpTransport, "post", spy)
+    async with AsyncClient(url, limit=2) as client:
+        assert (await client.generate("x", max_tokens=1)).text == " the sea"
+        assert (await client.generate("chunked", max_tokens=1)).text == " the sea"
+        assert (await client.generate("gzip", max_tokens=1)).text == " the sea"
+    # read whole by the transport; the chunked and the gzip answers come back open
+    assert answers == ["Read", "Response", "Response"]
+
+
+@pytest.mark.anyio
+async def test_refusals_bad_bodies_and_cut_answers_through_the_default_transport(url):
+    async with AsyncClient(url, limit=2, retry=Retry(attempts=1), outage_wait=0.1) as client:
+        with pytest.raises(dsclient.Overloaded) as refused:
+            await client.generate("refused", max_tokens=1)
+        assert refused.value.status == 429 and "busy" in refused.value.body
+        with pytest.raises(dsclient.MalformedResponse, match="not JSON"):
+            await client.generate("not json", max_tokens=1)
+        with pytest.raises(ConnectionError) as cut:
+            await client.generate("cut", max_tokens=1)
+        assert isinstance(cut.value.__cause__, httpx2.RemoteProtocolError)
         assert client.in_flight == 0
         assert (await client.generate("after", max_tokens=1)).text == " the sea"
 
