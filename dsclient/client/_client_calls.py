@@ -27,7 +27,7 @@ from ..governor._pool import NoServerError
 from ..governor._routing import prefix_text
 from ._degrade import Degrade, Pace, predict_s
 from ._pipeline import RequestPath, WouldMiss
-from ._request import USE_DEFAULT, Plan, Prompt, UseDefault, build_result, deadline
+from ._request import USE_DEFAULT, Deadlines, Plan, Prompt, UseDefault, build_result
 from ._tokens import TokenCounter, plan_max_tokens
 
 if TYPE_CHECKING:
@@ -51,6 +51,8 @@ class CallsMixin:
     _default_max_tokens: int
     _observers: list[Observer]
     _clock: Callable[[], float]
+    #: The calls' timeouts, on one timer (made on the first call).
+    _deadlines: Deadlines | None = None
 
     if TYPE_CHECKING:  # defined by the client and by DiscoveryMixin
 
@@ -90,7 +92,10 @@ class CallsMixin:
         degraded: str | None = None
         try:
             try:
-                async with deadline(limit_s):
+                deadlines = self._deadlines
+                if deadlines is None:
+                    deadlines = self._deadlines = Deadlines()
+                async with deadlines.after(limit_s):
                     plan = await self._plan(kind, prompt, max_tokens, sampling)
                     prefix = prefix_text(prompt) if self._pool is not None else None
                     miss_at = None
