@@ -23,6 +23,9 @@ class Shape:
     step_s: Callable[[int], float]
     queue_cap: int | None = None
     noise: float = 0.0
+    #: Seconds each waiting request adds to a step (a scheduler, or a client on the same
+    #: cores, that pays for every request it holds): more in flight then costs throughput.
+    queue_cost: float = 0.0
 
 
 #: A GPU-like server: a batch of 256, each step a little slower with more sequences, so that
@@ -89,6 +92,7 @@ def run(
             step = shape.step_s(len(running))
             if shape.noise:
                 step *= rng.lognormvariate(0.0, shape.noise)
+            step += shape.queue_cost * len(waiting)
         else:
             step = next_tick - now
         area += in_flight * step
@@ -105,7 +109,10 @@ def run(
             if control.on_outcome(now, "ok", now - seq[1], work=seq[2]):
                 limits.append((now, control.limit))
         while now >= next_tick:
-            demand = todo > 0 and in_flight >= control.limit
+            # Calls wait for a slot whenever any are left: the answers of this step free
+            # slots that the next step's sends fill (without this, answers of varied lengths,
+            # which free a slot almost every step, read as a limit the client left unused).
+            demand = todo > 0
             if control.on_idle_period(next_tick, demand=demand, in_flight=in_flight):
                 limits.append((next_tick, control.limit))
             next_tick += period

@@ -10,7 +10,7 @@ import pytest
 from dsclient.governor._control import THROUGHPUT_CEILING, LimitController
 from dsclient.governor._knee import Epoch, KneeFinder, elasticity
 
-from .sim_blackbox import CPU, GPU, NOISY, REFUSING, best_fixed, run
+from .sim_blackbox import CPU, GPU, NOISY, REFUSING, Shape, best_fixed, run
 
 
 def test_elasticity_is_the_log_log_slope_of_throughput_in_the_limit() -> None:
@@ -154,7 +154,23 @@ def test_a_cpu_like_server_keeps_a_short_queue_once_the_knee_is_found() -> None:
     control = LimitController(start=5, mode="throughput")
     outcome = run(control, CPU, n=1200)
     late = [limit for t, limit in outcome.limits if t > outcome.makespan / 2]
-    assert late and max(late) <= 16, outcome.limits  # batch 8: never twice that late on
+    # Batch 8: late on the limit sits under twice that; a probe up that noise made look worth
+    # it may reach three times, once, and comes back.
+    assert late and sorted(late)[len(late) // 2] <= 16, outcome.limits
+    assert max(late) <= 24 and sum(limit > 16 for limit in late) <= 1, outcome.limits
+
+
+def test_slow_start_recounts_when_a_rise_makes_the_server_queue() -> None:
+    """A server whose throughput falls past a batch of 32 (each waiting request slows every
+    step): counting the first answers of a rise's requests, which had only the old limit ahead
+    of them at the server, read 80 -> 160 as a gain (makespan 1.45-1.97x the best fixed
+    limit's); recounting from the first slow answer holds it near 32 (1.19-1.25x)."""
+    shape = Shape(batch=32, step_s=lambda b: 0.02 + 0.0005 * b, queue_cost=0.0005)
+    control = LimitController(start=5, mode="throughput")
+    outcome = run(control, shape, n=1000)
+    assert max(limit for _, limit in outcome.limits) <= 80, outcome.limits
+    best = run(LimitController(start=32, mode="fixed"), shape, n=1000).makespan
+    assert outcome.makespan <= 1.3 * best, (outcome.makespan, best)
 
 
 def test_throughput_mode_bounds_and_stats() -> None:

@@ -35,7 +35,9 @@ limit and is measured again.
 * *Slow start*: from the start, multiply the limit by 4 an epoch while throughput still rises
   well (``e >= 0.5``, and after the first epoch; under a limit of 64), by 2 while ``e >=
   ELASTICITY``; then settle between the last two limits, nearer the lower the flatter the last
-  step was. Its epochs are short (one median service time).
+  step was. Its epochs are short (one median service time); where an answer after a rise
+  comes back :data:`_QUEUED` times slower than the last epoch's median (the server queues at
+  the new limit), counting starts again from that answer.
 * *Hold*: probe one step up (x1.5), keep it if ``e >= ELASTICITY`` and probe up again from
   there; otherwise probe one step down, keep it if the step it gave up was worth less than that
   too and probe down again, else go back to the base and measure it anew. Its epochs count only
@@ -71,6 +73,9 @@ _FAST: Final = 4.0
 #: x4 only below this limit: past it a x4 step can put hundreds of requests in the server's
 #: queue before the next epoch shows the knee (a simulated batch of 256: 320 -> 1024).
 _FAST_BELOW: Final = 64
+#: In slow start, an answer this many times slower than the last epoch's median means the
+#: server queues at the new limit (see :meth:`KneeFinder.on_completion`).
+_QUEUED: Final = 1.5
 #: The hold phase's step, as a factor of the limit.
 _STEP: Final = 1.5
 #: Completions an epoch counts at least (or the limit, if fewer; an eighth of it, if more).
@@ -131,6 +136,7 @@ class KneeFinder:
         "_min_samples",
         "_old",
         "_pending",
+        "_recounted",
         "_settled",
         "_ticks",
         "_turnover",
@@ -189,6 +195,7 @@ class KneeFinder:
         #: server's queue is not yet what the new limit makes it.
         self._old: int | None = in_flight if drained else None
         self._turnover = self.phase == "hold" and now is not None and self._old != 0
+        self._recounted = False
         self._reset_counts()
 
     def _reset_counts(self) -> None:
@@ -214,6 +221,24 @@ class KneeFinder:
                     self._reset_counts()
             return
         if self._turnover:
+            return
+        last = self.last
+        if (
+            self.phase == "slow start"
+            and last is not None
+            and last.limit < self.limit
+            and service_s > _QUEUED * last.latency
+            and not self._recounted
+        ):
+            # The requests the rise admitted at once queue behind the old ones at a server
+            # whose batch is full, and the quickest of them read a queue shorter than the new
+            # limit makes (x4 steps past a server's best looked like gains: a simulated server
+            # slowing past 32 was driven to 160). Count from here: a request admitted after
+            # this answer has the whole new limit ahead of it. Without a queue (the answers
+            # as quick as before) the first ones count at once, and slow start stays fast.
+            self._recounted = True
+            self._began = now
+            self._reset_counts()
             return
         self._work += work
         self._busy += service_s
@@ -277,7 +302,7 @@ class KneeFinder:
         if self._full_ticks < _FULL_SHARE * self._ticks:
             # The client did not keep this limit full: the epoch measured the client's demand,
             # not the server. Measure again; the limit stays.
-            self._begin(now, drained=True)
+            self._begin(now, drained=True, in_flight=in_flight)
             return None
         self.epochs = [*self.epochs[-2:], epoch]
         previous, self.last = self.last, epoch
