@@ -1,6 +1,7 @@
 """``python -m benchmarks report``: the tables of ``docs/benchmarks.md``, from the kept results.
 
     python -m benchmarks report            # rewrite the generated blocks of docs/benchmarks.md
+                                           # docs/index.md and README.md (``home`` blocks)
     python -m benchmarks report --check    # exit 1 if the page is not what the results give
 
 The page holds blocks between markers, each rewritten whole and nothing else touched::
@@ -41,7 +42,13 @@ from benchmarks._results import RESULTS_ROOT, load_records
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "benchmarks.md"
+#: The home page carries a few of the headline table's lines (the ``home`` block).
+HOME_PAGE = ROOT / "docs" / "index.md"
+#: The README carries the same lines (the ``home-readme`` block: its links go into docs/).
+README = ROOT / "README.md"
 HEADLINE = "headline-table"
+HOME = "home"
+HOME_README = "home-readme"
 BLOCK = re.compile(
     r"(<!-- BEGIN generated: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)"
     r"(<!-- END generated: (?P=name) -->)",
@@ -267,6 +274,101 @@ def headline_table(lines: Sequence[Versus]) -> str:
     return "\n".join(out)
 
 
+# -- the home page -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pick:
+    """One line of the home page: a headline figure against one peer.
+
+    ``what`` names the figure for a newcomer; ``anchor`` is the benchmarks page's section."""
+
+    what: str
+    benchmark: str
+    workload: str
+    peer: str
+    column: str
+    anchor: str
+    peer_text: str
+
+
+#: The results a newcomer deciding on dsclient needs, good and bad, against the peer anyone
+#: would try first; each links to its section of the benchmarks page.
+HOME_PICKS: tuple[Pick, ...] = (
+    Pick(
+        "Short requests' p95 latency during a burst of long ones",
+        "headline", "online", "openai", "short-request tail",
+        "headline-benchmark-one-vllm-batch-and-online", "openai-python, unbounded",
+    ),
+    Pick(
+        "Short requests' p95 latency, against vLLM's own priority",
+        "headline", "online", "openai+priority", "short-request tail",
+        "headline-benchmark-one-vllm-batch-and-online",
+        "openai-python sending vLLM's `priority`",
+    ),
+    Pick(
+        "What the long requests pay for it: their p95 latency",
+        "headline", "online", "openai+priority", "long-request tail",
+        "headline-benchmark-one-vllm-batch-and-online",
+        "openai-python sending vLLM's `priority`",
+    ),
+    Pick(
+        "A batch of short requests, makespan",
+        "headline", "batch", "openai", "makespan",
+        "headline-benchmark-one-vllm-batch-and-online", "openai-python, unbounded",
+    ),
+    Pick(
+        "A batch through a gateway that hides `/metrics`, makespan",
+        "blackbox", "nginx-vllm, batch", "semaphore 32", "makespan",
+        "servers-that-publish-nothing-vllm-behind-nginx-transformers-serve-vllms-priority",
+        "a semaphore at the server's `max_num_seqs`",
+    ),
+    Pick(
+        "Two replicas, one slowed: short requests' p95 latency",
+        "routing", "", "router-cache", "short-request tail",
+        "routing-two-replicas-one-slowed", "vllm-router, cache-aware",
+    ),
+    Pick(
+        "Two replicas, one slowed: makespan",
+        "routing", "", "router-cache", "makespan",
+        "routing-two-replicas-one-slowed", "vllm-router, cache-aware",
+    ),
+    Pick(
+        "Four processes on one server, makespan",
+        "shared (four-shared)", "", "four-static", "makespan",
+        "shared-budget-four-processes-one-server", "four processes with a static split",
+    ),
+    Pick(
+        "A Ray Data job, makespan",
+        "ray", "", "ray-http-actors8", "makespan",
+        "ray-data-dsclientray-against-raydatallm", "ray.data.llm's HTTP processor, 8 actors",
+    ),
+)  # fmt: skip
+
+
+def home_block(lines: Sequence[Versus], docs: str = "") -> str:
+    """The home page's table: each pick's median ratio and range over the runs, linked.
+
+    A pick without results is left out; below 1x means dsclient's figure was smaller.
+    ``docs`` is the path from the page to the docs folder (``"docs/"`` from the README)."""
+    out = ["| result | dsclient / peer | peer | runs |", "|---|---|---|---|"]
+    for pick in HOME_PICKS:
+        found = [
+            v
+            for v in lines
+            if (v.benchmark, v.workload, v.peer, v.column)
+            == (pick.benchmark, pick.workload, pick.peer, pick.column)
+            and v.ratios
+        ]
+        if not found:
+            continue
+        v = found[0]
+        cell = spread_cell(v.ratios, 2, "\N{MULTIPLICATION SIGN}")
+        what = f"[{pick.what}]({docs}benchmarks.md#{pick.anchor})"
+        out.append(f"| {what} | {cell} | {pick.peer_text} | {len(v.ratios)} |")
+    if len(out) == 2:
+        return "No results committed yet."
+    return "\n".join(out)
+
+
 # -- conditions ----------------------------------------------------------------------------------
 def loads(record: Mapping[str, Any]) -> list[float]:
     """The 1-minute load averages recorded: before, at each row, after."""
@@ -402,6 +504,8 @@ def render_block(name: str, root: Path) -> str:
             said = "Where dsclient's median was worse, and better, by figure:\n\n" + said
         sources = provenance(sorted({v.benchmark.split(" ")[0] for v in lines}), root)
         return "\n\n".join(part for part in (headline_table(lines), said, sources) if part)
+    if name in (HOME, HOME_README):
+        return home_block(headline_lines(root), "docs/" if name == HOME_README else "")
     records = load_records(name, root)
     if not records:
         return "No results committed yet: run `python -m benchmarks " + name + "`."
@@ -436,22 +540,26 @@ def render_page(text: str, root: Path = RESULTS_ROOT) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks report", description=__doc__)
     parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
-    parser.add_argument("--page", type=Path, default=PAGE)
+    parser.add_argument(
+        "--page", type=Path, action="append",
+        help="a page to rewrite (default: docs/benchmarks.md, docs/index.md, README.md)",
+    )  # fmt: skip
     parser.add_argument("--results", type=Path, default=RESULTS_ROOT, help="the results folder")
     args = parser.parse_args(argv)
-    text = args.page.read_text()
-    fresh = render_page(text, args.results)
-    if args.check:
-        if fresh != text:
-            print(f"{args.page} is not what the results give: run python -m benchmarks report")
-            return 1
-        return 0
-    if fresh != text:
-        args.page.write_text(fresh)
-        print(f"rewrote the generated blocks of {args.page}")
-    else:
-        print(f"{args.page} is up to date")
-    return 0
+    stale = 0
+    for page in args.page or [PAGE, HOME_PAGE, README]:
+        text = page.read_text()
+        fresh = render_page(text, args.results)
+        if args.check:
+            if fresh != text:
+                print(f"{page} is not what the results give: run python -m benchmarks report")
+                stale = 1
+        elif fresh != text:
+            page.write_text(fresh)
+            print(f"rewrote the generated blocks of {page}")
+        else:
+            print(f"{page} is up to date")
+    return stale
 
 
 if __name__ == "__main__":

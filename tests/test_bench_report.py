@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,36 @@ def test_the_page_is_what_the_committed_results_give() -> None:
     text = report.PAGE.read_text()
     assert "<!-- BEGIN generated: headline-table -->" in text
     assert render_page(text) == text, "run: python -m benchmarks report"
+
+
+@pytest.mark.parametrize("page", ["HOME_PAGE", "README"])
+def test_the_home_page_and_readme_are_what_the_committed_results_give(page: str) -> None:
+    text = getattr(report, page).read_text()
+    assert "<!-- BEGIN generated: home" in text
+    assert render_page(text) == text, "run: python -m benchmarks report"
+
+
+def test_the_home_block_lists_each_pick_with_results_and_links_its_section() -> None:
+    pick = report.HOME_PICKS[0]
+    lines = [
+        report.Versus(pick.benchmark, pick.peer, pick.column, (0.2, 0.1, 0.3),
+                      label="p95", workload=pick.workload),
+        report.Versus("routing", "nobody", "makespan", (1.0,)),
+    ]  # fmt: skip
+    block = report.home_block(lines)
+    assert block.count("\n") == 2  # the head, its rule and the one pick with results
+    assert f"| [{pick.what}](benchmarks.md#{pick.anchor}) | 0.20" in block
+    assert block.endswith(" | 3 |")
+    assert report.home_block([]) == "No results committed yet."
+    assert f"(docs/benchmarks.md#{pick.anchor})" in report.home_block(lines, "docs/")
+    page = report.PAGE.read_text()
+    headings = {
+        re.sub(r"[^\w\s-]", "", line[3:].strip().lower()).replace(" ", "-")
+        for line in page.splitlines()
+        if line.startswith("## ")
+    }
+    missing = {p.anchor for p in report.HOME_PICKS} - headings
+    assert not missing, f"no such section on the benchmarks page: {missing}"
 
 
 def test_spread_cell_is_the_median_with_its_range() -> None:
