@@ -26,7 +26,9 @@ import math
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
+
+from ._redact import is_secret_name, redact_argv
 
 __all__ = [
     "DEFAULT_PROFILE",
@@ -288,7 +290,7 @@ class LaunchPlan:
         the log's first line; secrets (``--api-key``'s value, ``*_KEY`` / ``*_TOKEN`` variables)
         show as ``***``."""
         env = " ".join(
-            f"{k}={'***' if _is_secret_name(k) else shlex.quote(v)}"
+            f"{k}={'***' if is_secret_name(k) else shlex.quote(v)}"
             for k, v in sorted(self.env.items())
         )
         return f"{env} {shlex.join(redact_argv(self.argv))}".strip()
@@ -299,56 +301,6 @@ class LaunchPlan:
             f" max_num_seqs={self.max_num_seqs}, max_model_len={self.max_model_len},"
             f" argv={redact_argv(self.argv)!r})"
         )
-
-
-#: Flags whose value is a secret: shown as ``***`` wherever the launcher prints a command.
-SECRET_FLAGS: Final = frozenset({"--api-key", "--hf-token", "--ssl-keyfile-password"})
-
-
-def _is_secret_name(name: str) -> bool:
-    upper = name.upper()
-    return any(word in upper for word in ("KEY", "TOKEN", "SECRET", "PASSWORD"))
-
-
-def redact_argv(argv: Sequence[str]) -> tuple[str, ...]:
-    """``argv`` with the values of :data:`SECRET_FLAGS` replaced by ``***``.
-
-    redact_argv(["vllm", "--api-key", "sk-1", "--port=8000"])  # (..., "--api-key", "***", ...)
-    """
-    out: list[str] = []
-    hide_next = False
-    for arg in argv:
-        if hide_next:
-            out.append("***")
-            hide_next = False
-            continue
-        flag, eq, _ = arg.partition("=")
-        if flag in SECRET_FLAGS:
-            if eq:
-                out.append(f"{flag}=***")
-            else:
-                out.append(arg)
-                hide_next = True
-            continue
-        out.append(arg)
-    return tuple(out)
-
-
-def secrets_in(argv: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
-    """The secret values in ``argv`` (and ``env``), to scrub from text that may echo them."""
-    found: list[str] = []
-    for plain, hidden in zip(argv, redact_argv(argv), strict=True):
-        if plain != hidden:
-            found.append(plain.partition("=")[2] if "=" in hidden else plain)
-    found += [v for k, v in (env or {}).items() if _is_secret_name(k) and v]
-    return [value for value in found if len(value) >= 4]
-
-
-def scrub(text: str, secrets: Sequence[str]) -> str:
-    """``text`` with every one of ``secrets`` replaced by ``***``."""
-    for secret in secrets:
-        text = text.replace(secret, "***")
-    return text
 
 
 # Flags dsclient sets itself: passing them again after ``--`` would make the record lie (or,

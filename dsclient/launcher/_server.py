@@ -41,10 +41,8 @@ from ._profiles import (
     ModelFacts,
     build_command,
     format_cpu_list,
-    redact_argv,
-    scrub,
-    secrets_in,
 )
+from ._redact import redact_argv, scrub, secrets_in
 
 if TYPE_CHECKING:
     from ._replicas import ServerGroup
