@@ -433,129 +433,17 @@ def build_command(
     prof = PROFILES[profile]
     caps = caps_for_version(vllm_version)
     facts = model_facts or ModelFacts()
-    on_gpu = hardware.gpu_count > 0
+    # Each part checks its own values and appends its reasons to the notes, in this order.
     notes: list[str] = [f"profile {prof.name}: {prof.summary}"]
-
-    if not 0 < port < 65536:
-        raise ValueError(f"port must be in 1..65535, got {port!r}")
-    if not host:
-        raise ValueError("host must not be empty")
-    if dev_mode and not is_loopback(host):
-        raise ValueError(
-            f"dev_mode opens vLLM's development routes (/collective_rpc, /sleep,"
-            f" /update_weights, ...), which take no API key; host {host!r} is not loopback."
-            " Use 127.0.0.1 with dev_mode, or leave dev_mode off"
-        )
-
-    # --- batch size -------------------------------------------------------------------------
-    if max_num_seqs is None:
-        if on_gpu:
-            base = hardware.gpu_mem_gib / 2
-            max_num_seqs = max(1, math.floor(base * prof.gpu_seqs_per_2gib))
-            notes.append(
-                f"max_num_seqs={max_num_seqs}: from GPU memory, {hardware.gpu_mem_gib:g} GiB / 2"
-                f" = {base:g} (rule of thumb), x{prof.gpu_seqs_per_2gib:g} for {prof.name};"
-                " pass --max-num-seqs to choose"
-            )
-        else:
-            max_num_seqs = prof.cpu_max_num_seqs
-            notes.append(f"max_num_seqs={max_num_seqs}: the {prof.name} profile's CPU batch")
-    _check_int("max_num_seqs", max_num_seqs, 1, 65536)
-
-    # --- context length ---------------------------------------------------------------------
-    model_max = facts.max_position_embeddings
-    if max_model_len is None:
-        max_model_len = prof.max_model_len
-        if model_max is not None and model_max < max_model_len:
-            notes.append(
-                f"max_model_len={model_max}: the model's own limit, below the profile's"
-                f" {max_model_len}"
-            )
-            max_model_len = model_max
-    else:
-        _check_int("max_model_len", max_model_len, 1, 10_000_000)
-        if model_max is not None and max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len={max_model_len} is more than the model's"
-                f" max_position_embeddings ({model_max}); vLLM refuses it. Use at most {model_max}."
-            )
-    _check_int("max_model_len", max_model_len, 1, 10_000_000)
-
-    # --- dtypes and blocks ------------------------------------------------------------------
-    if dtype is not None and dtype not in caps.model_dtypes:
-        raise ValueError(f"dtype must be one of {sorted(caps.model_dtypes)}, got {dtype!r}")
-    allowed_kv = caps.kv_cache_dtypes if on_gpu else caps.cpu_kv_cache_dtypes
-    if kv_cache_dtype is None:
-        if prof.fp8_kv_cache and on_gpu and hardware.fp8_kv_supported:
-            kv_cache_dtype = "fp8"
-            notes.append("kv_cache_dtype=fp8: this GPU stores the KV cache in fp8 (half the room)")
-        elif prof.fp8_kv_cache:
-            notes.append(
-                "kv_cache_dtype left to vLLM: no fp8 KV cache on this hardware"
-                " (needs CUDA compute capability >= 8.9)"
-            )
-    elif kv_cache_dtype not in allowed_kv:
-        where = "GPU" if on_gpu else "CPU backend"
-        raise ValueError(
-            f"kv_cache_dtype {kv_cache_dtype!r} is not accepted by vLLM {caps.version}"
-            f" on the {where}; use one of {sorted(allowed_kv)}"
-        )
-    elif kv_cache_dtype.startswith("fp8") and on_gpu and not hardware.fp8_kv_supported:
-        raise ValueError(
-            f"kv_cache_dtype {kv_cache_dtype!r} needs fp8 support (CUDA compute capability"
-            f" >= 8.9); {hardware.gpu_name or 'this GPU'} does not have it. Use 'auto'."
-        )
-    if block_size is not None:
-        multiple = caps.gpu_block_multiple if on_gpu else caps.cpu_block_multiple
-        if (
-            isinstance(block_size, bool)
-            or not isinstance(block_size, int)
-            or block_size < multiple
-            or block_size % multiple
-            or block_size > caps.max_block_size
-        ):
-            where = "GPU" if on_gpu else "CPU backend"
-            raise ValueError(
-                f"block_size must be a multiple of {multiple} between {multiple} and"
-                f" {caps.max_block_size} for vLLM {caps.version} on the {where}, got {block_size!r}"
-            )
-
-    # --- memory -----------------------------------------------------------------------------
-    env: dict[str, str] = {
-        "HF_HUB_OFFLINE": "1",  # a launcher must not start downloading behind the user's back
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        # Set either way: an inherited VLLM_SERVER_DEV_MODE=1 must not open the dev routes.
-        "VLLM_SERVER_DEV_MODE": "1" if dev_mode else "0",
-    }
-    if dev_mode:
-        notes.append(
-            "VLLM_SERVER_DEV_MODE=1 (dev_mode): /server_info reports max_num_seqs, and vLLM's"
-            " development routes (/collective_rpc, /sleep, /update_weights, /reset_prefix_cache,"
-            " ...) are open to anyone who reaches the port"
-        )
-    if not is_loopback(host):
-        notes.append(
-            f"warning: host {host} is not loopback: vLLM answers other machines that reach"
-            " this address; --api-key after '--' guards only its /v1 routes (/metrics,"
-            " /tokenize and others stay open)"
-        )
-
+    _check_address(host, port, dev_mode)
+    max_num_seqs = _batch_size(max_num_seqs, prof, hardware, notes)
+    max_model_len = _context_length(max_model_len, prof, facts, notes)
+    kv_cache_dtype = _dtypes(dtype, kv_cache_dtype, prof, hardware, caps, notes)
+    _check_block_size(block_size, caps, on_gpu=hardware.gpu_count > 0)
+    env = _environment(host, dev_mode, notes)
     engine_core_cpus: tuple[int, ...] | None = None
-    if on_gpu:
-        if gpu_memory_utilization is None:
-            gpu_memory_utilization = prof.gpu_memory_utilization
-            notes.append(
-                f"gpu_memory_utilization={gpu_memory_utilization}: the {prof.name} profile's"
-                " share of the card (the rest is headroom for CUDA graphs and activations)"
-            )
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}"
-            )
-        if kv_cache_gib is not None:
-            raise ValueError("kv_cache_gib is for the CPU backend; on a GPU use"
-                             " gpu_memory_utilization")  # fmt: skip
+    if hardware.gpu_count > 0:
+        gpu_memory_utilization = _gpu_memory(gpu_memory_utilization, kv_cache_gib, prof, notes)
     else:
         if gpu_memory_utilization is not None:
             raise ValueError(
@@ -567,17 +455,7 @@ def build_command(
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_bind(hardware, notes)
         engine_core_cpus = _engine_core_cpus(hardware, notes)
-
-    # --- extra args -------------------------------------------------------------------------
-    for arg in extra_args:
-        owned = _owned_flags(arg)
-        if owned:
-            given = arg.split("=", 1)[0]
-            said = given if [given] == owned else f"{given} (vLLM reads it as {' or '.join(owned)})"
-            raise ValueError(
-                f"{said} is set by dsclient itself; use its own option (e.g. dsclient serve"
-                f" {owned[0]}) instead of passing it after '--', so the launch record stays true"
-            )
+    _check_extra_args(extra_args)
 
     name = served_model_name or _default_name(model)
     argv = [
@@ -598,13 +476,10 @@ def build_command(
     if gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
     argv += list(extra_args)
-    url_host = "127.0.0.1" if host in ("0.0.0.0", "::", "localhost") else host  # noqa: S104
-    if ":" in url_host:
-        url_host = f"[{url_host}]"
     return LaunchPlan(
         argv=tuple(argv),
         env=env,
-        url=f"http://{url_host}:{port}",
+        url=_url(host, port),
         served_model_name=name,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
@@ -613,6 +488,187 @@ def build_command(
         engine_core_cpus=engine_core_cpus,
         extra_args=tuple(extra_args),
     )
+
+
+# --- the parts of build_command, in the order it asks them -------------------------------------
+
+
+def _check_address(host: str, port: int, dev_mode: bool) -> None:
+    if not 0 < port < 65536:
+        raise ValueError(f"port must be in 1..65535, got {port!r}")
+    if not host:
+        raise ValueError("host must not be empty")
+    if dev_mode and not is_loopback(host):
+        raise ValueError(
+            f"dev_mode opens vLLM's development routes (/collective_rpc, /sleep,"
+            f" /update_weights, ...), which take no API key; host {host!r} is not loopback."
+            " Use 127.0.0.1 with dev_mode, or leave dev_mode off"
+        )
+
+
+def _batch_size(given: int | None, prof: Profile, hardware: Hardware, notes: list[str]) -> int:
+    """``--max-num-seqs``: the given one, else GPU memory / 2 x the profile's factor (GPU) or
+    the profile's CPU batch."""
+    max_num_seqs = given
+    if max_num_seqs is None:
+        if hardware.gpu_count > 0:
+            base = hardware.gpu_mem_gib / 2
+            max_num_seqs = max(1, math.floor(base * prof.gpu_seqs_per_2gib))
+            notes.append(
+                f"max_num_seqs={max_num_seqs}: from GPU memory, {hardware.gpu_mem_gib:g} GiB / 2"
+                f" = {base:g} (rule of thumb), x{prof.gpu_seqs_per_2gib:g} for {prof.name};"
+                " pass --max-num-seqs to choose"
+            )
+        else:
+            max_num_seqs = prof.cpu_max_num_seqs
+            notes.append(f"max_num_seqs={max_num_seqs}: the {prof.name} profile's CPU batch")
+    _check_int("max_num_seqs", max_num_seqs, 1, 65536)
+    return max_num_seqs
+
+
+def _context_length(given: int | None, prof: Profile, facts: ModelFacts, notes: list[str]) -> int:
+    """``--max-model-len``: the given one (at most the model's own), else the profile's, capped
+    to the model's."""
+    model_max = facts.max_position_embeddings
+    max_model_len = given
+    if max_model_len is None:
+        max_model_len = prof.max_model_len
+        if model_max is not None and model_max < max_model_len:
+            notes.append(
+                f"max_model_len={model_max}: the model's own limit, below the profile's"
+                f" {max_model_len}"
+            )
+            max_model_len = model_max
+    else:
+        _check_int("max_model_len", max_model_len, 1, 10_000_000)
+        if model_max is not None and max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len={max_model_len} is more than the model's"
+                f" max_position_embeddings ({model_max}); vLLM refuses it. Use at most {model_max}."
+            )
+    _check_int("max_model_len", max_model_len, 1, 10_000_000)
+    return max_model_len
+
+
+def _dtypes(
+    dtype: str | None,
+    kv_cache_dtype: str | None,
+    prof: Profile,
+    hardware: Hardware,
+    caps: VllmCaps,
+    notes: list[str],
+) -> str | None:
+    """Check ``dtype`` and ``kv_cache_dtype`` against this vLLM; the KV cache dtype to pass
+    (``fp8`` for a profile that wants it on hardware that has it)."""
+    on_gpu = hardware.gpu_count > 0
+    if dtype is not None and dtype not in caps.model_dtypes:
+        raise ValueError(f"dtype must be one of {sorted(caps.model_dtypes)}, got {dtype!r}")
+    allowed_kv = caps.kv_cache_dtypes if on_gpu else caps.cpu_kv_cache_dtypes
+    if kv_cache_dtype is None:
+        if prof.fp8_kv_cache and on_gpu and hardware.fp8_kv_supported:
+            notes.append("kv_cache_dtype=fp8: this GPU stores the KV cache in fp8 (half the room)")
+            return "fp8"
+        if prof.fp8_kv_cache:
+            notes.append(
+                "kv_cache_dtype left to vLLM: no fp8 KV cache on this hardware"
+                " (needs CUDA compute capability >= 8.9)"
+            )
+    elif kv_cache_dtype not in allowed_kv:
+        where = "GPU" if on_gpu else "CPU backend"
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} is not accepted by vLLM {caps.version}"
+            f" on the {where}; use one of {sorted(allowed_kv)}"
+        )
+    elif kv_cache_dtype.startswith("fp8") and on_gpu and not hardware.fp8_kv_supported:
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} needs fp8 support (CUDA compute capability"
+            f" >= 8.9); {hardware.gpu_name or 'this GPU'} does not have it. Use 'auto'."
+        )
+    return kv_cache_dtype
+
+
+def _check_block_size(block_size: int | None, caps: VllmCaps, *, on_gpu: bool) -> None:
+    if block_size is None:
+        return
+    multiple = caps.gpu_block_multiple if on_gpu else caps.cpu_block_multiple
+    if (
+        isinstance(block_size, bool)
+        or not isinstance(block_size, int)
+        or block_size < multiple
+        or block_size % multiple
+        or block_size > caps.max_block_size
+    ):
+        where = "GPU" if on_gpu else "CPU backend"
+        raise ValueError(
+            f"block_size must be a multiple of {multiple} between {multiple} and"
+            f" {caps.max_block_size} for vLLM {caps.version} on the {where}, got {block_size!r}"
+        )
+
+
+def _environment(host: str, dev_mode: bool, notes: list[str]) -> dict[str, str]:
+    """The variables every launch sets, and the notes on what the address and dev mode open."""
+    env: dict[str, str] = {
+        "HF_HUB_OFFLINE": "1",  # a launcher must not start downloading behind the user's back
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        # Set either way: an inherited VLLM_SERVER_DEV_MODE=1 must not open the dev routes.
+        "VLLM_SERVER_DEV_MODE": "1" if dev_mode else "0",
+    }
+    if dev_mode:
+        notes.append(
+            "VLLM_SERVER_DEV_MODE=1 (dev_mode): /server_info reports max_num_seqs, and vLLM's"
+            " development routes (/collective_rpc, /sleep, /update_weights, /reset_prefix_cache,"
+            " ...) are open to anyone who reaches the port"
+        )
+    if not is_loopback(host):
+        notes.append(
+            f"warning: host {host} is not loopback: vLLM answers other machines that reach"
+            " this address; --api-key after '--' guards only its /v1 routes (/metrics,"
+            " /tokenize and others stay open)"
+        )
+    return env
+
+
+def _gpu_memory(
+    given: float | None, kv_cache_gib: int | None, prof: Profile, notes: list[str]
+) -> float:
+    """``--gpu-memory-utilization`` on a GPU: the given share, else the profile's."""
+    gpu_memory_utilization = given
+    if gpu_memory_utilization is None:
+        gpu_memory_utilization = prof.gpu_memory_utilization
+        notes.append(
+            f"gpu_memory_utilization={gpu_memory_utilization}: the {prof.name} profile's"
+            " share of the card (the rest is headroom for CUDA graphs and activations)"
+        )
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(
+            f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}"
+        )
+    if kv_cache_gib is not None:
+        raise ValueError("kv_cache_gib is for the CPU backend; on a GPU use"
+                         " gpu_memory_utilization")  # fmt: skip
+    return gpu_memory_utilization
+
+
+def _check_extra_args(extra_args: Sequence[str]) -> None:
+    """Refuse flags after ``--`` that set what dsclient sets itself (the record would lie)."""
+    for arg in extra_args:
+        owned = _owned_flags(arg)
+        if owned:
+            given = arg.split("=", 1)[0]
+            said = given if [given] == owned else f"{given} (vLLM reads it as {' or '.join(owned)})"
+            raise ValueError(
+                f"{said} is set by dsclient itself; use its own option (e.g. dsclient serve"
+                f" {owned[0]}) instead of passing it after '--', so the launch record stays true"
+            )
+
+
+def _url(host: str, port: int) -> str:
+    """The URL a client uses: a wildcard or ``localhost`` bind is reached on 127.0.0.1."""
+    url_host = "127.0.0.1" if host in ("0.0.0.0", "::", "localhost") else host  # noqa: S104
+    if ":" in url_host:
+        url_host = f"[{url_host}]"
+    return f"http://{url_host}:{port}"
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:
