@@ -112,6 +112,9 @@ async def test_more_distinct_timeouts_than_lines_fall_back_to_asyncio_timeout():
     assert results[:20] == ["done"] * 20
     assert isinstance(results[20], TimeoutError)
     assert len(deadlines._lines) == 8
+    # once their calls are done, lines make room for other numbers of seconds
+    assert await _sleeps(deadlines, 7.5, 0) == "done"
+    assert 7.5 in deadlines._lines
 
 
 def test_a_client_on_a_new_loop_starts_afresh():

@@ -12,6 +12,7 @@ here.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
@@ -92,10 +93,7 @@ class CallsMixin:
         degraded: str | None = None
         try:
             try:
-                deadlines = self._deadlines
-                if deadlines is None:
-                    deadlines = self._deadlines = Deadlines()
-                async with deadlines.after(limit_s):
+                async with self._deadline(limit_s):
                     plan = await self._plan(kind, prompt, max_tokens, sampling)
                     prefix = prefix_text(prompt) if self._pool is not None else None
                     miss_at = None
@@ -167,6 +165,14 @@ class CallsMixin:
                 )
             )
         return result
+
+    def _deadline(self, seconds: float | None) -> contextlib.AbstractAsyncContextManager[Any]:
+        """A scope for one call of ``seconds`` (``None``: no bound) on the client's
+        :class:`~dsclient.client._request.Deadlines`: the builtin ``TimeoutError`` after them."""
+        deadlines = self._deadlines
+        if deadlines is None:
+            deadlines = self._deadlines = Deadlines()
+        return deadlines.after(seconds)
 
     def _degraded(self, plan: Plan, option: Degrade, why: str) -> tuple[Plan, str]:
         """``plan`` changed as ``option`` says, and the words the result carries about it."""

@@ -139,6 +139,9 @@ class Deadlines:
             self._loop, self._lines, self._timer, self._timer_at = loop, {}, None, float("inf")
         line = self._lines.get(seconds)
         if line is None:
+            if len(self._lines) >= _MAX_LINES:  # make room: drop the lines no call is in
+                for idle in [k for k, v in self._lines.items() if not v.live and not v.queue]:
+                    del self._lines[idle]
             if len(self._lines) >= _MAX_LINES:
                 return asyncio.timeout(seconds)  # type: ignore[attr-defined,no-any-return]
             line = self._lines[seconds] = _Line()

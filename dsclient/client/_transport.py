@@ -200,7 +200,7 @@ class GovernedTransport(httpx.AsyncBaseTransport):
         ends_at, limit_s = _deadline_of(request)
         planned: Governed | None = None
         try:
-            async with _scope(limit_s):
+            async with client._deadline(limit_s):
                 plan = await plan_request(client, kind, content, options, self._defaults)
                 if isinstance(plan, httpx.Response):
                     if client._observers:
