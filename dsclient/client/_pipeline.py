@@ -783,6 +783,9 @@ class RequestPath:
                 failure = exc
 
 
+_AVOID_NONE: frozenset[str] = frozenset()
+
+
 class _Call:
     """What the attempts of one call share: the time queued for slots, the outage its last
     connection failed in, and with a pool: its model and prefix (for the router), the server of
@@ -806,7 +809,7 @@ class _Call:
         self.model: str | None = model if isinstance(model, str) else None
         self.prefix = prefix
         self.endpoint: Endpoint | None = None
-        self.avoid: frozenset[str] = frozenset()
+        self.avoid: frozenset[str] = _AVOID_NONE
         self.failover = False
         self.mode: str | None = None
         self.miss_at: float | None = None
