@@ -33,6 +33,8 @@ from dsclient.launcher import (
     VllmFlagsError,
     _argcheck,
     _install,
+    _plan,
+    _ports,
     _server,
 )
 from dsclient.launcher._argcheck import (
@@ -472,7 +474,7 @@ def test_no_port_takes_8000_when_it_is_free(how, fake_vllm_dist, model_dir, tmp_
         asked.append((host, port))
         return True
 
-    monkeypatch.setattr(_server, "_port_is_free", free)
+    monkeypatch.setattr(_ports, "port_is_free", free)
     url, notes = _planned_url(how, model_dir, tmp_path)
     assert launcher.DEFAULT_PORT == 8000
     assert url == "http://127.0.0.1:8000"
@@ -485,7 +487,7 @@ def test_no_port_takes_another_when_8000_is_taken(how, fake_vllm_dist, model_dir
     # A real listener on 127.0.0.1:8000, ours; if something else already has it, it is taken
     # all the same, which is the case under test.
     holder = socket.socket()
-    # As _port_is_free binds: a connection of an earlier server still in TIME_WAIT on 8000 must
+    # As port_is_free binds: a connection of an earlier server still in TIME_WAIT on 8000 must
     # not keep this test from holding the port.
     holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -494,7 +496,7 @@ def test_no_port_takes_another_when_8000_is_taken(how, fake_vllm_dist, model_dir
             holder.listen()
         except OSError:
             pass
-        assert not _server._port_is_free("127.0.0.1", 8000)
+        assert not _ports.port_is_free("127.0.0.1", 8000)
         url, notes = _planned_url(how, model_dir, tmp_path)
     finally:
         holder.close()
@@ -504,7 +506,7 @@ def test_no_port_takes_another_when_8000_is_taken(how, fake_vllm_dist, model_dir
 
 
 def test_taken_8000_with_the_check_injected(fake_vllm_dist, model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(_server, "_port_is_free", lambda host, port: port != 8000)
+    monkeypatch.setattr(_ports, "port_is_free", lambda host, port: port != 8000)
     url, _ = _planned_url("launch", model_dir, tmp_path)
     assert not url.endswith(":8000")
 
@@ -513,7 +515,7 @@ def test_a_given_port_is_not_checked_at_planning(fake_vllm_dist, model_dir, monk
     def refuse(host: str, port: int) -> bool:
         raise AssertionError("no check when the port is given")
 
-    monkeypatch.setattr(_server, "_port_is_free", refuse)
+    monkeypatch.setattr(_ports, "port_is_free", refuse)
     hw = Hardware(cpu_ids=(0, 1), mem_gib=24)
     plan = launcher.plan_launch(model_dir, hardware=hw, python=sys.executable, port=8000)
     assert plan.url == "http://127.0.0.1:8000" and not [n for n in plan.notes if "port" in n]
@@ -521,7 +523,7 @@ def test_a_given_port_is_not_checked_at_planning(fake_vllm_dist, model_dir, monk
 
 @pytest.mark.parametrize("free", [True, False])
 def test_cli_dry_run_shows_the_port(free, fake_vllm_dist, model_dir, monkeypatch, capsys):
-    monkeypatch.setattr(_server, "_port_is_free", lambda host, port: free)
+    monkeypatch.setattr(_ports, "port_is_free", lambda host, port: free)
     assert main(["serve", str(model_dir), "--dry-run", "--python", sys.executable]) == 0
     out = capsys.readouterr().out
     last = out.strip().splitlines()[-1]
@@ -750,14 +752,14 @@ def test_verdicts_are_cached_but_failures_to_check_are_not():
     assert gone.verdict == "unchecked" and gone.message.startswith("could not run /nonexistent")
 
 
-def _plan(*extra: str) -> LaunchPlan:
+def _plan_with(*extra: str) -> LaunchPlan:
     hw = Hardware(cpu_ids=(0, 1), mem_gib=24)
     return build_command("/m/tiny", hardware=hw, python=sys.executable, port=8000, extra_args=extra)
 
 
 def test_verify_flags_refuses_with_vllms_message(fake_vllm_parser):
     with pytest.raises(VllmFlagsError) as info:
-        _server.verify_flags(_plan("--enable-flash-attn"))
+        _plan.verify_flags(_plan_with("--enable-flash-attn"))
     err = info.value
     assert isinstance(err, LaunchError)
     assert str(err).startswith(
@@ -767,8 +769,8 @@ def test_verify_flags_refuses_with_vllms_message(fake_vllm_parser):
     assert err.vllm_message == "vllm serve: error: unrecognized arguments: --enable-flash-attn"
     assert err.argv[-1] == "--enable-flash-attn"
     with pytest.raises(ValueError, match="the flags after '--' change --host"):
-        _server.verify_flags(_plan("--bind", "0.0.0.0"))
-    plan = _server.verify_flags(_plan("--enable-prefix-caching"))
+        _plan.verify_flags(_plan_with("--bind", "0.0.0.0"))
+    plan = _plan.verify_flags(_plan_with("--enable-prefix-caching"))
     assert plan.notes[-1] == (
         "flags checked with vLLM's own parser"
         f" (vllm.entrypoints.launchers.cli_args.make_arg_parser in {sys.executable}): accepted"
@@ -777,7 +779,7 @@ def test_verify_flags_refuses_with_vllms_message(fake_vllm_parser):
 
 def test_verify_flags_without_vllm_is_a_warning_note(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "nothing"))
-    plan = _server.verify_flags(_plan("--enable-flash-attn"))
+    plan = _plan.verify_flags(_plan_with("--enable-flash-attn"))
     assert plan.notes[-1].startswith("warning: flags not checked with vLLM's own parser: ")
     assert plan.notes[-1].endswith("vLLM will refuse bad ones when it starts")
     assert plan.argv[-1] == "--enable-flash-attn"
@@ -805,7 +807,7 @@ def test_launch_checks_when_the_server_starts(fake_vllm_dist, model_dir, tmp_pat
         asked.append(args)
         return FlagCheck(verdict="refused", message="vllm serve: error: nope")
 
-    monkeypatch.setattr(_server, "check_vllm_flags", refuse)
+    monkeypatch.setattr(_plan, "check_vllm_flags", refuse)
     hw = Hardware(cpu_ids=(0, 1), mem_gib=24)
     server = launcher.launch(model_dir, hardware=hw, python=sys.executable, port=free_port(),
                              extra_args=["--nope"], log_path=tmp_path / "x.log")  # fmt: skip
@@ -817,7 +819,7 @@ def test_launch_checks_when_the_server_starts(fake_vllm_dist, model_dir, tmp_pat
         anyio.run(server.astart, backend="asyncio")
     assert len(asked) == 2 and server.pid is None
     plain = launcher.launch(model_dir, hardware=hw, python=sys.executable, port=free_port())
-    plain._verify_flags()
+    _server.verify_flags_once([plain])
     assert len(asked) == 2  # no extra flags: nothing to ask vLLM
 
 

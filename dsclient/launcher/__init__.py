@@ -26,12 +26,17 @@ vLLM runs in its own venv (see :func:`resolve_server_python`); ``dsclient instal
 creates one. While it runs, a launch record (``dsclient._records``) tells discovery its
 ``max_num_seqs``, which no public vLLM route reports.
 
-The package is the server side of the house: ``_server`` (plan, launch, the handle),
-``_install`` (which vLLM, in which venv), ``_argcheck`` (the installed vLLM's own parser on a
-planned command), ``_tiny`` (the tiny test model), ``_profiles`` (pure launch planning),
-``_hardware``, ``_placement`` (CPU pinning of vLLM's EngineCore), ``_replicas`` (N servers of
-one model: ports, CPU split, the :class:`ServerGroup`). It depends on
-the client's core (``dsclient._records``, ``dsclient._exceptions``), never the other way round.
+The package is the server side of the house, one concept per module: ``_launch``
+(:func:`launch`, the entry point), ``_plan`` (one launch's command, and vLLM's own parser on
+it), ``_profiles`` (pure launch planning: profiles, :class:`Hardware`, the command builder),
+``_redact`` (secrets kept out of printed commands and logs), ``_ports``, ``_server`` (the
+:class:`Server` handle and the steps of a start), ``_process`` (spawning and stopping the
+process group, the log), ``_replicas`` (N servers of one model: the CPU split, the
+:class:`ServerGroup`), ``_install`` (which vLLM, in which venv), ``_argcheck`` (the installed
+vLLM's own parser on a planned command), ``_hardware``, ``_placement`` (CPU pinning of vLLM's
+EngineCore) and ``_tiny`` (the tiny test model). It depends only on dsclient's core
+(``dsclient._records``, ``dsclient._exceptions``, ``dsclient._http``), never the other way
+round; ``tests/test_imports.py`` holds that.
 """
 
 from ._errors import LaunchError, ServerStartError, VllmFlagsError
@@ -43,8 +48,11 @@ from ._install import (
     install_server,
     resolve_server_python,
 )
+from ._launch import launch
+from ._plan import plan_launch
+from ._ports import DEFAULT_PORT
 from ._replicas import ServerGroup, launch_replicas
-from ._server import DEFAULT_PORT, Server, launch, plan_launch
+from ._server import Server
 from ._tiny import DEFAULT_MODEL_DIR, make_tiny_model, tiny_model_script
 
 __all__ = [

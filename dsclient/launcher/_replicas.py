@@ -1,21 +1,20 @@
-"""N replicas of one model on one machine: :func:`plan_replicas` (pure: ports, CPUs or GPUs per
-replica) and :class:`ServerGroup`, which starts them (all at once by default, which was faster
-here, see :func:`split_hardware`) and stops every one of them on exit or on any failure.
+"""N replicas of one model on one machine: :func:`split_hardware` (pure: the CPUs or GPUs of
+each replica; their ports come from ``_ports.choose_ports``) and :class:`ServerGroup`, which
+starts them (all at once by default, which was faster here, see :func:`split_hardware`) and
+stops every one of them on exit or on any failure.
 
 Use is shown in :func:`launch_replicas` and :mod:`dsclient.launcher`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
 import os
-import socket
 import time
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import anyio
@@ -24,21 +23,22 @@ import anyio.to_thread
 from ._errors import LaunchError
 from ._hardware import detect_hardware
 from ._install import VllmInstall, resolve_server_python
+from ._plan import plan_launch, wants_flag_check
+from ._ports import choose_ports, free_ports, port_is_free
+from ._process import log_dir
 from ._profiles import Hardware, LaunchPlan, format_cpu_list
 from ._server import (
-    _STARTING_GRACE,
-    DEFAULT_PORT,
+    STARTING_GRACE,
     Progress,
     Server,
-    _log_dir,
-    _port_is_free,
-    _wants_check,
     await_healthy,
-    plan_launch,
+    exit_status,
+    spawn,
+    verify_flags_once,
     wait_healthy,
 )
 
-__all__ = ["ReplicaLayout", "ServerGroup", "choose_ports", "launch_replicas", "split_hardware"]
+__all__ = ["ReplicaLayout", "ServerGroup", "launch_replicas", "split_hardware"]
 
 logger = logging.getLogger("dsclient")
 
@@ -180,62 +180,9 @@ _START_NOTE = (
 )
 
 
-def choose_ports(
-    replicas: int,
-    port: int | None,
-    *,
-    is_free: Callable[[int], bool],
-    free_ports: Callable[[int], list[int]],
-) -> tuple[list[int], str | None]:
-    """The ports of ``replicas`` servers, and a note when they are not the asked ones.
-
-    ``port`` given: ``port, port + 1, ...``, each of which must be free (else
-    :class:`LaunchError` naming the busy ones). ``None``: 8000, 8001, ... when all are free,
-    else ``free_ports(replicas)`` (distinct ports the system hands out).
-    """
-    if replicas < 1:
-        raise ValueError(f"replicas must be >= 1, got {replicas!r}")
-    if port is not None:
-        last = port + replicas - 1
-        if port < 1 or last > 65535:
-            raise LaunchError(
-                f"{replicas} replicas from port {port} need ports {port}-{last}; ports end at"
-                " 65535. Pass a lower port, or none"
-            )
-        wanted = list(range(port, last + 1))
-        busy = [p for p in wanted if not is_free(p)]
-        if busy:
-            raise LaunchError(
-                f"ports {', '.join(map(str, busy))} of {port}-{last} are already in use; pass"
-                " another port, or none to get free ones"
-            )
-        return wanted, None
-    default = list(range(DEFAULT_PORT, DEFAULT_PORT + replicas))
-    if all(is_free(p) for p in default):
-        return default, None
-    ports = free_ports(replicas)
-    if len(set(ports)) < replicas:
-        raise LaunchError(f"could not find {replicas} free ports")
-    return ports, (
-        f"ports {DEFAULT_PORT}-{default[-1]} are not all free: using {', '.join(map(str, ports))}"
-    )
-
-
-def _system_free_ports(host: str, count: int) -> list[int]:
-    """``count`` distinct free ports: the sockets stay bound until all are chosen."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            s = stack.enter_context(socket.socket(family, socket.SOCK_STREAM))
-            s.bind((host, 0))
-            ports.append(int(s.getsockname()[1]))
-    return ports
-
-
 def _replica_log(log_path: str | os.PathLike[str] | None, port: int, stamp: str) -> Path:
     if log_path is None:
-        return _log_dir() / f"vllm-{port}-{stamp}.log"
+        return log_dir() / f"vllm-{port}-{stamp}.log"
     path = Path(log_path).expanduser()
     return path.with_name(f"{path.stem}-{port}{path.suffix or '.log'}")
 
@@ -309,49 +256,37 @@ class ServerGroup:
 
     # -- starting --
 
-    def _verify_flags(self) -> None:
-        """vLLM's own parser, once: the replicas' commands differ only in port and CPUs."""
-        first = self.servers[0]
-        checking = first._check_flags
-        first._verify_flags()
-        if checking:
-            for other in self.servers[1:]:
-                other._check_flags = False
-                other.plan = dataclasses.replace(
-                    other.plan, notes=(*other.plan.notes, first.plan.notes[-1])
-                )
-
     def start(self) -> ServerGroup:
         """Start every replica and block until all are healthy; on any failure stop them all."""
         try:
-            self._verify_flags()
+            verify_flags_once(self.servers)
             if self.concurrent_start:
                 for server in self.servers:
-                    server._spawn()
+                    spawn(server)
                 wait_healthy(self.servers)
             else:
                 for server in self.servers:
-                    server._spawn()
+                    spawn(server)
                     wait_healthy([server])
         except BaseException:
-            self.stop(grace=_STARTING_GRACE)
+            self.stop(grace=STARTING_GRACE)
             raise
         return self
 
     async def astart(self) -> ServerGroup:
         """:meth:`start` without blocking the event loop."""
         try:
-            await anyio.to_thread.run_sync(self._verify_flags)
+            await anyio.to_thread.run_sync(verify_flags_once, self.servers)
             if self.concurrent_start:
                 for server in self.servers:
-                    await anyio.to_thread.run_sync(server._spawn)
+                    await anyio.to_thread.run_sync(spawn, server)
                 await await_healthy(self.servers)
             else:
                 for server in self.servers:
-                    await anyio.to_thread.run_sync(server._spawn)
+                    await anyio.to_thread.run_sync(spawn, server)
                     await await_healthy([server])
         except BaseException:
-            await self.astop(grace=_STARTING_GRACE)
+            await self.astop(grace=STARTING_GRACE)
             raise
         return self
 
@@ -382,9 +317,9 @@ class ServerGroup:
             raise RuntimeError("the group was not started")
         while True:
             for server in self.servers:
-                proc = server._proc
-                if proc is not None and proc.poll() is not None:
-                    return server, proc.returncode
+                code = exit_status(server)
+                if code is not None:
+                    return server, code
             time.sleep(poll)
 
     # -- context managers --
@@ -469,8 +404,8 @@ def launch_replicas(
     ports, port_note = choose_ports(
         replicas,
         port,
-        is_free=functools.partial(_port_is_free, host),
-        free_ports=functools.partial(_system_free_ports, host),
+        is_free=functools.partial(port_is_free, host),
+        free_ports=functools.partial(free_ports, host),
     )
     notes = [*layout.notes] + ([port_note] if port_note else [])
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -505,7 +440,7 @@ def launch_replicas(
                 log_path=_replica_log(log_path, replica_port, stamp),
                 startup_timeout=startup_timeout,
                 progress=progress,
-                check_flags=_wants_check(check_flags, extra_args),
+                check_flags=wants_flag_check(check_flags, extra_args),
             )
         )
     for note in notes:

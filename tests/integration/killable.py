@@ -23,7 +23,7 @@ import httpx
 
 from dsclient.launcher import Server, launch
 from dsclient.launcher._hardware import detect_hardware
-from dsclient.launcher._server import _group_alive
+from dsclient.launcher._process import group_alive
 
 __all__ = ["KillableServer", "gauges", "metric_sum", "success_total"]
 
@@ -107,8 +107,8 @@ class KillableServer:
         self.kills += 1
         with anyio.fail_after(60):
             # `running` reaps the leader (a killed child stays a zombie, which killpg(pgid, 0)
-            # still finds); _group_alive skips zombies among the rest of the group.
-            while server.running or _group_alive(pgid):
+            # still finds); group_alive skips zombies among the rest of the group.
+            while server.running or group_alive(pgid):
                 await anyio.sleep(0.1)
 
     def stop(self) -> None:

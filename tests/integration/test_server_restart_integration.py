@@ -22,7 +22,7 @@ import pytest
 
 from dsclient import AsyncClient, BatchResults, CompletionResult, Retry
 from dsclient.launcher import launch, make_tiny_model, resolve_server_python
-from dsclient.launcher._server import _group_alive
+from dsclient.launcher._process import group_alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -39,7 +39,7 @@ def _free_port() -> int:
 def _group_gone(server, pgid: int) -> bool:
     # `running` reaps the leader (a killed child stays a zombie, and killpg(pgid, 0) still finds
     # zombies); the launcher's own check skips zombies among the rest of the group.
-    return not server.running and not _group_alive(pgid)
+    return not server.running and not group_alive(pgid)
 
 
 def _lines(path) -> int:
