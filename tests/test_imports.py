@@ -4,6 +4,11 @@ A cycle at module level works only in the order the package happens to import in
 first reorder (or a user importing a private module first) turns it into an ``ImportError`` on a
 half-built module. The graph is read from the source (``ast``): module-level imports only, since
 imports inside functions run later and ``if TYPE_CHECKING:`` blocks never run.
+
+The layers are held on a second graph that counts every import (under ``TYPE_CHECKING`` and
+inside functions too): a lazy import is still a dependency a reader has to follow. So far it
+holds the launcher: it imports only itself and the core (dsclient's top-level private modules),
+and its modules import each other one way.
 """
 
 from __future__ import annotations
@@ -86,15 +91,22 @@ def _resolve(module: str, is_package: bool, node: ast.Import | ast.ImportFrom) -
     return {target} | {f"{target}.{alias.name}" for alias in node.names}
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the dsclient modules it imports at module level."""
+def _every_import(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement: in functions and under ``TYPE_CHECKING`` too."""
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def import_graph(*, every_import: bool = False) -> dict[str, set[str]]:
+    """Module -> the dsclient modules it imports at module level (or anywhere, with
+    ``every_import``)."""
     modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
         is_package = path.name == "__init__.py"
         edges: set[str] = set()
-        for node in _module_level_imports(tree):
+        found = _every_import(tree) if every_import else _module_level_imports(tree)
+        for node in found:
             edges |= {t for t in _resolve(name, is_package, node) if t in modules}
         edges.discard(name)
         graph[name] = edges
@@ -155,6 +167,59 @@ def test_the_graph_reads_relative_imports_and_skips_type_checking() -> None:
     # _retry_after imports nothing from dsclient but the HTTP stack, itself a leaf.
     assert graph["dsclient._retry_after"] == {"dsclient._http"}
     assert graph["dsclient._http"] == set()
+
+
+def _in(package: str, module: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _is_core(module: str) -> bool:
+    """dsclient's core: its top-level private modules (``dsclient._exceptions``, ...)."""
+    parts = module.split(".")
+    return len(parts) == 2 and parts[0] == "dsclient" and parts[1].startswith("_")
+
+
+def test_the_launcher_imports_only_itself_and_the_core() -> None:
+    # Counting lazy and TYPE_CHECKING imports: the launcher is the server side, and the client,
+    # the governor, the batch runner and the command line all sit elsewhere.
+    graph = import_graph(every_import=True)
+    launcher = sorted(m for m in graph if _in("dsclient.launcher", m))
+    assert "dsclient.launcher._server" in launcher
+    outside = {
+        module: sorted(
+            t for t in graph[module] if not _in("dsclient.launcher", t) and not _is_core(t)
+        )
+        for module in launcher
+    }
+    assert {m: t for m, t in outside.items() if t} == {}
+    # ... and the core it reaches imports no package at all, so nothing comes in through it.
+    core = sorted({t for m in launcher for t in graph[m] if _is_core(t)})
+    assert core, "the launcher uses the core (records, exceptions, HTTP)"
+    assert {m: sorted(t for t in graph[m] if not _is_core(t)) for m in core} == {
+        m: [] for m in core
+    }
+
+
+def test_no_import_cycles_in_the_launcher_counting_every_import() -> None:
+    graph = import_graph(every_import=True)
+    # The package's __init__ included: a module of it importing the package is a cycle too.
+    launcher = {
+        m: {t for t in edges if _in("dsclient.launcher", t)}
+        for m, edges in graph.items()
+        if _in("dsclient.launcher", m)
+    }
+    assert strongly_connected(launcher) == []
+
+
+def test_the_full_graph_counts_lazy_and_type_checking_imports() -> None:
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from . import a\n"
+        "def f():\n    from . import b\n"
+        "from . import c\n"
+    )
+    assert sorted(n.names[0].name for n in _every_import(tree)) == ["TYPE_CHECKING", "a", "b", "c"]
+    assert [n.names[0].name for n in _module_level_imports(tree)][1:] == ["c"]
 
 
 def test_exceptions_does_not_import_retry_even_lazily() -> None:
