@@ -1,5 +1,5 @@
-"""The batch runner: `map()` / `imap()`, the JSONL store that makes a batch resumable, and
-progress.
+"""The batch runner: `map()` / `imap()`, the order items start in, the JSONL store that makes a
+batch resumable, and progress.
 
 Private modules; the public names are exported by `dsclient` itself.
 """
