@@ -17,8 +17,9 @@ Starts ONE vLLM server through ``dsclient.launcher`` (the tiny random Llama, ``m
 Every request sends ``ignore_eos``, so the output lengths are exactly what was asked. Strategies:
 
 * ``dsclient``: ``dsclient.AsyncClient(url)`` with its defaults; discovery reads the launcher's
-  record (``max_num_seqs`` 8), so the cap is 5 and the long lane holds at most 2 (a closed-loop
-  governor moves its cap: ``client.limit`` is sampled every 0.2 s, min / mean / max / final);
+  record (``max_num_seqs`` 8), so the limit starts at 5 and then follows vLLM's queue (its
+  closed loop); ``client.limit`` is sampled every 0.2 s, and each dsclient row keeps its mean
+  and maximum and the long lane's limit at the end;
 * ``unbounded``: ``asyncio.gather`` over ``openai.AsyncOpenAI(base_url=url + "/v1")`` calls;
 * ``unbounded+priority``: the same, sending vLLM's ``priority`` 0 with short requests and 1 with
   long ones (the server runs with ``--scheduling-policy priority``: lower runs first);
@@ -477,6 +478,11 @@ def kept(row: dict[str, Any], outcomes: list[Outcome]) -> dict[str, Any]:
         found[f"{kind}_n"] = len(ok)  # answered, for the tail the page may call p99
         p95 = percentile(ok, 95)
         found[f"{kind}_p95_s"] = None if p95 is None else round(p95, 3)
+    client = row.get("client") or {}
+    limits = client.get("limit_samples") or {}
+    if limits:  # dsclient: where its closed loop took the limit during the run
+        found["limit_mean"], found["limit_max"] = limits.get("mean"), limits.get("max")
+        found["long_lane_limit"] = (client.get("lanes") or {}).get("long", {}).get("limit")
     return found
 
 

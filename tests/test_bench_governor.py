@@ -106,3 +106,20 @@ def test_three_runs_of_every_leg_by_default_every_strategy_described() -> None:
     assert set(ABOUT) == set(STRATEGIES)
     with pytest.raises(SystemExit):
         parse_args(["--strategies", "dsclient,nonesuch"])
+
+
+def test_kept_rows_are_scalars_with_p95_counts_and_dsclient_limit() -> None:
+    from benchmarks.bench_governor import Outcome, kept
+
+    outcomes = [Outcome("short", 0.0, 0.0, latency=0.01 * (i + 1)) for i in range(100)]
+    outcomes += [Outcome("long", 0.0, 0.0, latency=5.0), Outcome("long", 0.0, 0.0, error="x")]
+    row = {"scenario": "batch", "rate": None, "run": 1, "strategy": "dsclient",
+           "makespan_s": 9.0, "lanes": ["long->long"],
+           "client": {"limit_samples": {"min": 5, "mean": 11.5, "max": 14},
+                      "lanes": {"long": {"limit": 4}}}}  # fmt: skip
+    found = kept(row, outcomes)
+    assert found["short_n"] == 100 and found["long_n"] == 1  # answered only
+    assert found["short_p95_s"] == 0.95
+    assert (found["limit_mean"], found["limit_max"], found["long_lane_limit"]) == (11.5, 14, 4)
+    assert "client" not in found and "lanes" not in found and "strategy" not in found
+    assert kept({**row, "strategy": "unbounded", "client": {}}, outcomes).get("limit_max") is None
