@@ -1117,11 +1117,11 @@ def simulate_queue_only(
 @pytest.mark.parametrize("rate", [1000, 6], ids=["fast-api-server", "slow-api-server"])
 @pytest.mark.parametrize("capacity", [8, 32, 256])
 def test_queue_only_keeps_the_batch_full_and_the_limit_near_it(capacity: int, rate: int) -> None:
-    """With only the engine's queue in view (the knee finder grows, the queue cuts), the batch
-    stays full, the queue's p90 within the target and the limit under twice batch + target:
-    behind nginx, a vLLM with a batch of 32 had its limit run to 1280 while requests piled up
-    in its API server (the estimated batch was everything in flight, the target half of it).
-    Measured: the batch 89-99% full, the limit at most 1.8x batch + target."""
+    """With only the engine's queue in view, the batch stays full, the queue's p90 at the
+    target and the limit under twice batch + target: behind nginx, a vLLM with a batch of 32
+    had its limit run to 1280 while requests piled up in its API server (the estimated batch
+    was everything in flight, the target half of it). Measured: the batch 95-100% full, the
+    queue's p90 at most 1.03x the target, the limit at most 1.4x batch + target."""
     server = FrontedServer(capacity, rate=max(rate, capacity // 2))
     control = LimitController(start=5, mode="metrics", capacity=None)
     limits, running, waiting, _ = simulate_queue_only(server, control, PERIODS + 200)
@@ -1129,7 +1129,7 @@ def test_queue_only_keeps_the_batch_full_and_the_limit_near_it(capacity: int, ra
     assert statistics.mean(running[settled]) >= 0.85 * capacity
     target = target_waiting(capacity, SIM_SHARE, capacity)
     assert max(limits[settled]) <= 2 * (capacity + target)
-    assert _p90(waiting[settled]) <= target
+    assert _p90(waiting[settled]) <= 1.1 * target
 
 
 def test_queue_only_batch_is_the_smallest_bound_while_queued() -> None:
@@ -1160,13 +1160,29 @@ def test_queue_only_batch_forgets_old_bounds_and_skips_others_queues() -> None:
 
 def test_queue_only_holds_the_limit_where_an_api_server_is_the_bottleneck() -> None:
     """An API server that passes 3 requests a period in front of a batch of 32 (that could do
-    8): the engine's queue never stands, so only the throughput can stop the growth. Growing
-    on the estimated batch (everything in flight) took the limit to the thousands."""
+    8): the engine's queue never stands, so only the answers' latency can stop the growth.
+    Growing on the estimated batch (everything in flight), every period, took the limit past
+    a thousand; it now stops once answers take twice the quickest time."""
     server = FrontedServer(32, rate=3)
     control = LimitController(start=5, mode="metrics", capacity=None)
     limits, _, waiting, answered = simulate_queue_only(server, control, PERIODS)
     settled = slice(WARM_UP, None)
     assert max(waiting) <= 1
     assert max(limits) <= 160
+    assert limits[-1] == limits[WARM_UP]  # it stopped
     assert statistics.mean(answered[settled]) >= 0.9 * 3
-    assert control.stats().knee_phase == "hold"
+
+
+def test_queue_only_growth_waits_for_an_answer_admitted_after_the_last_step() -> None:
+    control = LimitController(start=8, mode="metrics", capacity=None)
+    control.on_load(0.0, running=None, waiting=0, in_flight=8, demand=True)
+    grown = control.limit
+    assert grown > 8  # the first step: nothing sent yet to wait for
+    for k in range(1, 8):  # answers of calls admitted before the step: no growth
+        control.on_outcome(k * PERIOD, "ok", k * PERIOD + 0.1)
+        assert not control.on_load(
+            k * PERIOD, running=None, waiting=0, in_flight=grown, demand=True
+        )
+    control.on_outcome(2.0, "ok", 0.5)  # admitted at 1.5, after the step at 0
+    assert control.on_load(2.0, running=None, waiting=0, in_flight=grown, demand=True)
+    assert control.limit > grown

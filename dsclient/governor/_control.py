@@ -37,8 +37,9 @@ metrics     the server reports running and waiting. Grow while the client has ca
             in the batch counts only while the queue is empty: a queue means the batch is full,
             whatever ``max_num_seqs`` says. Bounds: 1 .. ``max(64, 4 x capacity)``.
             A server that reports its queue but not its batch (vLLM's load header on each
-            answer): the queue cuts as above, on an estimated batch (:class:`QueueOnlyBatch`),
-            and the knee finder grows the limit, as in throughput mode.
+            answer) runs the same rules on an estimated batch (:class:`QueueOnlyBatch`); it
+            grows only once an answer admitted after the last step came back, and not while
+            answers take twice as long per token as the quickest seen.
 throughput  no queue signal (a gateway that passes only ``/v1/*``, transformers' server, Ollama,
             any OpenAI-compatible endpoint): the limit finds the knee from the answers alone,
             rising while more in flight still buys throughput and holding where it only buys
@@ -63,6 +64,7 @@ cache's blocks where the server reports them.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -141,6 +143,11 @@ _OVER_MEMORY_S: Final = 30.0
 #: server the trough of every wave of equal-length answers shows an empty queue for a scrape or
 #: two, and forgetting there let the loop climb back over the target at once.
 _DRY_SCRAPES: Final = 4
+#: With a queue but no running count, no growth while recent answers take this many times the
+#: quickest window's service time per unit of work: with no queue at the engine, what is sent
+#: beyond it waits in front of it (an API server, a gateway), where no gauge shows it.
+_INFLATION: Final = 2.0
+_INFLATION_WINDOW: Final = 16
 #: Seconds over which :class:`QueueOnlyBatch` takes the smallest bound on the batch.
 _QUEUE_ONLY_WINDOW_S: Final = 30.0
 #: Latency rule (the tuning literature's baseline): halve above 120% of the target.
@@ -333,6 +340,7 @@ class LimitController:
     __slots__ = (
         "_aim_deficit",
         "_batch_seen",
+        "_best_per_work",
         "_capacity",
         "_ceiling_fixed",
         "_dry_scrapes",
@@ -343,8 +351,10 @@ class LimitController:
         "_last_latency_check",
         "_last_queue_cut",
         "_most_running",
+        "_newest_admitted",
         "_over_at",
         "_over_limit",
+        "_per_work",
         "_preemptions",
         "_queue_cap",
         "_queue_only",
@@ -438,6 +448,11 @@ class LimitController:
         self._most_running = 0
         #: The batch estimated where the server reports no running count (its first reading).
         self._queue_only: QueueOnlyBatch | None = None
+        #: When the most recently admitted answered call was admitted (``now - service_s``).
+        self._newest_admitted = -math.inf
+        #: Recent service times per unit of work, and the quickest window's median.
+        self._per_work: deque[float] = deque(maxlen=_INFLATION_WINDOW)
+        self._best_per_work: float | None = None
         #: The knee finder that moves the limit in throughput mode (``None`` in the others).
         self._knee = KneeFinder(start=start, ceiling=self.ceiling) if mode == "throughput" else None
 
@@ -454,7 +469,7 @@ class LimitController:
             return self.start
         if self._ceiling_fixed is not None:
             return max(self.start, self._ceiling_fixed)
-        if self.mode == "throughput" or self._queue_only is not None:
+        if self.mode == "throughput":
             # The knee finder stops where throughput does; max_num_seqs is where it starts.
             return max(self.start, THROUGHPUT_CEILING, _CEILING_PER_SEQ * (self._capacity or 0))
         # The most ever seen running, not the last scrape's: a ceiling that fell with the
@@ -493,8 +508,6 @@ class LimitController:
         if running is None:
             if self._queue_only is None:
                 self._queue_only = QueueOnlyBatch()
-                if self._knee is None and self.mode == "metrics":
-                    self._knee = KneeFinder(start=self.limit, ceiling=THROUGHPUT_CEILING)
             running = self._queue_only.running(now, in_flight=in_flight, waiting=waiting)
         self.server_running, self.server_waiting = running, waiting
         self._most_running = max(self._most_running, running)
@@ -548,12 +561,12 @@ class LimitController:
                     wanted, f"server queue {waiting} > target {target} (running {running})"
                 )
             return False
-        if queue_only:
+        if queue_only and self._latency_inflated():
             # No running count: what is in flight beyond the queue may be running or piling up
             # in an API server that fell behind, where no gauge shows it (growing on it doubled
-            # the limit past a thousand). Whether more in flight buys anything is for the
-            # throughput to say, as without any signal; the queue still cuts.
-            return self._knee_step(now, demand=demand, in_flight=in_flight)
+            # the limit past a thousand). Answers taking twice as long per token as the
+            # quickest seen, with no queue at the engine, say it piles up there.
+            return False
         if not demand or now - self._last_grow < self.period or not self._latency_allows():
             return False
         if now - self._last_cut_any < self.cooldown:
@@ -562,6 +575,10 @@ class LimitController:
         # growing on an empty-looking server overshot to 43 in flight against a batch of 12 on a
         # cold start, and to 128 against 32 on a busy machine whose API server fell behind.
         landed = running + waiting >= _LANDED_SHARE * in_flight
+        if queue_only:
+            # The estimate counts what is in transit as running, so the gauges cannot tell
+            # whether the last step has landed: an answer to a call admitted after it can.
+            landed = self._newest_admitted >= self._last_grow
         if (
             not self._saturated
             and self._batch_seen is None
@@ -571,7 +588,8 @@ class LimitController:
             )
         ):
             # Slow start, until the server has queued: paced by what the server shows.
-            if not landed and now - self._last_grow < _SLOW_START_WAIT * self.period:
+            waited = now - self._last_grow >= _SLOW_START_WAIT * self.period
+            if not landed and (queue_only or not waited):
                 return False
             self._last_grow = now
             grown = math.ceil(self.limit * self.slow_start)
@@ -650,6 +668,8 @@ class LimitController:
         """
         if outcome == "ok" and service_s is not None and service_s >= 0:
             self._service.append(service_s)
+            self._newest_admitted = max(self._newest_admitted, now - service_s)
+            self._note_per_work(service_s / (work or 1.0))
             if self._knee is not None:
                 self._knee.on_completion(now, service_s=service_s, work=work or 1.0)
         if self.mode == "fixed":
@@ -664,6 +684,23 @@ class LimitController:
                 return True
             return False
         return self._check_latency(now)
+
+    def _note_per_work(self, per_work: float) -> None:
+        """Keep the recent service times per unit of work, and the quickest window's median."""
+        window = self._per_work
+        window.append(per_work)
+        if len(window) == window.maxlen:
+            median = statistics.median(window)
+            if self._best_per_work is None or median < self._best_per_work:
+                self._best_per_work = median
+
+    def _latency_inflated(self) -> bool:
+        """Whether recent answers take :data:`_INFLATION` times the quickest window's time per
+        unit of work (``False`` until a window is full)."""
+        best = self._best_per_work
+        if best is None or best <= 0:
+            return False
+        return statistics.median(self._per_work) > _INFLATION * best
 
     def _learn_queue_cap(self, now: float) -> None:
         """A refusal for load while the server showed a queue: that queue was about as long as
