@@ -224,12 +224,26 @@ TABLE = (
 )
 
 
+def newest_per_server(records: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    """Each server's newest invocation that ran it (an invocation may run only some servers:
+    ``--servers``), in :data:`SERVERS` order."""
+    found: dict[str, Mapping[str, Any]] = {}
+    for server in SERVERS:
+        for record in reversed(records):
+            if report_.select(record["rows"], server=server):
+                found[server] = record
+                break
+    return found
+
+
 def render(records: Sequence[dict[str, Any]]) -> str:
-    """Per server and workload, one line per leg (median and range over runs); then the goals."""
-    record = report_.latest(records)
-    assert record is not None
-    rows = record["rows"]
-    about = record.get("facts", {}).get("legs", ABOUT)
+    """Per server and workload, one line per leg (median and range over runs); then the goals.
+    Each server's figures come from the newest invocation that ran it."""
+    newest = newest_per_server(records)
+    assert newest
+    rows = [r for server, rec in newest.items() for r in report_.select(rec["rows"], server=server)]
+    used = sorted({id(r): r for r in newest.values()}.values(), key=lambda r: str(r["started_utc"]))
+    about = used[-1].get("facts", {}).get("legs", ABOUT)
     parts = []
     for server in [s for s in SERVERS if report_.select(rows, server=s)]:
         for workload in WORKLOADS:
@@ -253,15 +267,18 @@ def render(records: Sequence[dict[str, Any]]) -> str:
                 f"| {c['server']} | {c['workload']} | {c['run']} | {c['goal']} | {ratio} | {met} |"
             )
         parts.append("Goals, per run:\n\n" + "\n".join(lines))
-    return "\n\n".join([*parts, report_.conditions(record, records)])
+    sources = []
+    for record in used:
+        shown = ", ".join(server for server, rec in newest.items() if rec is record)
+        rest = [r for r in records if all(r is not u for u in used)] if record is used[-1] else []
+        sources.append(f"{shown}: " + report_.conditions(record, rest))
+    return "\n\n".join([*parts, *sources])
 
 
 def headline(records: Sequence[dict[str, Any]]) -> list[report_.Versus]:
     """dsclient over each other leg, per server and workload: makespan, short and long tails."""
-    record = report_.latest(records)
-    if record is None:
-        return []
-    rows = record["rows"]
+    newest = newest_per_server(records)
+    rows = [r for server, rec in newest.items() for r in report_.select(rec["rows"], server=server)]
     lines = []
     for server in SERVERS:
         for workload in WORKLOADS:

@@ -177,3 +177,25 @@ def test_headline_compares_dsclient_with_each_leg_per_server_and_workload():
     priority = [v for v in lines if v.peer == "unbounded + priority"]
     assert {v.column for v in priority} >= {"makespan", "short-request tail"}
     assert report.headline_table(lines).count("\n") >= 3
+
+
+def test_each_server_shows_the_newest_invocation_that_ran_it():
+    """A later invocation of one server (``--servers``) replaces that server's figures only."""
+    older = record()
+    newer = {
+        **record(),
+        "_file": "20261205T130000Z.json",
+        "started_utc": "2026-12-05T13:00:00Z",
+        "code": {"commit": "def", "dirty": False, "changed": []},
+        "rows": [
+            row("unbounded", 1, "transformers", "batch", makespan_s=10.0),
+            row("dsclient", 1, "transformers", "batch", makespan_s=7.0),
+        ],
+    }
+    lines = headline([older, newer])
+    batch = [v for v in lines if v.workload == "transformers, batch" and v.column == "makespan"]
+    assert [v.ratios for v in batch if v.peer == "unbounded"] == [(0.7,)]
+    assert any(v.peer == "unbounded + priority" for v in lines)  # from the older one
+    text = render([older, newer])
+    assert "transformers: From" in text and "commit `def`" in text
+    assert "vllm-priority: From" in text and "commit `abc`" in text
