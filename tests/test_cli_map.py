@@ -219,3 +219,14 @@ def test_several_urls_spread_the_batch_over_every_server(tmp_path, monkeypatch):
     args = parse(str(src), "-o", str(tmp_path / "again.jsonl"), "--model", "tiny", "--no-progress")
     assert run(args, transport=recording, stderr=io.StringIO()) == 0
     assert {"a.local", "b.local"} <= set(hosts)
+
+
+@pytest.mark.parametrize(("order", "first"), [("shape", 300), ("input", 2)])
+def test_order_flag_starts_the_longest_first_or_as_read(tmp_path, order, first):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(src, [{"prompt": f"p{i}", "max_tokens": n} for i, n in enumerate([2, 300, 9])])
+    server = EchoServer()
+    code, err = go(server, str(src), "-o", str(out), "--order", order)
+    assert code == 0, err
+    assert server.bodies[0]["max_tokens"] == first
+    assert len(read_lines(out)) == 3

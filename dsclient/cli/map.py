@@ -260,6 +260,14 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-tokens", type=int, default=None, help="max_tokens for lines that give none"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--order",
+        choices=("shape", "input"),
+        default="shape",
+        help="start order: 'shape' (default) starts lines that share a prompt prefix together "
+        "and the longest first, within a window of 1024 lines; 'input' starts them as read "
+        "(custom_id and resume do not depend on it)",
+    )
 
 
 def run(
@@ -337,6 +345,7 @@ async def _run(
             group=None,
             timeout=USE_DEFAULT,
             sampling={},
+            order=args.order,
         )
         await _run_direct(client, requests, count, options)
     return total, failed, resumed, time.perf_counter() - start
