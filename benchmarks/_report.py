@@ -56,6 +56,8 @@ BLOCK = re.compile(
 )
 #: Samples a percentile needs before it is called that: fewer, and p99 is just the maximum.
 P99_MIN = 200
+#: The opening table shows a figure only where it stands on at least this many runs.
+HEADLINE_MIN_RUNS = 3
 P95_MIN = 20
 NONE = "-"
 
@@ -498,12 +500,25 @@ def provenance(names: Sequence[str], root: Path) -> str:
 def render_block(name: str, root: Path) -> str:
     """The markdown of one generated block: the headline table, or a benchmark's section."""
     if name == HEADLINE:
-        lines = headline_lines(root)
+        every = headline_lines(root)
+        lines = [v for v in every if len(v.ratios) >= HEADLINE_MIN_RUNS or v.text]
+        fewer = sorted(
+            {v.benchmark.split(" ")[0] for v in every if v.ratios} - {
+                v.benchmark.split(" ")[0] for v in lines if v.ratios
+            }
+        )
         said = verdict(lines)
         if said:
             said = "Where dsclient's median was worse, and better, by figure:\n\n" + said
         sources = provenance(sorted({v.benchmark.split(" ")[0] for v in lines}), root)
-        return "\n\n".join(part for part in (headline_table(lines), said, sources) if part)
+        short = (
+            f"Benchmarks with fewer than {HEADLINE_MIN_RUNS} runs of each leg are not in this "
+            "table; their sections show them: " + ", ".join(f"`{b}`" for b in fewer) + "."
+            if fewer
+            else ""
+        )
+        parts = (headline_table(lines), short, said, sources)
+        return "\n\n".join(part for part in parts if part)
     if name in (HOME, HOME_README):
         return home_block(headline_lines(root), "docs/" if name == HOME_README else "")
     records = load_records(name, root)

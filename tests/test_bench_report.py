@@ -137,7 +137,7 @@ def test_render_page_rewrites_only_the_blocks(tmp_path: Path) -> None:
         {"leg": leg, "run": run, "workload": "batch", "makespan_s": m, "load_1min": 3.0}
         for run, (leg, m) in enumerate([("dsclient", 1.0), ("httpx", 2.0)], start=1)
     ]
-    rows = [dict(r, run=1) for r in rows]
+    rows = [dict(r, run=run) for run in (1, 2, 3) for r in rows]  # the table needs 3 runs
     write(tmp_path, "headline", "20261204T180000Z.json", rows, load=3.0)
     page = (
         "# Title\n\nhand text\n\n<!-- BEGIN generated: headline-table -->\nold\n"
@@ -147,7 +147,8 @@ def test_render_page_rewrites_only_the_blocks(tmp_path: Path) -> None:
     )
     fresh = render_page(page, tmp_path)
     assert fresh.startswith("# Title\n\nhand text\n\n<!-- BEGIN generated: headline-table -->\n")
-    assert "| headline (batch) | httpx | 0.50\N{MULTIPLICATION SIGN} | - | - | - | 1 |" in fresh
+    line = next(x for x in fresh.splitlines() if x.startswith("| headline (batch) | httpx |"))
+    assert "| 0.50\N{MULTIPLICATION SIGN}" in line and line.endswith("| - | - | - | 3 |")
     assert "old" not in fresh and "stale" not in fresh
     assert "No results committed yet: run `python -m benchmarks routing`." in fresh
     assert "tree differed from the commit (`dsclient/x.py`)" in fresh
@@ -250,3 +251,16 @@ def test_the_verdict_names_where_dsclient_was_worse() -> None:
         f"- r, hit rate: dsclient worse against q (1 of 1; medians 0.80{x}).",
     ]
     assert report.verdict([]) == ""
+
+
+def test_the_opening_table_holds_only_figures_of_three_runs_or_more(tmp_path: Path) -> None:
+    """Issue 25's rule: every headline figure stands on at least 3 runs. A benchmark with
+    two runs of each leg (blackbox here) is named under the table, not put in it."""
+    from tests.test_bench_blackbox import record
+
+    folder = tmp_path / "blackbox"
+    folder.mkdir()
+    (folder / "20261204T190000Z.json").write_text(json.dumps(record()))
+    block = report.render_block(report.HEADLINE, tmp_path)
+    assert "| blackbox" not in block
+    assert "fewer than 3 runs" in block and "`blackbox`" in block
