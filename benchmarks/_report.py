@@ -503,9 +503,8 @@ def render_block(name: str, root: Path) -> str:
         every = headline_lines(root)
         lines = [v for v in every if len(v.ratios) >= HEADLINE_MIN_RUNS or v.text]
         fewer = sorted(
-            {v.benchmark.split(" ")[0] for v in every if v.ratios} - {
-                v.benchmark.split(" ")[0] for v in lines if v.ratios
-            }
+            {v.benchmark.split(" ")[0] for v in every if v.ratios}
+            - {v.benchmark.split(" ")[0] for v in lines if v.ratios}
         )
         said = verdict(lines)
         if said:
