@@ -349,7 +349,8 @@ HOME_PICKS: tuple[Pick, ...] = (
 def home_block(lines: Sequence[Versus], docs: str = "") -> str:
     """The home page's table: each pick's median ratio and range over the runs, linked.
 
-    A pick without results is left out; below 1x means dsclient's figure was smaller.
+    A pick without results of at least :data:`HEADLINE_MIN_RUNS` runs is left out; below 1x
+    means dsclient's figure was smaller.
     ``docs`` is the path from the page to the docs folder (``"docs/"`` from the README)."""
     out = ["| result | dsclient / peer | peer | runs |", "|---|---|---|---|"]
     for pick in HOME_PICKS:
@@ -358,7 +359,7 @@ def home_block(lines: Sequence[Versus], docs: str = "") -> str:
             for v in lines
             if (v.benchmark, v.workload, v.peer, v.column)
             == (pick.benchmark, pick.workload, pick.peer, pick.column)
-            and v.ratios
+            and len(v.ratios) >= HEADLINE_MIN_RUNS
         ]
         if not found:
             continue

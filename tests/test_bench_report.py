@@ -36,16 +36,18 @@ def test_the_home_page_and_readme_are_what_the_committed_results_give(page: str)
 
 
 def test_the_home_block_lists_each_pick_with_results_and_links_its_section() -> None:
-    pick = report.HOME_PICKS[0]
+    pick, two = report.HOME_PICKS[0], report.HOME_PICKS[3]
     lines = [
         report.Versus(pick.benchmark, pick.peer, pick.column, (0.2, 0.1, 0.3),
                       label="p95", workload=pick.workload),
-        report.Versus("routing", "nobody", "makespan", (1.0,)),
+        report.Versus("routing", "nobody", "makespan", (1.0, 1.0, 1.0)),
+        report.Versus(two.benchmark, two.peer, two.column, (0.5, 0.6),  # 2 runs: left out
+                      workload=two.workload),
     ]  # fmt: skip
     block = report.home_block(lines)
     assert block.count("\n") == 2  # the head, its rule and the one pick with results
     assert f"| [{pick.what}](benchmarks.md#{pick.anchor}) | 0.20" in block
-    assert block.endswith(" | 3 |")
+    assert block.endswith(" | 3 |") and two.what not in block
     assert report.home_block([]) == "No results committed yet."
     assert f"(docs/benchmarks.md#{pick.anchor})" in report.home_block(lines, "docs/")
     page = report.PAGE.read_text()
