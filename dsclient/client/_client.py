@@ -89,7 +89,8 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
     The in-flight limit starts at ``floor(headroom x max_num_seqs)`` and then follows the
     server: it grows while calls wait here and the server's own queue is short, and shrinks
     when that queue grows, on 429 / 503, and when a ``latency_target`` is missed (see
-    ``docs/governor.md``). Without queue metrics it stays between 1 and ``max_num_seqs``.
+    ``docs/governor.md``). Where the server publishes no queue, it finds the point past which
+    more in flight buys no throughput (up to ``max_limit``).
 
     Several servers (replicas, or servers of other models) go in a list, and each attempt goes
     to one of them (``docs/routing.md``):
@@ -131,7 +132,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         adaptive: let the limit follow the server (default). ``False`` keeps it where it starts.
         limit: a fixed in-flight limit (implies ``adaptive=False``).
         max_limit: the most the adaptive limit may reach; default ``max(64, 4 x max_num_seqs)``
-            with queue metrics, ``max_num_seqs`` without.
+            with a queue signal, ``max(1024, 4 x max_num_seqs)`` without one.
         latency_target: seconds; when the p99 of recent attempts' service times passes 120% of
             it the limit halves, and it does not grow while the p99 is above it.
         scrape_interval: seconds between two scrapes of the server's ``/metrics`` while there is
