@@ -37,7 +37,7 @@ import logging
 import random
 import re
 from collections.abc import Awaitable, Callable
-from json import JSONDecoder, JSONEncoder
+from json import JSONEncoder
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -45,10 +45,8 @@ import anyio
 from .._exceptions import (
     ConnectionError,
     DSClientError,
-    MalformedResponse,
     Overloaded,
     RequestRefused,
-    decode_text,
     error_from_response,
     redact,
     translate_request_error,
@@ -58,7 +56,7 @@ from ..governor._health import Reachability
 from ..governor._load import LOAD_HEADER, LOAD_HEADER_FORMAT
 from ._priority import with_priority
 from ._retry import Retry, RetryBudget, compute_backoff, describe, is_retryable, retry_after_of
-from ._streaming import MAX_BODY_BYTES, read_body, read_json, read_prefix
+from ._streaming import MAX_BODY_BYTES, json_object, read_body, read_json, read_prefix
 
 if TYPE_CHECKING:
     from ..governor._endpoint import Endpoint
@@ -83,10 +81,9 @@ class WouldMiss(Exception):
         self.waited_s = waited_s
 
 
-#: JSON as httpx encodes a request's ``json=`` (compact, UTF-8, no NaN), and a UTF-8 body's
-#: decoder: made once (``json.dumps`` with arguments builds an encoder per call).
+#: JSON as httpx encodes a request's ``json=`` (compact, UTF-8, no NaN): made once
+#: (``json.dumps`` with arguments builds an encoder per call).
 _ENCODE = JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
-_DECODE = JSONDecoder().decode
 #: The request header that asks vLLM for its load on the answer (``_load.LOAD_HEADER_FORMAT``).
 _ASK_LOAD_RAW = ((LOAD_HEADER_FORMAT.encode(), b"TEXT"),)
 #: ``usage.completion_tokens`` in a raw JSON answer (at its end, where OpenAI-shaped answers put
@@ -112,28 +109,6 @@ def completion_tokens(data: Any) -> float | None:
     if text is None and isinstance(message, dict):
         text = message.get("content")
     return max(1.0, len(text) / 4) if isinstance(text, str) and text else None
-
-
-def _json_object(content: bytes, status: int) -> dict[str, Any]:
-    """A body read whole, as a JSON object (what :func:`~dsclient.client._streaming.read_json`
-    makes of one it reads).
-
-    Raises:
-        MalformedResponse: not JSON, or JSON but not an object.
-    """
-    try:
-        # JSON is UTF-8 (RFC 8259): decoded as such, without json.loads' sniffing for UTF-16.
-        data = _DECODE(content.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # RecursionError: see parse_json
-        raise MalformedResponse(
-            f"server answered HTTP {status} with a body that is not JSON",
-            body=decode_text(content[:4000]),
-        ) from exc
-    if not isinstance(data, dict):
-        raise MalformedResponse(
-            "server answered with JSON that is not an object", body=decode_text(content[:4000])
-        )
-    return data
 
 
 def outcome_of(exc: BaseException) -> str:
@@ -239,7 +214,7 @@ class RequestPath:
             if wants:
                 endpoint.observe_answer(response.headers.get(LOAD_HEADER))
             try:
-                return _json_object(response.content, response.status_code)
+                return json_object(response.content, response.status_code)
             except DSClientError as exc:
                 self.redact_error(exc)
                 raise

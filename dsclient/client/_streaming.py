@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
+from json import JSONDecoder
 from typing import Any
 
 from .._exceptions import (
@@ -27,6 +28,9 @@ from .._exceptions import (
     translate_request_error,
 )
 from .._http import httpx
+
+#: One decoder for every answer (``json.loads`` makes one per call).
+_DECODE = JSONDecoder().decode
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -112,11 +116,21 @@ async def read_json(response: httpx.Response, *, limit: int = MAX_BODY_BYTES) ->
         TransportError: the connection failed while reading.
     """
     content = await read_body(response, limit=limit)
+    return json_object(content, response.status_code)
+
+
+def json_object(content: bytes, status: int) -> dict[str, Any]:
+    """A body read whole (the answer's HTTP ``status``), as a JSON object.
+
+    Raises:
+        MalformedResponse: not JSON, or JSON but not an object.
+    """
     try:
-        data = parse_json(content)
-    except ValueError as exc:
+        # JSON is UTF-8 (RFC 8259): decoded as such, without json.loads' sniffing for UTF-16.
+        data = _DECODE(content.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # RecursionError: see parse_json
         raise MalformedResponse(
-            f"server answered HTTP {response.status_code} with a body that is not JSON",
+            f"server answered HTTP {status} with a body that is not JSON",
             body=decode_text(content[:4000]),
         ) from exc
     if not isinstance(data, dict):
