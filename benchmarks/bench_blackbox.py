@@ -29,7 +29,9 @@ for ``--online-seconds`` plus a burst of ``--burst`` long prompts (``--long-word
   carrying vLLM's ``priority`` (shorts 0, longs 1; lower runs first).
 
 Legs run interleaved (each leg once per run), the order rotated by one every run so that none is
-always first; the server is drained between legs (a 1-token request answered within 1 s).
+always first; the server is drained between legs (a 1-token request answered within 1 s). Each
+leg's prompts start with three words of its own (:func:`salted`), so no leg finds the previous
+legs' prompts in vLLM's prefix cache.
 Latency counts from submission. Figures per leg: makespan, throughput, short and long p50 and
 tails (p99 where a leg has 200 samples, else p95 or max, as the report labels), errors, and for
 dsclient the limit it started at, reached and ended at, with its mode and signal. One results
@@ -49,7 +51,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +126,22 @@ def online_requests(
         t += times.expovariate(rate)
     found += [Request("long", burst_at, words(text, long_words), long_tokens) for _ in range(burst)]
     return sorted(found, key=lambda r: r.at)
+
+
+def salted(requests: Sequence[Request], salt: str) -> list[Request]:
+    """``requests`` with ``salt`` (a few words) in front of every prompt.
+
+    Each leg gets its own salt: the legs of a run send the same prompts, and without it every leg
+    after the first found the previous legs' prompts in vLLM's prefix cache (in the priority
+    benchmark, the second online leg's long prompts took half the time of the first's whichever
+    client sent them). The salt starts the first block, so no block's hash is shared across legs.
+    """
+    return [replace(r, prompt=f"{salt} {r.prompt}") for r in requests]
+
+
+def leg_salt(seed: int, run: int, leg: str) -> str:
+    """Three words, the same for one (seed, run, leg) and different for any other."""
+    return words(random.Random(f"{seed}/{run}/{leg}"), 3)
 
 
 def rotated(legs: Sequence[str], run: int) -> list[str]:
@@ -537,8 +555,9 @@ async def bench_server(target: Target, args: argparse.Namespace, run: Run) -> No
                 )
             for leg in rotated(target.legs, number):
                 drained = await drain(target.url, target.model, target.extra)
+                sent = salted(requests, leg_salt(args.seed, number, leg))
                 async with leg_context(leg, target.url, target.model, target.extra) as client:
-                    outcomes, makespan = await execute(client.call, requests)
+                    outcomes, makespan = await execute(client.call, sent)
                     facts = client.facts()
                 errors = sorted({o.error for o in outcomes if o.error})
                 if errors:

@@ -18,9 +18,11 @@ from benchmarks.bench_blackbox import (
     execute,
     goals,
     headline,
+    leg_salt,
     online_requests,
     render,
     rotated,
+    salted,
     summarize,
 )
 
@@ -61,6 +63,20 @@ def test_legs_rotate_by_one_a_run_so_none_is_always_first():
     assert rotated(PRIORITY_LEGS, 1) == list(PRIORITY_LEGS)
     assert rotated(PRIORITY_LEGS, 2) == list(reversed(PRIORITY_LEGS))
     assert sorted(rotated(PLAIN_LEGS, 3)) == sorted(PLAIN_LEGS)
+
+
+def test_each_leg_salts_its_prompts_so_no_leg_reads_another_legs_prefix_cache():
+    requests = batch_requests(7, 20, 16)
+    salts = {leg_salt(23, run, leg) for run in (1, 2) for leg in PRIORITY_LEGS}
+    assert len(salts) == 4 and leg_salt(23, 1, "dsclient") == leg_salt(23, 1, "dsclient")
+    salt = leg_salt(23, 1, "dsclient")
+    sent = salted(requests, salt)
+    assert [r.prompt for r in sent] == [f"{salt} {r.prompt}" for r in requests]
+    assert [(r.kind, r.at, r.max_tokens) for r in sent] == [
+        (r.kind, r.at, r.max_tokens) for r in requests
+    ]
+    other = salted(requests, leg_salt(23, 1, "unbounded + priority"))
+    assert all(a.prompt[:20] != b.prompt[:20] for a, b in zip(sent, other, strict=True))
 
 
 def test_summarize_counts_answers_and_errors_and_takes_tails_per_kind():
