@@ -62,6 +62,7 @@ the reference machine). Like ``asyncio.Semaphore``, entering a free slot is not 
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import math
@@ -357,7 +358,9 @@ class Slot:
         self._granted = False
         self._cancelled = False
         self._started = 0.0
-        self._event: anyio.Event | None = None
+        #: What the waiter awaits: a bare future of the running asyncio loop (one object, no
+        #: Event and deque around it), or an ``anyio.Event`` on another backend (trio).
+        self._event: asyncio.Future[None] | anyio.Event | None = None
 
     @property
     def failed(self) -> bool:
@@ -690,14 +693,20 @@ class Governor:
                 ),
             )
         queue = self._queue_for(slot)
-        event = slot._event = anyio.Event()
+        loop = asyncio._get_running_loop()
+        event: asyncio.Future[None] | anyio.Event
+        event = slot._event = loop.create_future() if loop is not None else anyio.Event()
         heapq.heappush(queue.heap, (-slot.urgency, next(self._seq), slot))
         queue.live += 1
         slot._lane_state.waiting += 1
         self._waiting += 1
         slot._state = _WAITING
         try:
-            await event.wait()
+            # A bare future costs one object per waiter where anyio.Event made three (its own,
+            # asyncio's Event and that Event's future): at 20000 calls through 1024 slots, what
+            # waiting calls held was about 40% of dsclient's CPU, through the garbage collector.
+            # Cancellation is the same: anyio's scopes cancel the task, the future raises.
+            await (event if isinstance(event, asyncio.Future) else event.wait())
         except BaseException:
             if slot._granted:
                 # Granted, then cancelled before running: the slot goes to the next waiter as
@@ -803,5 +812,10 @@ class Governor:
             self._waiting -= 1
             slot._granted = True
             self._take(slot)
-            assert slot._event is not None
-            slot._event.set()
+            event = slot._event
+            assert event is not None
+            if isinstance(event, asyncio.Future):
+                if not event.done():  # done: cancelled already; the waiter hands the slot on
+                    event.set_result(None)
+            else:
+                event.set()
