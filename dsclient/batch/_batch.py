@@ -211,19 +211,25 @@ class _Source:
         return index, item
 
     async def next(self) -> tuple[int, Any] | None:
+        """The next item; workers may call it concurrently (input order)."""
         if self._iter is not None:
             return self.next_nowait()
-        assert self._aiter is not None
         async with self._lock:
-            if self._exhausted:
-                return None
-            try:
-                item = await anext(self._aiter)
-            except StopAsyncIteration:
-                self._exhausted = True
-                return None
-            index, self._count = self._count, self._count + 1
-            return index, item
+            return await self.next_alone()
+
+    async def next_alone(self) -> tuple[int, Any] | None:
+        """The next item of an async iterable, for a caller that is the only one reading it
+        (shape order's reader task): no lock, whose checkpoint cost a loop pass an item."""
+        assert self._aiter is not None
+        if self._exhausted:
+            return None
+        try:
+            item = await anext(self._aiter)
+        except StopAsyncIteration:
+            self._exhausted = True
+            return None
+        index, self._count = self._count, self._count + 1
+        return index, item
 
 
 def _parse_item(
@@ -432,7 +438,7 @@ class _Shaped:
                 if len(self._lineup) >= self._window:
                     room = self._room = anyio.Event()
                     await room.wait()
-                got = await self._source.next()
+                got = await self._source.next_alone()
                 if got is None:
                     return
                 self._add(*got)
