@@ -29,6 +29,7 @@ write through ``benchmarks._results.Run`` keep one summary file per invocation i
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 from typing import Any
 
@@ -124,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown benchmark {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module: Any = importlib.import_module(BENCHMARKS[name][0])
+    # `kill PID` (SIGTERM) leaves through the benchmarks' finally blocks, as Ctrl-C does: the
+    # servers a benchmark started (vLLM in its own process group, nginx) are stopped, not left
+    # running to spoil the next measurement.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     # bench_map's main() reads sys.argv itself; the others take an argv list too.
     saved, sys.argv = sys.argv, [f"python -m benchmarks {name}", *rest]
     try:
