@@ -809,3 +809,53 @@ async def test_pick_chooses_among_the_first_waiters_and_never_starves_the_head()
     assert sorted(admitted) == ["a", "b", "c", "x", "x"]
     # "b" was passed over once, then twice by the second "x" at most: it never waits forever.
     assert admitted.index("b") <= 3
+
+
+async def test_long_calls_stop_borrowing_from_the_batch_once_the_shorts_slow_down() -> None:
+    # Batch 8 known, limit 10, one short in flight: longs may run 8 - 1 - 2 = 5 (share 4)
+    # while the shorts keep their pace; once the shorts' latest 8 took more than twice their
+    # quickest 8's time per output token, the longs keep to their share.
+    now = [100.0]
+    governor = Governor(10, clock=lambda: now[0])
+    governor.set_limit(10, batch=8)
+
+    async def shorts(n: int, seconds: float, tokens: int = 16) -> None:
+        for _ in range(n):
+            async with governor.slot(lane="short") as slot:
+                now[0] += seconds
+                slot.work = tokens
+
+    await shorts(8, 0.1)  # 6.25 ms a token: the quickest window
+    await shorts(8, 0.15, tokens=20)  # 7.5 ms a token: not slowed
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        await crowd.add("S0")
+        for i in range(8):
+            await crowd.add(f"L{i}", lane="long")
+        assert governor.stats().lanes["long"].in_flight == 5  # borrowing
+        await crowd.release("L0", "L1", "L2", "L3", "L4")  # longs done; shorts slow meanwhile
+        tg.cancel_scope.cancel()
+    await shorts(8, 0.25)  # 15.6 ms a token: 2.5x the quickest
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        await crowd.add("S0")
+        for i in range(8):
+            await crowd.add(f"L{i}", lane="long")
+        assert governor.stats().lanes["long"].in_flight == 4  # the share, no more
+        await crowd.release("S0")
+        now[0] += 0.5  # shorts recent, none in flight: still the share while they are slowed
+        await crowd.release("L0")
+        assert governor.stats().lanes["long"].in_flight == 4
+        now[0] += 1.0  # no short for 1.5 s: idle borrowing as before, up to limit - 1
+        await crowd.release("L1")
+        assert governor.stats().lanes["long"].in_flight == 6  # the 6 left, all admitted
+        tg.cancel_scope.cancel()
+    await shorts(8, 0.1)  # back to their pace: borrowing from the batch again
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        await crowd.add("S0")
+        for i in range(8):
+            await crowd.add(f"L{i}", lane="long")
+        assert governor.stats().lanes["long"].in_flight == 5
+        tg.cancel_scope.cancel()
+    assert (governor.in_flight, governor.waiting) == (0, 0)

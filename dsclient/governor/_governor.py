@@ -31,8 +31,10 @@ request that waits because its lane is full never blocks short requests queued b
 **Borrowing is lent, not given.** Long requests may borrow slots short requests leave idle: while
 short requests are about (none waiting) and the server's batch is known (``set_limit(...,
 batch=)``), up to ``min(limit, batch)`` less the shorts in flight and a reserve of a quarter of it
-for the next arrivals; while no short request has asked for a slot for ``long_idle_borrow``
-seconds, up to ``limit - 1``.
+for the next arrivals, unless the short requests have slowed down (their latest 8 took twice
+their quickest 8's service time per output token: what the long requests beside them cost
+them); while no short request has asked for a slot for ``long_idle_borrow`` seconds, up to
+``limit - 1``.
 A long request runs for seconds, so short requests can always reclaim them: a short request is
 admitted while ``short in flight + min(long in flight, long share) < limit``, that is, borrowed
 long slots do not count against it. In-flight may then pass the limit by what was borrowed, for
@@ -99,6 +101,12 @@ LONG_THRESHOLD_FALLBACK: Final = 1024
 #: While short calls are about, long calls may borrow up to the batch less the shorts in flight
 #: and a reserve of a quarter of the batch (at least 1) for the next short arrivals.
 _SHORT_RESERVE_DIVISOR: Final = 4
+#: Short calls' service time per unit of work is taken as the median of each run of this many
+#: (non-overlapping windows: one sort per window, not per call).
+_PACE_WINDOW: Final = 8
+#: Long calls borrow from a known batch only while the short calls' latest window takes less
+#: than this times their quickest window's time per unit of work.
+_PACE_SLOWED: Final = 2.0
 
 # floor(share * n) must not lose a slot to binary rounding: 0.57 * 100 is 56.99999999999999.
 _EPS: Final = 1e-9
@@ -225,6 +233,35 @@ def _nearest_rank(ordered: list[float], percent: int) -> float:
     # arithmetic so that 95% of 100 samples is rank 95, not 96 through float error.
     rank = max(1, (percent * len(ordered) + 99) // 100)
     return ordered[rank - 1]
+
+
+class _Pace:
+    """A lane's service time per unit of work (output token): the median of its latest window
+    of :data:`_PACE_WINDOW` calls, and of its quickest window so far."""
+
+    __slots__ = ("_window", "best", "latest")
+
+    def __init__(self) -> None:
+        self._window: list[float] = []
+        self.best: float | None = None
+        self.latest: float | None = None
+
+    def add(self, per_work: float) -> None:
+        window = self._window
+        window.append(per_work)
+        if len(window) == _PACE_WINDOW:
+            window.sort()
+            median = window[_PACE_WINDOW // 2]
+            window.clear()
+            self.latest = median
+            if self.best is None or median < self.best:
+                self.best = median
+
+    @property
+    def slowed(self) -> bool:
+        """The latest window took :data:`_PACE_SLOWED` times the quickest's time per work."""
+        best, latest = self.best, self.latest
+        return best is not None and latest is not None and latest > _PACE_SLOWED * best
 
 
 class _LaneState:
@@ -470,6 +507,7 @@ class Governor:
         "_queues",
         "_seq",
         "_short",
+        "_short_pace",
         "_short_first",
         "_waiting",
     )
@@ -520,6 +558,7 @@ class Governor:
         }
         self._short = self._lanes["short"]
         self._long = self._lanes["long"]
+        self._short_pace = _Pace()
         self._long_idle_borrow = long_idle_borrow
         self._short_first = short_first
         # One queue per class of waiters that the same caps block: lane x (capped group or
@@ -654,7 +693,11 @@ class Governor:
         if short.waiting:
             return lane.cap
         if short.in_flight or self._clock() - short.last_entry < self._long_idle_borrow:
-            if self._batch is None:
+            if self._batch is None or self._short_pace.slowed:
+                # Borrowing has slowed the shorts down (their time per token is twice their
+                # best): the long calls keep to their share. On a CPU vLLM under a burst of
+                # long prompts, longs holding 20 of a batch of 32 beside the shorts made the
+                # short p95 1.1-1.3 s; held to 10, 0.7-1.0 s, with long calls no slower.
                 return lane.cap
             # Shorts are about, and the server's batch is known: long calls may use what the
             # batch has beyond the shorts in flight and a reserve kept free for the next ones.
@@ -745,6 +788,9 @@ class Governor:
             lane.failed += 1
         now = self._clock()
         lane.samples.append(now - slot._started)
+        if lane is self._short and outcome == "ok":
+            work = slot.work
+            self._short_pace.add((now - slot._admitted) / (work if work and work > 0 else 1.0))
         if self._waiting:
             self._dispatch()
         if self._on_release is not None:
