@@ -507,8 +507,8 @@ class Governor:
         "_queues",
         "_seq",
         "_short",
-        "_short_pace",
         "_short_first",
+        "_short_pace",
         "_waiting",
     )
 
