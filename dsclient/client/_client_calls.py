@@ -225,10 +225,14 @@ class CallsMixin:
         start: float,
     ) -> None:
         attempts = getattr(exc, "attempts", 1)
+        # The server whose attempt failed (the request path sets it). The first server stands in
+        # where no attempt failed at one: the client's own queue, discovery, the outage gate,
+        # and a timeout (its deadline cancels the attempt; the cancellation names no server).
+        server = getattr(exc, "server", None)
         self._notify(
             CallRecord(
                 kind=kind,
-                server=self._endpoint.url,
+                server=server if isinstance(server, str) else self._endpoint.url,
                 lane=plan.lane if plan is not None else None,
                 group=group,
                 error=type(exc).__name__,

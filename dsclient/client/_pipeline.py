@@ -519,6 +519,7 @@ class RequestPath:
         failed marks the server down (:meth:`_unreachable`), or with a pool takes it out of
         rotation, and the call's next attempt goes to another server."""
         if isinstance(exc, DSClientError):
+            exc.server = self._root(call)  # the call's record names the server that failed
             slot.set_outcome(outcome_of(exc))
             pool = self.pool
             if pool is None:

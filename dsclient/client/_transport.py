@@ -363,7 +363,9 @@ class GovernedTransport(httpx.AsyncBaseTransport):
         client._notify(
             CallRecord(
                 kind=record_kind,
-                server=getattr(sent, "server", None) or client.url,
+                server=getattr(sent, "server", None)
+                or getattr(error, "server", None)
+                or client.url,
                 lane=planned.lane if planned is not None else None,
                 group=planned.group if planned is not None else None,
                 error=error_name,
