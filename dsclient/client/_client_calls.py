@@ -23,17 +23,16 @@ from .._exceptions import TimeoutError
 from .._http import httpx
 from .._models import Result
 from .._observe import CallRecord, Observer
+from ..governor._backend import Backend
 from ..governor._endpoint import Endpoint
 from ..governor._pool import NoServerError
-from ..governor._routing import prefix_text
 from ._degrade import Degrade, Pace, predict_s
 from ._pipeline import RequestPath, WouldMiss
 from ._request import USE_DEFAULT, Deadlines, Plan, Prompt, UseDefault, build_result
 from ._tokens import TokenCounter, plan_max_tokens
 
 if TYPE_CHECKING:
-    from ..governor._pool import ServerPool
-    from ._pipeline import Lease
+    from ..governor._backend import Lease
 
 __all__ = ["CallsMixin"]
 
@@ -44,7 +43,7 @@ class CallsMixin:
     """The request path of :class:`~dsclient.AsyncClient` (see the module)."""
 
     _endpoint: Endpoint
-    _pool: ServerPool | None
+    _backend: Backend
     _path: RequestPath
     _degrade: Degrade | None
     _pace: Pace
@@ -95,7 +94,7 @@ class CallsMixin:
             try:
                 async with self._deadline(limit_s):
                     plan = await self._plan(kind, prompt, max_tokens, sampling)
-                    prefix = prefix_text(prompt) if self._pool is not None else None
+                    prefix = self._backend.prefix_of(prompt)
                     miss_at = None
                     if option is not None and limit_s is not None:
                         pace = self._pace.per_token(plan.body.get("model"))
@@ -180,16 +179,8 @@ class CallsMixin:
         changes: list[str] = []
         max_tokens = plan.max_tokens
         if option.model is not None and option.model != body.get("model"):
-            if self._pool is not None:
-                serving = self._pool.serving(option.model)
-                contexts = [
-                    e.info.max_model_len for e in serving if e.info and e.info.max_model_len
-                ]
-            else:
-                info = self._endpoint.info
-                served = info is not None and option.model in info.models
-                serving = [self._endpoint] if served else []
-                contexts = [info.max_model_len] if served and info and info.max_model_len else []
+            serving = self._backend.serving(option.model)
+            contexts = [e.info.max_model_len for e in serving if e.info and e.info.max_model_len]
             if not serving:
                 raise NoServerError(
                     f"cannot degrade to model {option.model!r}: no server of this client serves it"
@@ -270,6 +261,6 @@ class CallsMixin:
             lane=plan.lane,
             urgency=urgency,
             group=group,
-            prefix=prefix_text(prompt) if self._pool is not None else None,
+            prefix=self._backend.prefix_of(prompt),
         )
         return plan, response, slot, attempts, server

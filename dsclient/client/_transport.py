@@ -103,8 +103,9 @@ from ._streaming import MAX_BODY_BYTES
 if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
 
+    from ..governor._backend import Lease
     from ._client import AsyncClient
-    from ._pipeline import Answer, Lease
+    from ._pipeline import Answer
 
 __all__ = [
     "INFERENCE_PATHS",
