@@ -260,6 +260,27 @@ async def test_an_sdk_call_that_fails_is_recorded_against_the_server_that_failed
     assert [(r.server, r.error) for r in seen] == [(tiny.url, "ConnectionError")]
 
 
+async def test_a_call_its_timeout_cuts_at_a_server_is_recorded_against_that_server() -> None:
+    other, tiny = Replica("a", model="big"), Replica("b", gate=anyio.Event())  # b never answers
+    seen: list[dsclient.CallRecord] = []
+    async with client_for([other, tiny], model="tiny") as client:
+        client.add_observer(seen.append)
+        with anyio.fail_after(10), pytest.raises(dsclient.TimeoutError) as info:
+            await client.generate("hello", max_tokens=4, timeout=0.3)
+        http = client.httpx(timeout=0.3)
+        with anyio.fail_after(10), pytest.raises(httpx.TimeoutException):
+            await http.post(
+                client.url + "/v1/completions",
+                json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
+            )
+        await http.aclose()
+    assert info.value.server == tiny.url
+    assert [(r.server, r.error) for r in seen] == [
+        (tiny.url, "TimeoutError"),
+        (tiny.url, "TimeoutError"),
+    ]
+
+
 async def test_a_model_no_server_serves_is_refused_at_discovery_naming_what_is_served() -> None:
     a, b = Replica("a", model="big"), Replica("b", model="small")
     with pytest.raises(ValueError, match=r"'nope'.*'big'.*'small'"):

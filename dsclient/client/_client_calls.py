@@ -27,7 +27,7 @@ from ..governor._backend import Backend
 from ..governor._endpoint import Endpoint
 from ..governor._pool import NoServerError
 from ._degrade import Degrade, Pace, predict_s
-from ._pipeline import RequestPath, WouldMiss
+from ._pipeline import Call, RequestPath, WouldMiss
 from ._request import USE_DEFAULT, Deadlines, Plan, Prompt, UseDefault, build_result
 from ._tokens import TokenCounter, plan_max_tokens
 
@@ -89,6 +89,7 @@ class CallsMixin:
             raise TypeError(f"degrade must be a Degrade or None, got {type(option).__name__}")
         start = self._clock()
         plan: Plan | None = None
+        call: Call | None = None
         degraded: str | None = None
         try:
             try:
@@ -106,6 +107,7 @@ class CallsMixin:
                             )
                         else:
                             miss_at = anyio.current_time() + max(0.0, left - need)
+                    call = self._path.new_call(plan.body.get("model"), prefix)
                     try:
                         data, attempts, queued, server = await self._path.send_json(
                             plan.path,
@@ -113,8 +115,8 @@ class CallsMixin:
                             lane=plan.lane,
                             urgency=urgency,
                             group=group,
-                            prefix=prefix,
                             miss_at=miss_at,
+                            call=call,
                         )
                     except WouldMiss as late:
                         assert option is not None and limit_s is not None
@@ -124,18 +126,20 @@ class CallsMixin:
                             option,
                             f"waited {late.waited_s:.1f} s for a slot, {left:.1f} s left",
                         )
+                        call = self._path.new_call(plan.body.get("model"), prefix)
                         data, attempts, queued, server = await self._path.send_json(
                             plan.path,
                             plan.body,
                             lane=plan.lane,
                             urgency=urgency,
                             group=group,
-                            prefix=prefix,
+                            call=call,
                         )
             except builtins.TimeoutError as exc:
-                raise TimeoutError(
-                    f"call did not finish within its timeout of {limit_s} s"
-                ) from exc
+                expired = TimeoutError(f"call did not finish within its timeout of {limit_s} s")
+                if call is not None and call.cut is not None:
+                    expired.server = call.cut.url  # cut in flight there: its record names it
+                raise expired from exc
             latency = self._clock() - start
             result = build_result(
                 kind, data, latency, queued, attempts, plan, index, server, degraded
@@ -216,9 +220,9 @@ class CallsMixin:
         start: float,
     ) -> None:
         attempts = getattr(exc, "attempts", 1)
-        # The server whose attempt failed (the request path sets it). The first server stands in
-        # where no attempt failed at one: the client's own queue, discovery, the outage gate,
-        # and a timeout (its deadline cancels the attempt; the cancellation names no server).
+        # The server whose attempt failed, or was in flight when the timeout cut the call. The
+        # first server stands in where the call reached none: the client's own queue, a timeout
+        # while waiting for a slot or between attempts, discovery, the outage gate.
         server = getattr(exc, "server", None)
         self._notify(
             CallRecord(

@@ -66,7 +66,7 @@ from ._streaming import MAX_BODY_BYTES, json_object, read_body, read_json, read_
 if TYPE_CHECKING:
     from ..governor._governor import Lane
 
-__all__ = ["Answer", "RequestPath", "WouldMiss", "completion_tokens", "outcome_of"]
+__all__ = ["Answer", "Call", "RequestPath", "WouldMiss", "completion_tokens", "outcome_of"]
 
 logger = logging.getLogger("dsclient")
 T = TypeVar("T")
@@ -180,10 +180,10 @@ class RequestPath:
         #: its gate while it does not.
         self.reach = self.backend.reach
 
-    async def probe_health(self) -> bool:
-        """Whether the server answers again (with a pool: whether any does; those that answer
-        are back in rotation). See :meth:`probe_url`."""
-        return await self.backend.probe_all()
+    def new_call(self, model: Any = None, prefix: str | None = None) -> Call:
+        """The state the attempts of one call share, for a caller that wants to read it after
+        the call ends another way than by returning (its deadline: ``Call.cut``)."""
+        return Call(self._first, model, prefix)
 
     async def probe_url(self, root: str) -> bool:
         """Whether the server at ``root`` answers: any answer to ``GET /health`` but a 5xx (a
@@ -255,7 +255,7 @@ class RequestPath:
             redact(exc, secret)
 
     # -- where an attempt goes ------------------------------------------------------------------
-    async def _take(self, lane: Lane, urgency: int, group: str | None, call: _Call) -> Lease:
+    async def _take(self, lane: Lane, urgency: int, group: str | None, call: Call) -> Lease:
         """A slot for one attempt from the backend, and the server it goes to (``call.endpoint``).
         The first attempt of a call that may degrade waits for it only until ``call.miss_at``."""
         miss_at, call.miss_at = call.miss_at, None
@@ -274,7 +274,7 @@ class RequestPath:
         call.queued_s += slot.queued_s
         return slot
 
-    async def _gate(self, call: _Call) -> None:
+    async def _gate(self, call: Call) -> None:
         """Wait, on the client, while the server (with a pool: every server for the call's
         model) does not answer."""
         backend = self.backend
@@ -292,6 +292,7 @@ class RequestPath:
         group: str | None,
         prefix: str | None = None,
         miss_at: float | None = None,
+        call: Call | None = None,
     ) -> tuple[dict[str, Any], int, float, str]:
         """POST ``body`` until it succeeds or may not be retried:
         ``(json, attempts, queued_s, server)``.
@@ -300,10 +301,12 @@ class RequestPath:
         that answered; ``prefix`` (the prompt's text) is what a pool's router matches against
         the prefixes each server probably holds in its cache. With ``miss_at`` (on
         ``anyio.current_time()``), a first attempt still waiting for a slot then raises
-        :class:`WouldMiss` instead (nothing was sent).
+        :class:`WouldMiss` instead (nothing was sent). ``call`` (from :meth:`new_call`, with the
+        body's model and ``prefix``) is the caller's, to read after the call; default: a new one.
         """
         backend = self.backend
-        call = _Call(self._first, body.get("model"), prefix)
+        if call is None:
+            call = Call(self._first, body.get("model"), prefix)
         call.miss_at = miss_at
         backend.wake()
         # What _with_retries does, written out: the first attempt is awaited directly, and
@@ -325,7 +328,7 @@ class RequestPath:
 
     async def _attempt_json(
         self,
-        call: _Call,
+        call: Call,
         path: str,
         body: dict[str, Any],
         lane: Lane,
@@ -372,7 +375,7 @@ class RequestPath:
         Retried only while nothing has been received. The caller holds the returned slot (already
         entered) while it reads, and must ``await slot.__aexit__(...)`` when done.
         """
-        call = _Call(self._first, body.get("model"), prefix)
+        call = Call(self._first, body.get("model"), prefix)
 
         async def attempt() -> tuple[httpx.Response, Lease]:
             slot = await self._take(lane, urgency, group, call)
@@ -401,6 +404,7 @@ class RequestPath:
         stream: bool,
         model: str | None = None,
         prefix: str | None = None,
+        call: Call | None = None,
     ) -> Answer:
         """Send a caller's request attempt by attempt, as :meth:`send_json` does, and give back
         the server's answer instead of raising for its status (``dsclient/client/_transport.py``
@@ -420,8 +424,11 @@ class RequestPath:
         Raises:
             DSClientError: what has no answer: a transport failure, the outage gate giving up,
                 a body over the cap, the client's own full queue (``Overloaded(0)``).
+
+        ``call`` is as in :meth:`send_json` (made with ``model`` and ``prefix``).
         """
-        call = _Call(self._first, model, prefix)
+        if call is None:
+            call = Call(self._first, model, prefix)
         refused: list[tuple[DSClientError, Answer]] = []
         label = request.url.path
 
@@ -459,7 +466,7 @@ class RequestPath:
         answer.server = call.endpoint.url
         return answer
 
-    def _aim(self, request: httpx.Request, call: _Call) -> httpx.Request:
+    def _aim(self, request: httpx.Request, call: Call) -> httpx.Request:
         """``request`` as built (for the first server), or a copy aimed at the server the router
         chose for this attempt: same method, path, headers (``Host`` changed) and body."""
         root = call.endpoint.url
@@ -480,7 +487,7 @@ class RequestPath:
             extensions=request.extensions,
         )
 
-    async def _release_failed(self, slot: Lease, exc: BaseException, call: _Call) -> None:
+    async def _release_failed(self, slot: Lease, exc: BaseException, call: Call) -> None:
         """Give back the slot of an attempt that failed, with its outcome. The backend hears
         of it (a pool's breaker may take the server out of rotation). A connection that failed
         sends the call's next attempt to another server in rotation at once, or, where there is
@@ -499,6 +506,8 @@ class RequestPath:
                     call.failover = True
                 else:
                     call.outage = self.reach.mark_down(str(exc))
+        else:  # cancelled in flight (the call's deadline): the caller may name this server
+            call.cut = call.endpoint
         await slot.__aexit__(type(exc), exc, exc.__traceback__)
 
     def _post(
@@ -600,7 +609,7 @@ class RequestPath:
         return body.replace(secret, b"***") if len(secret) >= 6 else body
 
     async def _with_retries(
-        self, op: Callable[[], Awaitable[T]], label: str, call: _Call
+        self, op: Callable[[], Awaitable[T]], label: str, call: Call
     ) -> tuple[T, int]:
         """Run ``op`` once; only if that fails, hand over to :meth:`_retry_loop`.
 
@@ -619,17 +628,17 @@ class RequestPath:
             failure: DSClientError = first
         return await self._retry_loop(op, failure, label, call)
 
-    def _is_congestion(self, exc: BaseException | None, call: _Call) -> bool:
+    def _is_congestion(self, exc: BaseException | None, call: Call) -> bool:
         """A load refusal under an adaptive limit (see the module docstring)."""
         mode = call.mode if call.mode is not None else call.endpoint.controller.mode
         return exc is not None and outcome_of(exc) == "overloaded" and mode != "fixed"
 
-    def _tries_allowed(self, exc: BaseException | None, call: _Call) -> int:
+    def _tries_allowed(self, exc: BaseException | None, call: Call) -> int:
         """Total tries a call may take, given how its last attempt failed."""
         congestion = self._is_congestion(exc, call)
         return self._retry.load_attempts if congestion else self._retry.attempts
 
-    def _spend(self, exc: BaseException, call: _Call) -> bool:
+    def _spend(self, exc: BaseException, call: Call) -> bool:
         """Take one token for a retry that is about to happen (none for congestion)."""
         if self._is_congestion(exc, call):
             return True
@@ -639,7 +648,7 @@ class RequestPath:
         return False
 
     async def _retry_loop(
-        self, op: Callable[[], Awaitable[T]], failure: DSClientError, label: str, call: _Call
+        self, op: Callable[[], Awaitable[T]], failure: DSClientError, label: str, call: Call
     ) -> tuple[T, int]:
         """Retry ``op`` after ``failure`` (retryable) until it succeeds or may not go on.
 
@@ -726,14 +735,16 @@ class RequestPath:
 _AVOID_NONE: frozenset[str] = frozenset()
 
 
-class _Call:
+class Call:
     """What the attempts of one call share: the time queued for slots, the outage its last
     connection failed in, its model and prefix (for the backend's router), the server of its
     last attempt (before the first: the backend's first server), the servers it failed on,
-    whether it may fail over at once."""
+    whether it may fail over at once, and ``cut``: the server of the attempt in flight when the
+    call was cancelled (by its deadline), ``None`` if none was."""
 
     __slots__ = (
         "avoid",
+        "cut",
         "endpoint",
         "failover",
         "miss_at",
@@ -750,6 +761,7 @@ class _Call:
         self.model: str | None = model if isinstance(model, str) else None
         self.prefix = prefix
         self.endpoint = endpoint
+        self.cut: Endpoint | None = None
         self.avoid: frozenset[str] = _AVOID_NONE
         self.failover = False
         self.mode: str | None = None
