@@ -61,13 +61,18 @@ ERROR_BODY_BYTES = 64 * 1024
 class DSClientError(Exception):
     """Root of every error dsclient raises on purpose.
 
-    ``attempts`` is how many tries the failed call made (retries included).
+    ``attempts`` is how many tries the failed call made (retries included); ``server`` the root
+    URL of the server its last attempt failed at, or for a call's timeout the server whose
+    attempt it cut (``None``: the call reached none, e.g. it failed in the client's own queue),
+    so that a client of several servers counts a failure against the server that failed, not
+    the first one.
 
     Every dsclient error pickles (process pools, Ray): it is rebuilt from its message and its
     fields, not by calling its constructor again, whose parameters differ per class.
     """
 
     attempts: int = 1
+    server: str | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_restore, (type(self), self.args, dict(self.__dict__)))

@@ -327,9 +327,10 @@ def test_every_exported_exception_pickles_whole(cls):
 
     original = _samples()[cls]
     original.attempts = 3  # set by the request path on failed calls
+    original.server = "http://b:8000"  # likewise: the server the last attempt failed at
     for protocol in (2, pickle.HIGHEST_PROTOCOL):
         copy = pickle.loads(pickle.dumps(original, protocol=protocol))
         assert type(copy) is cls
         assert str(copy) == str(original) and copy.args == original.args
         assert vars(copy) == vars(original)
-        assert copy.attempts == 3
+        assert copy.attempts == 3 and copy.server == "http://b:8000"

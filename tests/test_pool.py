@@ -212,6 +212,75 @@ async def test_servers_of_another_model_are_never_chosen() -> None:
     assert {r.server for r in results} <= {small1.url, small2.url}
 
 
+async def test_a_failed_call_is_recorded_against_the_server_that_failed() -> None:
+    # Records feed the per-server Prometheus series: a failure on b must not count against a
+    # (the first server), which every failure record named before.
+    a, b = Replica("a"), Replica("b", status=400)
+    seen: list[dsclient.CallRecord] = []
+    async with client_for([a, b], retry=dsclient.Retry(attempts=1)) as client:
+        client.add_observer(seen.append)
+        results = await client.map([f"p{i}" for i in range(30)], max_tokens=4)
+    failed = [r for r in seen if not r.ok]
+    assert 0 < len(failed) < 30  # the router sent calls to both servers; b's failed
+    assert {r.server for r in failed} == {b.url}
+    assert {r.status for r in failed} == {400}
+    assert {r.server for r in seen if r.ok} == {a.url}
+    assert sum(not r.ok for r in results) == len(failed)
+
+
+async def test_a_call_to_the_only_server_of_its_model_fails_under_that_server() -> None:
+    other, tiny = Replica("a", model="big"), Replica("b", status=400)
+    seen: list[dsclient.CallRecord] = []
+    async with client_for([other, tiny], model="tiny") as client:
+        client.add_observer(seen.append)
+        with pytest.raises(dsclient.RequestRefused) as info:
+            await client.generate("hello", max_tokens=4)
+        tiny.status, tiny.drop_in_flight = 200, True
+        with pytest.raises(dsclient.ConnectionError):
+            await client.generate("again", max_tokens=4)
+    assert info.value.server == tiny.url
+    assert [(r.server, r.error) for r in seen] == [
+        (tiny.url, "RequestRefused"),
+        (tiny.url, "ConnectionError"),
+    ]
+
+
+async def test_an_sdk_call_that_fails_is_recorded_against_the_server_that_failed() -> None:
+    other, tiny = Replica("a", model="big"), Replica("b", drop_in_flight=True)
+    seen: list[dsclient.CallRecord] = []
+    async with client_for([other, tiny], model="tiny", retry=dsclient.Retry(attempts=1)) as client:
+        client.add_observer(seen.append)
+        http = client.httpx()
+        with pytest.raises(httpx.TransportError):
+            await http.post(
+                client.url + "/v1/completions",  # the SDK's base URL names the first server
+                json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
+            )
+        await http.aclose()
+    assert [(r.server, r.error) for r in seen] == [(tiny.url, "ConnectionError")]
+
+
+async def test_a_call_its_timeout_cuts_at_a_server_is_recorded_against_that_server() -> None:
+    other, tiny = Replica("a", model="big"), Replica("b", gate=anyio.Event())  # b never answers
+    seen: list[dsclient.CallRecord] = []
+    async with client_for([other, tiny], model="tiny") as client:
+        client.add_observer(seen.append)
+        with anyio.fail_after(10), pytest.raises(dsclient.TimeoutError) as info:
+            await client.generate("hello", max_tokens=4, timeout=0.3)
+        http = client.httpx(timeout=0.3)
+        with anyio.fail_after(10), pytest.raises(httpx.TimeoutException):
+            await http.post(
+                client.url + "/v1/completions",
+                json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
+            )
+        await http.aclose()
+    assert info.value.server == tiny.url
+    assert [(r.server, r.error) for r in seen] == [
+        (tiny.url, "TimeoutError"),
+        (tiny.url, "TimeoutError"),
+    ]
+
+
 async def test_a_model_no_server_serves_is_refused_at_discovery_naming_what_is_served() -> None:
     a, b = Replica("a", model="big"), Replica("b", model="small")
     with pytest.raises(ValueError, match=r"'nope'.*'big'.*'small'"):
@@ -236,7 +305,9 @@ async def test_requests_sharing_a_long_prefix_land_on_the_same_server() -> None:
             assert result.server == first.server
 
 
-async def test_a_5xx_server_is_ejected_after_consecutive_failures_and_retries_go_elsewhere() -> None:
+async def test_a_5xx_server_is_ejected_after_consecutive_failures_and_retries_go_elsewhere() -> (
+    None
+):
     a, b = Replica("a", status=500), Replica("b")
     retry = dsclient.Retry(attempts=4, base=0.01, cap=0.02)
     slow_probe = dsclient.RoutingPolicy(eject_after=3, backoff_base=30.0, backoff_cap=60.0)

@@ -665,7 +665,7 @@ async def _run_direct(
     """
     feed, store, run, bar = await _open_batch(client, items, options)
     stop: list[BaseException] = []
-    pool: _Pool | None = None
+    started: _Pool | None = None  # the worker pool, once made
     try:
         async with anyio.create_task_group() as tg:
 
@@ -680,11 +680,11 @@ async def _run_direct(
                     tg.cancel_scope.cancel()
 
             feed.start(tg)
-            pool = workers = _Pool(client, feed, lambda: tg.start_soon(worker))
+            started = workers = _Pool(client, feed, lambda: tg.start_soon(worker))
             workers.follow()
     finally:
-        if pool is not None:
-            pool.close()
+        if started is not None:
+            started.close()
         bar.close()
         if store is not None:
             store.close()

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
-import math
 import os
 import random
 import time
@@ -37,6 +35,7 @@ from .._models import ChatResult, CompletionResult, Failure, Result
 from .._observe import Observer
 from ..batch._batch import BatchResults, OnError, iter_map, run_map
 from ..batch._jsonl import JsonlStore
+from ..governor._backend import Backend, SingleServer
 from ..governor._endpoint import ControlOptions, Endpoint, ServerView
 from ..governor._governor import GovernorStats, compute_limit
 from ..governor._health import Reachability
@@ -301,9 +300,11 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         )
         self._sleep = sleep or anyio.sleep
         self._rng = rng or random.Random()
-        self._pool: ServerPool | None = None
+        # Where attempts go: the one server, or a pool of them with a router. Everything past
+        # this point (the request path, discovery, the views) goes through this one interface.
+        self._backend: Backend
         if len(self._endpoints) > 1:
-            self._pool = ServerPool(
+            self._backend = ServerPool(
                 self._endpoints,
                 Router(routing, clock=clock, rng=self._rng),
                 governor_options,
@@ -313,24 +314,27 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
                 clock=clock,
                 outage_wait=outage_wait,
             )
+        else:
+            self._backend = SingleServer(
+                self._endpoint,
+                probe=self._probe_url,
+                sleep=self._sleep,
+                rng=self._rng,
+                clock=clock,
+                outage_wait=outage_wait,
+            )
         self._path = RequestPath(
             self._http,
-            self._endpoint,
+            self._backend,
             self._retry,
             self._budget,
             sleep=self._sleep,
             rng=self._rng,
             max_body_bytes=max_response_bytes,
-            outage_wait=outage_wait,
-            pool=self._pool,
         )
         self._observers: list[Observer] = []
         self._discover_lock = anyio.Lock()
         self._join_lock = anyio.Lock()
-        # An incomplete discovery (no answer from /v1/models) is asked again, not before this
-        # time (on self._clock), with a backoff that grows per failure (_rediscover_backoff).
-        self._rediscover_at = -math.inf
-        self._rediscover_failures = 0
         self._tokenize_limiter = anyio.CapacityLimiter(8)
         self._closed = False
         self._poller_scope: anyio.CancelScope | None = None
@@ -390,30 +394,18 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
     def _needs_poller(self) -> bool:
         """Whether a background task has work: scraping an adaptive limit's server, syncing a
         shared budget, or probing the servers of a pool that leave the rotation."""
-        return (
-            self._pool is not None
-            or self._endpoint.controller.mode != "fixed"
-            or self._shared is not None
-        )
+        return self._backend.needs_background() or self._shared is not None
 
     async def _run_poller(self) -> None:
         with anyio.CancelScope() as scope:
             self._poller_scope = scope
             shared = self._shared
-            pool = self._pool
-            if pool is not None:
-                async with anyio.create_task_group() as group:
-                    group.start_soon(pool.run_health, self._rediscover_endpoint)
-                    for endpoint in pool.endpoints:
-                        group.start_soon(endpoint.run_poller, self._http)
-                return
             if shared is None:
-                await self._endpoint.run_poller(self._http)
+                await self._backend.run(self._http, self._rediscover_endpoint)
                 return
             async with anyio.create_task_group() as group:
                 group.start_soon(shared.run, self._endpoint)
-                if self._endpoint.controller.mode != "fixed":
-                    group.start_soon(self._endpoint.run_poller, self._http)
+                group.start_soon(self._backend.run, self._http, self._rediscover_endpoint)
 
     def _ensure_poller(self) -> None:
         """Outside ``async with`` (a client used bare, or the sync ``Client``), start the poller as
@@ -450,7 +442,8 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         return info
 
     def __repr__(self) -> str:
-        where = f"urls={list(self.urls)!r}" if self._pool is not None else f"url={self.url!r}"
+        urls = self.urls
+        where = f"urls={list(urls)!r}" if len(urls) > 1 else f"url={self.url!r}"
         return (
             f"AsyncClient({where}, model={self._model!r}, limit={self.limit}, "
             f"in_flight={self.in_flight}, api_key={'***' if self._api_key else None}"
@@ -489,15 +482,11 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         shared = self._shared
         if shared is not None and self._endpoint.shared_active and shared.limit is not None:
             return shared.limit
-        if self._pool is not None:
-            return self._pool.limit_for(self._model)  # the servers in rotation that serve it
-        return self._endpoint.governor.limit
+        return self._backend.limit_for(self._model)  # with a pool: those in rotation serving it
 
     @property
     def in_flight(self) -> int:
-        if self._pool is not None:
-            return self._pool.in_flight
-        return self._endpoint.governor.in_flight
+        return self._backend.in_flight
 
     @property
     def reachability(self) -> Reachability:
@@ -509,10 +498,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
     def servers(self) -> tuple[ServerView, ...]:
         """Each server as seen now: URL, :class:`ServerInfo`, limit, in flight, load as last
         scraped and its age, health and per-lane stats (:class:`~dsclient.ServerView`)."""
-        pool = self._pool
-        if pool is None:
-            return (self._endpoint.view(),)
-        return tuple(e.view() for e in pool.endpoints)
+        return tuple(e.view() for e in self._backend.endpoints)
 
     def on_limit_raise(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call ``callback()`` (no arguments, on the event loop) whenever the in-flight limit
@@ -545,13 +531,9 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         """Per-lane in flight, waiting, done, failed and latency percentiles, and ``control``:
         the limit's mode, why it last moved, the server's running / waiting as last seen and the
         learned capacity."""
-        pool = self._pool
-        if pool is None:
-            return self._endpoint.governor.stats(control=self._endpoint.control_stats())
-        # Several servers: the calls of the client's model as they wait and run (the front
-        # queue), against the sum of the limits; each server's own in client.servers.
-        stats = pool.front(self._model).stats()
-        return dataclasses.replace(stats, limit=pool.limit_for(self._model))
+        # With several servers: the calls of the client's model as they wait and run (the
+        # pool's front queue), against the sum of the limits; each server's own in .servers.
+        return self._backend.stats(self._model)
 
     # -- public calls ------------------------------------------------------------------------
     async def generate(

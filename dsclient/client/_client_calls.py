@@ -23,17 +23,16 @@ from .._exceptions import TimeoutError
 from .._http import httpx
 from .._models import Result
 from .._observe import CallRecord, Observer
+from ..governor._backend import Backend
 from ..governor._endpoint import Endpoint
 from ..governor._pool import NoServerError
-from ..governor._routing import prefix_text
 from ._degrade import Degrade, Pace, predict_s
-from ._pipeline import RequestPath, WouldMiss
+from ._pipeline import Call, RequestPath, WouldMiss
 from ._request import USE_DEFAULT, Deadlines, Plan, Prompt, UseDefault, build_result
 from ._tokens import TokenCounter, plan_max_tokens
 
 if TYPE_CHECKING:
-    from ..governor._pool import ServerPool
-    from ._pipeline import Lease
+    from ..governor._backend import Lease
 
 __all__ = ["CallsMixin"]
 
@@ -44,7 +43,7 @@ class CallsMixin:
     """The request path of :class:`~dsclient.AsyncClient` (see the module)."""
 
     _endpoint: Endpoint
-    _pool: ServerPool | None
+    _backend: Backend
     _path: RequestPath
     _degrade: Degrade | None
     _pace: Pace
@@ -90,12 +89,13 @@ class CallsMixin:
             raise TypeError(f"degrade must be a Degrade or None, got {type(option).__name__}")
         start = self._clock()
         plan: Plan | None = None
+        call: Call | None = None
         degraded: str | None = None
         try:
             try:
                 async with self._deadline(limit_s):
                     plan = await self._plan(kind, prompt, max_tokens, sampling)
-                    prefix = prefix_text(prompt) if self._pool is not None else None
+                    prefix = self._backend.prefix_of(prompt)
                     miss_at = None
                     if option is not None and limit_s is not None:
                         pace = self._pace.per_token(plan.body.get("model"))
@@ -107,6 +107,7 @@ class CallsMixin:
                             )
                         else:
                             miss_at = anyio.current_time() + max(0.0, left - need)
+                    call = self._path.new_call(plan.body.get("model"), prefix)
                     try:
                         data, attempts, queued, server = await self._path.send_json(
                             plan.path,
@@ -114,8 +115,8 @@ class CallsMixin:
                             lane=plan.lane,
                             urgency=urgency,
                             group=group,
-                            prefix=prefix,
                             miss_at=miss_at,
+                            call=call,
                         )
                     except WouldMiss as late:
                         assert option is not None and limit_s is not None
@@ -125,18 +126,20 @@ class CallsMixin:
                             option,
                             f"waited {late.waited_s:.1f} s for a slot, {left:.1f} s left",
                         )
+                        call = self._path.new_call(plan.body.get("model"), prefix)
                         data, attempts, queued, server = await self._path.send_json(
                             plan.path,
                             plan.body,
                             lane=plan.lane,
                             urgency=urgency,
                             group=group,
-                            prefix=prefix,
+                            call=call,
                         )
             except builtins.TimeoutError as exc:
-                raise TimeoutError(
-                    f"call did not finish within its timeout of {limit_s} s"
-                ) from exc
+                expired = TimeoutError(f"call did not finish within its timeout of {limit_s} s")
+                if call is not None and call.cut is not None:
+                    expired.server = call.cut.url  # cut in flight there: its record names it
+                raise expired from exc
             latency = self._clock() - start
             result = build_result(
                 kind, data, latency, queued, attempts, plan, index, server, degraded
@@ -180,16 +183,8 @@ class CallsMixin:
         changes: list[str] = []
         max_tokens = plan.max_tokens
         if option.model is not None and option.model != body.get("model"):
-            if self._pool is not None:
-                serving = self._pool.serving(option.model)
-                contexts = [
-                    e.info.max_model_len for e in serving if e.info and e.info.max_model_len
-                ]
-            else:
-                info = self._endpoint.info
-                served = info is not None and option.model in info.models
-                serving = [self._endpoint] if served else []
-                contexts = [info.max_model_len] if served and info and info.max_model_len else []
+            serving = self._backend.serving(option.model)
+            contexts = [e.info.max_model_len for e in serving if e.info and e.info.max_model_len]
             if not serving:
                 raise NoServerError(
                     f"cannot degrade to model {option.model!r}: no server of this client serves it"
@@ -225,10 +220,14 @@ class CallsMixin:
         start: float,
     ) -> None:
         attempts = getattr(exc, "attempts", 1)
+        # The server whose attempt failed, or was in flight when the timeout cut the call. The
+        # first server stands in where the call reached none: the client's own queue, a timeout
+        # while waiting for a slot or between attempts, discovery, the outage gate.
+        server = getattr(exc, "server", None)
         self._notify(
             CallRecord(
                 kind=kind,
-                server=self._endpoint.url,
+                server=server if isinstance(server, str) else self._endpoint.url,
                 lane=plan.lane if plan is not None else None,
                 group=group,
                 error=type(exc).__name__,
@@ -266,6 +265,6 @@ class CallsMixin:
             lane=plan.lane,
             urgency=urgency,
             group=group,
-            prefix=prefix_text(prompt) if self._pool is not None else None,
+            prefix=self._backend.prefix_of(prompt),
         )
         return plan, response, slot, attempts, server

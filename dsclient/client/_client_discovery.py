@@ -1,16 +1,20 @@
 """What the client learns about its servers before and between calls: discovery (once, again
-after an unanswered ``/v1/models``, per server of a pool), and the token budget that planning a
-call needs (exact counts, the calibrated estimate, ``max_tokens`` and the lane).
+after an unanswered ``/v1/models``, for each server of the client's backend), and the token
+budget that planning a call needs (exact counts, the calibrated estimate, ``max_tokens`` and the
+lane).
 
 :class:`DiscoveryMixin` is half of :class:`~dsclient.AsyncClient`: the client's wiring and public
-calls are in ``dsclient.client._client``, which sets every attribute declared here.
+calls are in ``dsclient.client._client``, which sets every attribute declared here. Discovery is
+written once, for a backend of one server or several
+(:class:`~dsclient.governor._backend.Backend`); the one rule that differs is written as such: a
+model a server does not list is tried anyway where no other server could take it, and skipped at
+that server where others might.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
@@ -19,6 +23,7 @@ import anyio
 
 from .._exceptions import ConnectionError, DSClientError
 from .._http import httpx
+from ..governor._backend import Backend, rediscover_backoff
 from ..governor._endpoint import Endpoint, fetch_load
 from ..governor._governor import choose_lane, default_long_threshold
 from ._discovery import ServerInfo, discover
@@ -35,19 +40,11 @@ from ._tokens import (
 )
 
 if TYPE_CHECKING:
-    from ..governor._pool import ServerPool
     from ._pipeline import RequestPath
 
 __all__ = ["DiscoveryMixin"]
 
 logger = logging.getLogger("dsclient")
-
-
-def _rediscover_backoff(failures: int, rng: random.Random) -> float:
-    """Seconds before asking an unanswered ``/v1/models`` again after ``failures`` failures:
-    ``0.5 * 2**(failures-1)`` capped at 30, jittered to 50-100% of that."""
-    ceiling = min(30.0, 0.5 * math.pow(2.0, min(failures - 1, 16)))
-    return rng.uniform(ceiling / 2, ceiling)
 
 
 class DiscoveryMixin:
@@ -56,7 +53,7 @@ class DiscoveryMixin:
     _http: httpx.AsyncClient
     _endpoint: Endpoint
     _endpoints: tuple[Endpoint, ...]
-    _pool: ServerPool | None
+    _backend: Backend
     _path: RequestPath
     _model: str | None
     _explicit_max_num_seqs: int | None
@@ -66,8 +63,6 @@ class DiscoveryMixin:
     _tokens: TokenCounter
     _tokenize_limiter: anyio.CapacityLimiter
     _discover_lock: anyio.Lock
-    _rediscover_at: float
-    _rediscover_failures: int
     _retry: Retry
     _rng: random.Random
     _clock: Callable[[], float]
@@ -81,9 +76,7 @@ class DiscoveryMixin:
         async def _ready(self) -> ServerInfo: ...
 
     def _limit_now(self) -> int:
-        if self._pool is not None:
-            return self._pool.limit_for(self._model)
-        return self._endpoint.governor.limit
+        return self._backend.limit_for(self._model)
 
     # -- discovery ---------------------------------------------------------------------------
     async def discover(self, *, refresh: bool = False) -> ServerInfo:
@@ -105,131 +98,68 @@ class DiscoveryMixin:
             return await self._discover_locked(refresh=refresh)
 
     def _info(self) -> ServerInfo | None:
-        """What discovery found: the server's, or with several the pool's (:meth:`_pool_info`)."""
-        if self._pool is None:
-            return self._endpoint.info
-        if all(e.info is None for e in self._endpoints):
-            return None
-        return self._pool_info()
+        """What discovery found, the servers as one for planning (with several: the first that
+        serves the model, with the smallest context of those that do)."""
+        return self._backend.info(self._model)
 
-    def _pool_info(self) -> ServerInfo:
-        """Several servers as one for planning: the first that serves the model, with the
-        smallest context of those that do; incomplete while none does."""
-        assert self._pool is not None
-        serving = [e.info for e in self._pool.serving(self._model) if e.info is not None]
-        if not serving:
-            first = self._endpoint.info
-            kinds = {e.info.kind for e in self._endpoints if e.info is not None}
-            return ServerInfo(
-                url=self._endpoint.url,
-                kind=kinds.pop() if len(kinds) == 1 else "unknown",
-                model=self._model,
-                sources=first.sources if first is not None else {},
-                complete=False,
-            )
-        contexts = [i.max_model_len for i in serving if i.max_model_len is not None]
-        return dataclasses.replace(
-            serving[0],
-            max_model_len=min(contexts) if contexts else None,
-            has_tokenize=any(i.has_tokenize for i in serving),
-        )
+    def _unlisted(self) -> Literal["warn", "raise"]:
+        """What discovery does with a model a server does not list: try it anyway where no
+        other server could take its calls (a server may load models on demand), refuse it at
+        that server where another may list it."""
+        return "raise" if len(self._backend.endpoints) > 1 else "warn"
 
     async def _discover_locked(self, *, refresh: bool = False) -> ServerInfo:
-        if self._pool is not None:
-            return await self._discover_pool(refresh=refresh)
-        url = self._endpoint.url
-        info = await discover(
-            self._http,
-            url,
-            model=self._model,
-            max_num_seqs=self._explicit_max_num_seqs,
-            priority=self._server_priority,
-            max_model_len=self._explicit_max_model_len,
-        )
-        info = self._with_handle_facts(info, url)
-        self._model = info.model if info.model is not None else self._model
-        load = None
-        if info.kind not in ("ollama", "unknown"):
-            load = await fetch_load(self._http, url, model=info.model, timeout=2.0, kind=info.kind)
-        self._endpoint.seed(info, load)
-        if info.has_tokenize and self._tokens.samples == 0:
-            await self._calibrate()
-        control = self._endpoint.controller
-        if info.complete:
-            if self._rediscover_failures:
-                logger.warning("dsclient: %s/v1/models answers again; model %s", url, info.model)
-            self._rediscover_failures = 0
-        else:
-            self._rediscover_failures += 1
-            delay = _rediscover_backoff(self._rediscover_failures, self._rng)
-            self._rediscover_at = self._clock() + delay
-            log = logger.warning if self._rediscover_failures == 1 else logger.debug
-            log(
-                "dsclient: %s/v1/models did not answer (try %d); the model and context stay "
-                "unknown, asked again in %.1f s or later",
-                url,
-                self._rediscover_failures,
-                delay,
-            )
-        logger.info(
-            "dsclient: %s at %s, model %s, max_num_seqs %s (%s), limit %d (%s, up to %d)",
-            info.kind,
-            url,
-            info.model,
-            info.max_num_seqs,
-            info.sources.get("max_num_seqs", "?"),
-            self._limit_now(),
-            control.mode,
-            control.ceiling,
-        )
-        return self._endpoint.info or info
-
-    async def _discover_pool(self, *, refresh: bool) -> ServerInfo:
         """Discover every server not yet (or not completely) discovered, at the same time. The
         model is the one asked for, or the one every server serves; a server that does not
-        serve it stays in the pool for the models it does serve."""
-        assert self._pool is not None
-        todo = [e for e in self._endpoints if refresh or e.info is None or not e.info.complete]
-        async with anyio.create_task_group() as group:
-            for endpoint in todo:
-                group.start_soon(self._discover_endpoint, endpoint)
+        serve it stays for the models it does serve."""
+        backend = self._backend
+        todo = [e for e in backend.endpoints if refresh or e.info is None or not e.info.complete]
+        if len(todo) == 1:  # no task group for one: its errors leave as they are
+            await self._discover_endpoint(todo[0])
+        else:
+            async with anyio.create_task_group() as group:
+                for endpoint in todo:
+                    group.start_soon(self._discover_endpoint, endpoint)
         if self._model is None:
-            found = {e.info.model for e in self._endpoints if e.info and e.info.complete}
+            found = {e.info.model for e in backend.endpoints if e.info and e.info.complete}
             found.discard(None)
             if len(found) > 1:
                 listing = ", ".join(
-                    f"{e.url}: {e.info.model!r}" for e in self._endpoints if e.info is not None
+                    f"{e.url}: {e.info.model!r}" for e in backend.endpoints if e.info is not None
                 )
                 raise ValueError(
                     f"the servers serve different models ({listing}); choose one with model="
                 )
             if found:
                 self._model = found.pop()
-        self._pool.refresh()
-        info = self._pool_info()
-        every = all(e.info is not None and e.info.complete for e in self._endpoints)
-        if self._model is not None and every and not self._pool.serving(self._model):
-            served = sorted({m for e in self._endpoints if e.info for m in e.info.models})
+        info = backend.info(self._model)
+        assert info is not None  # every server has been discovered, if not completely
+        every = all(e.info is not None and e.info.complete for e in backend.endpoints)
+        unlisted = self._unlisted() == "raise"
+        if unlisted and self._model is not None and every and not backend.serving(self._model):
+            served = sorted({m for e in backend.endpoints if e.info for m in e.info.models})
             raise ValueError(
-                f"model {self._model!r} is not served by any of the {len(self._endpoints)} "
+                f"model {self._model!r} is not served by any of the {len(backend.endpoints)} "
                 f"servers; they serve: {', '.join(map(repr, served)) or '(none)'}"
             )
-        if info.complete and info.has_tokenize and self._tokens.samples == 0:
+        if info.has_tokenize and self._tokens.samples == 0:
             await self._calibrate()
-        logger.info(
-            "dsclient: %d servers for model %s, %d serve it, limit %d in all",
-            len(self._endpoints),
-            self._model,
-            len(self._pool.serving(self._model)),
-            self._limit_now(),
-        )
+        if len(backend.endpoints) > 1:
+            logger.info(
+                "dsclient: %d servers for model %s, %d serve it, limit %d in all",
+                len(backend.endpoints),
+                self._model,
+                len(backend.serving(self._model)),
+                self._limit_now(),
+            )
         return info
 
     async def _discover_endpoint(self, endpoint: Endpoint) -> None:
-        """One server of a pool: discover, scrape once, seed its controller. A server that does
-        not answer ``/v1/models`` stays out of rotation; the pool's health loop probes it and
-        asks again (:meth:`_rediscover_endpoint`)."""
+        """One server: discover, scrape once, seed its controller; the backend then follows it
+        (:meth:`Backend.discovered <dsclient.governor._backend.Backend.discovered>`: a server
+        whose ``/v1/models`` did not answer is asked again later)."""
         url = endpoint.url
+        unlisted = self._unlisted()
         try:
             info = await discover(
                 self._http,
@@ -238,10 +168,10 @@ class DiscoveryMixin:
                 max_num_seqs=self._explicit_max_num_seqs,
                 priority=self._server_priority,
                 max_model_len=self._explicit_max_model_len,
-                unlisted="raise",  # the other servers may list it: route it to those
+                unlisted=unlisted,  # "raise": the other servers may list it; route it to those
             )
         except ValueError:
-            if self._model is None:
+            if unlisted == "warn" or self._model is None:
                 raise  # several models served here, and none chosen
             try:  # it serves other models: keep what it serves, for calls that ask for them
                 info = await discover(self._http, url, max_model_len=self._explicit_max_model_len)
@@ -253,29 +183,33 @@ class DiscoveryMixin:
         if info.kind not in ("ollama", "unknown"):
             load = await fetch_load(self._http, url, model=info.model, timeout=2.0, kind=info.kind)
         endpoint.seed(info, load)
-        assert self._pool is not None
-        if not info.complete:
-            self._pool.router.record_failure(url, "connect")  # out until a probe answers
-            logger.warning(
-                "dsclient: %s/v1/models did not answer; it stays out of rotation until it does",
-                url,
-            )
+        self._backend.discovered(endpoint)
+        control = endpoint.controller
+        logger.info(
+            "dsclient: %s at %s, model %s, max_num_seqs %s (%s), limit %d (%s, up to %d)",
+            info.kind,
+            url,
+            info.model,
+            info.max_num_seqs,
+            info.sources.get("max_num_seqs", "?"),
+            endpoint.governor.limit,
+            control.mode,
+            control.ceiling,
+        )
 
     async def _rediscover_endpoint(self, endpoint: Endpoint) -> None:
-        """The pool's health loop found an undiscovered server answering: discover it."""
+        """The backend's health loop found an undiscovered server answering: discover it."""
         async with self._discover_lock:
             if endpoint.info is None or not endpoint.info.complete:
                 await self._discover_endpoint(endpoint)
-                if self._pool is not None:
-                    self._pool.refresh()
 
     async def _rediscover(self, *, now: bool = False) -> ServerInfo:
-        """Discovery again, if the last one was incomplete and its backoff is over (or ``now``);
-        concurrent callers share one."""
+        """Discovery again, if the last one was incomplete and the backend says it is due (or
+        ``now``); concurrent callers share one."""
         async with self._discover_lock:
             info = self._info()
             if info is not None and (
-                info.complete or (not now and self._clock() < self._rediscover_at)
+                info.complete or (not now and not self._backend.rediscover_due())
             ):
                 return info
             return await self._discover_locked()
@@ -285,11 +219,12 @@ class DiscoveryMixin:
         without one. Ask again until it answers: while nothing at all answers, wait for the
         server like an outage (``outage_wait``); while it answers but not ``/v1/models``, give it
         ``Retry.attempts`` tries with backoff, then fail. Bounded by the call's own timeout."""
-        reach = self._path.reach
+        backend = self._backend
+        reach = backend.reach
         tries = 0
         while True:
             info = self._info()
-            if info is not None and info.kind == "unknown" and not await self._path.probe_health():
+            if info is not None and info.kind == "unknown" and not await backend.probe_all():
                 reach.mark_down("discovery: nothing answered")
                 await reach.wait_up()
             else:
@@ -301,7 +236,7 @@ class DiscoveryMixin:
                         "without it"
                     )
                 if tries > 1:
-                    await self._sleep(_rediscover_backoff(tries - 1, self._rng))
+                    await self._sleep(rediscover_backoff(tries - 1, self._rng))
             info = await self._rediscover(now=True)
             if info.complete or self._model is not None:
                 return info
@@ -353,14 +288,12 @@ class DiscoveryMixin:
         return self._tokens.estimate_from(local)
 
     def _tokenize_url(self) -> str:
-        """Where exact counts are asked: the server, or the first of the pool that serves the
-        model, is in rotation and has ``/tokenize``."""
-        pool = self._pool
-        if pool is None:
-            return self._endpoint.url
-        for endpoint in pool.serving(self._model):
+        """Where exact counts are asked: the first server that serves the model, is in rotation
+        and has ``/tokenize``; else the first server."""
+        backend = self._backend
+        for endpoint in backend.serving(self._model):
             info = endpoint.info
-            if info is not None and info.has_tokenize and pool.in_rotation(endpoint):
+            if info is not None and info.has_tokenize and backend.in_rotation(endpoint):
                 return endpoint.url
         return self._endpoint.url
 

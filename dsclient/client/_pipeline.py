@@ -1,15 +1,18 @@
 """The request path, one attempt at a time: a slot, one send, the slot back with its outcome.
 
-    path = RequestPath(http, endpoint, retry, budget, sleep=anyio.sleep, rng=random.Random())
-    data, attempts, queued_s = await path.send_json(plan, urgency=0, group=None)
+    path = RequestPath(http, backend, retry, budget, sleep=anyio.sleep, rng=random.Random())
+    data, attempts, queued_s, server = await path.send_json(
+        "/v1/completions", body, lane="short", urgency=0, group=None
+    )
 
-Each attempt takes its own slot from the endpoint's governor, sends once, and releases the slot
-with what happened (``ok``, ``overloaded``, ``error``, ``cancelled``); the governor passes that and
-the attempt's service time to the limit controller. A retry's backoff sleeps *outside* any slot,
-so a sleeping call holds no capacity and service times never include sleeps. Retries follow
-:class:`~dsclient.client._retry.Retry` (the loop is :meth:`RequestPath._retry_loop`); a retry
-spends one
-token of the retry budget, and only a retry that happens spends one.
+Each attempt takes its own slot from the backend (:mod:`dsclient.governor._backend`: one
+server's governor, or a pool's line and the server its router chose), sends once, and releases
+the slot with what happened (``ok``, ``overloaded``, ``error``, ``cancelled``); the governor
+passes that and the attempt's service time to the limit controller. A retry's backoff sleeps
+*outside* any slot, so a sleeping call holds no capacity and service times never include sleeps.
+Retries follow :class:`~dsclient.client._retry.Retry` (the loop is
+:meth:`RequestPath._retry_loop`); a retry spends one token of the retry budget, and only a retry
+that happens spends one.
 
 One exception: under an adaptive limit, a refusal for load (429 / 503) is congestion, not a
 failure. It is retried without a token, up to ``Retry.overload_attempts`` tries rather than
@@ -20,7 +23,8 @@ bounded number of tries per call, paced by backoff and by a limit that keeps shr
 (vLLM's ``--max-num-queued-reqs`` answers 503 the moment its queue is full; charging those to
 the budget, or giving them four tries, lost requests in a burst.)
 
-A server that stops answering (a connection fails or drops) is marked down in :attr:`reach`;
+A server that stops answering (a connection fails or drops) is marked down in :attr:`reach` (with
+a pool: it leaves the rotation, and the call goes to another server at once);
 every attempt first waits at that gate, so calls wait on the client while one of them probes
 ``/health`` (:class:`~dsclient.governor._health.Reachability`), instead of spending attempts and the
 budget on a dead server. Any answer opens the gate again. The calls whose connections died with
@@ -52,20 +56,17 @@ from .._exceptions import (
     translate_request_error,
 )
 from .._http import AiohttpTransport, RawHeaders, Read, httpx
-from ..governor._health import Reachability
+from ..governor._backend import Backend, Lease, SingleServer
+from ..governor._endpoint import Endpoint
 from ..governor._load import LOAD_HEADER, LOAD_HEADER_FORMAT
 from ._priority import with_priority
 from ._retry import Retry, RetryBudget, compute_backoff, describe, is_retryable, retry_after_of
 from ._streaming import MAX_BODY_BYTES, json_object, read_body, read_json, read_prefix
 
 if TYPE_CHECKING:
-    from ..governor._endpoint import Endpoint
-    from ..governor._governor import Lane, Slot
-    from ..governor._pool import PoolSlot, ServerPool
+    from ..governor._governor import Lane
 
-    Lease = Slot | PoolSlot
-
-__all__ = ["Answer", "RequestPath", "WouldMiss", "completion_tokens", "outcome_of"]
+__all__ = ["Answer", "Call", "RequestPath", "WouldMiss", "completion_tokens", "outcome_of"]
 
 logger = logging.getLogger("dsclient")
 T = TypeVar("T")
@@ -118,11 +119,13 @@ def outcome_of(exc: BaseException) -> str:
 
 
 class RequestPath:
-    """Sends planned requests to one endpoint, attempt by attempt, under its governor.
+    """Sends planned requests to a backend's servers, attempt by attempt, under its governors.
 
     Parameters:
         http: the shared ``httpx.AsyncClient`` (auth headers, transport).
-        endpoint: the server (URL, governor, limit controller).
+        backend: where attempts go (:class:`~dsclient.governor._backend.Backend`: one server, or
+            a pool); an :class:`~dsclient.governor._endpoint.Endpoint` stands for a backend of
+            that one server, whose health probe is :meth:`probe_url`.
         retry: the retry policy; budget: the retry budget shared by every call of the client.
         sleep, rng: injectable for tests (backoff sleeps, jitter).
         max_body_bytes: the most bytes of an answer read (default :data:`MAX_BODY_BYTES`,
@@ -131,12 +134,13 @@ class RequestPath:
             (:func:`~dsclient.client._streaming.sse_events`).
         outage_wait: seconds calls wait for a server that stopped answering (see
             :class:`~dsclient.governor._health.Reachability`); ``None``: only their own timeouts.
+            Used only where ``backend`` is an ``Endpoint`` (a backend has its own).
     """
 
     def __init__(
         self,
         http: httpx.AsyncClient,
-        endpoint: Endpoint,
+        backend: Backend | Endpoint,
         retry: Retry,
         budget: RetryBudget,
         *,
@@ -144,7 +148,6 @@ class RequestPath:
         rng: random.Random,
         max_body_bytes: int = MAX_BODY_BYTES,
         outage_wait: float | None = 300.0,
-        pool: ServerPool | None = None,
     ) -> None:
         if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int):
             raise TypeError(f"max_body_bytes must be an int, got {type(max_body_bytes).__name__}")
@@ -159,32 +162,28 @@ class RequestPath:
         self._timeouts: dict[str, float | None] = {}
         self._urls: dict[str, httpx.URL] = {}
         self._direct: AiohttpTransport | None = None
-        self._endpoint = endpoint
+        #: Where each attempt goes: its slot, its server, its server's health.
+        self.backend: Backend = (
+            SingleServer(
+                backend, probe=self.probe_url, sleep=sleep, rng=rng, outage_wait=outage_wait
+            )
+            if isinstance(backend, Endpoint)
+            else backend
+        )
+        #: The server requests are built for (:meth:`_aim` re-aims them at the one chosen).
+        self._first = self.backend.endpoints[0]
         self._retry = retry
         self._budget = budget
         self._sleep = sleep
         self._rng = rng
-        #: Several servers: each attempt asks the pool (the router) for one (``None``: one).
-        self.pool = pool
         #: Whether the server answers at all (with a pool: whether any does); attempts wait at
         #: its gate while it does not.
-        self.reach = (
-            pool.reach
-            if pool is not None
-            else Reachability(
-                self.probe_health, sleep=sleep, rng=rng, label=endpoint.url, max_wait=outage_wait
-            )
-        )
-        if pool is None:  # the server's health is its gate's (a pool's servers: their breakers)
-            reach = self.reach
-            endpoint.watch_health(lambda: "down" if reach.down else "up")
+        self.reach = self.backend.reach
 
-    async def probe_health(self) -> bool:
-        """Whether the server answers again (with a pool: whether any does; those that answer
-        are back in rotation). See :meth:`probe_url`."""
-        if self.pool is not None:
-            return await self.pool.probe_all()
-        return await self.probe_url(self._endpoint.url)
+    def new_call(self, model: Any = None, prefix: str | None = None) -> Call:
+        """The state the attempts of one call share, for a caller that wants to read it after
+        the call ends another way than by returning (its deadline: ``Call.cut``)."""
+        return Call(self._first, model, prefix)
 
     async def probe_url(self, root: str) -> bool:
         """Whether the server at ``root`` answers: any answer to ``GET /health`` but a 5xx (a
@@ -247,13 +246,6 @@ class RequestPath:
             raise error
         return response
 
-    def _unreachable(self, exc: DSClientError, call: _Call) -> None:
-        """A connection that failed or dropped: the server may be gone; later attempts wait at
-        the gate until a probe says it answers (at once, if it does). The call remembers which
-        outage it failed in (see :meth:`_retry_loop`)."""
-        if isinstance(exc, ConnectionError):
-            call.outage = self.reach.mark_down(str(exc))
-
     def redact_error(self, exc: DSClientError) -> None:
         """Keep the API key out of an error whose text came from the server (an echo of the
         request's headers): the errors end up in logs and in results files."""
@@ -263,9 +255,9 @@ class RequestPath:
             redact(exc, secret)
 
     # -- where an attempt goes ------------------------------------------------------------------
-    async def _take(self, lane: Lane, urgency: int, group: str | None, call: _Call) -> Lease:
-        """A slot for one attempt: the server's governor's, or with a pool a place in line and
-        the server the router chose (``slot.url``)."""
+    async def _take(self, lane: Lane, urgency: int, group: str | None, call: Call) -> Lease:
+        """A slot for one attempt from the backend, and the server it goes to (``call.endpoint``).
+        The first attempt of a call that may degrade waits for it only until ``call.miss_at``."""
         miss_at, call.miss_at = call.miss_at, None
         if miss_at is not None:
             # The first attempt of a call that may degrade waits for its slot only until then.
@@ -273,45 +265,21 @@ class RequestPath:
             with anyio.move_on_after(max(0.0, miss_at - began)):
                 return await self._take(lane, urgency, group, call)
             raise WouldMiss(anyio.current_time() - began)
-        pool = self.pool
-        slot: Lease
-        if pool is None:
-            slot = self._endpoint.governor.slot(lane=lane, urgency=urgency, group=group)
-            await slot.__aenter__()
-        else:
-            chosen = await pool.acquire(
-                call.model, lane=lane, urgency=urgency, group=group, avoid=call.avoid,
-                prefix=call.prefix,
-            )  # fmt: skip
-            call.endpoint = chosen.endpoint
-            slot = chosen
+        backend = self.backend
+        slot = await backend.acquire(
+            call.model, lane=lane, urgency=urgency, group=group, avoid=call.avoid,
+            prefix=call.prefix,
+        )  # fmt: skip
+        call.endpoint = backend.server_of(slot)
         call.queued_s += slot.queued_s
         return slot
 
-    def _root(self, call: _Call) -> str:
-        endpoint = call.endpoint
-        return endpoint.url if endpoint is not None else self._endpoint.url
-
-    def _server(self, call: _Call) -> Endpoint:
-        """The server this attempt goes to (the router's choice, or the one server)."""
-        endpoint = call.endpoint
-        return endpoint if endpoint is not None else self._endpoint
-
-    def _succeeded(self, slot: Lease, call: _Call) -> None:
-        pool = self.pool
-        if pool is None:
-            self.reach.mark_up()
-        else:
-            pool.settle(slot, None, call.model)  # type: ignore[arg-type]
-
-    async def _gate(self, call: _Call) -> None:
+    async def _gate(self, call: Call) -> None:
         """Wait, on the client, while the server (with a pool: every server for the call's
         model) does not answer."""
-        pool = self.pool
-        if pool is None:
-            await self.reach.wait_up()
-        else:
-            await pool.gate(call.model)
+        backend = self.backend
+        if not backend.gate_is_open(call.model):
+            await backend.gate(call.model)
 
     # -- attempts ------------------------------------------------------------------------------
     async def send_json(
@@ -324,6 +292,7 @@ class RequestPath:
         group: str | None,
         prefix: str | None = None,
         miss_at: float | None = None,
+        call: Call | None = None,
     ) -> tuple[dict[str, Any], int, float, str]:
         """POST ``body`` until it succeeds or may not be retried:
         ``(json, attempts, queued_s, server)``.
@@ -332,18 +301,21 @@ class RequestPath:
         that answered; ``prefix`` (the prompt's text) is what a pool's router matches against
         the prefixes each server probably holds in its cache. With ``miss_at`` (on
         ``anyio.current_time()``), a first attempt still waiting for a slot then raises
-        :class:`WouldMiss` instead (nothing was sent).
+        :class:`WouldMiss` instead (nothing was sent). ``call`` (from :meth:`new_call`, with the
+        body's model and ``prefix``) is the caller's, to read after the call; default: a new one.
         """
-        call = _Call(body.get("model"), prefix)
+        backend = self.backend
+        if call is None:
+            call = Call(self._first, body.get("model"), prefix)
         call.miss_at = miss_at
-        self._wake()
+        backend.wake()
         # What _with_retries does, written out: the first attempt is awaited directly, and
         # the retry loop (with its closure) is built only after a failure. A call that
         # succeeds at once, nearly every call, then makes a few objects fewer: at hundreds
         # in flight their allocation and garbage collection were a tenth of the call's CPU.
         self._budget.record_request()
-        if self.pool is not None or self.reach.down:
-            await self._gate(call)
+        if not backend.gate_is_open(call.model):
+            await backend.gate(call.model)
         try:
             data = await self._attempt_json(call, path, body, lane, urgency, group)
             attempts = 1
@@ -352,11 +324,11 @@ class RequestPath:
                 raise
             retry = functools.partial(self._attempt_json, call, path, body, lane, urgency, group)
             data, attempts = await self._retry_loop(retry, first, path, call)
-        return data, attempts, call.queued_s, self._root(call)
+        return data, attempts, call.queued_s, call.endpoint.url
 
     async def _attempt_json(
         self,
-        call: _Call,
+        call: Call,
         path: str,
         body: dict[str, Any],
         lane: Lane,
@@ -364,14 +336,18 @@ class RequestPath:
         group: str | None,
     ) -> dict[str, Any]:
         """One attempt of :meth:`send_json`: a slot, one POST, the slot back with its outcome."""
-        if call.miss_at is None and self.pool is None:  # _take's common case, inline
-            slot: Lease = self._endpoint.governor.slot(lane=lane, urgency=urgency, group=group)
-            await slot.__aenter__()
+        if call.miss_at is None:  # _take's common case, inline
+            backend = self.backend
+            slot = await backend.acquire(
+                call.model, lane=lane, urgency=urgency, group=group, avoid=call.avoid,
+                prefix=call.prefix,
+            )  # fmt: skip
+            server = call.endpoint = backend.server_of(slot)
             call.queued_s += slot.queued_s
         else:
             slot = await self._take(lane, urgency, group, call)
+            server = call.endpoint
         try:
-            server = self._server(call)
             order = server.info.priority if server.info is not None else None
             sent = with_priority(body, lane, urgency, order)
             data = await self._post_json(server, path, sent)
@@ -379,7 +355,7 @@ class RequestPath:
             await self._release_failed(slot, exc, call)
             raise
         slot.work = completion_tokens(data)
-        self._succeeded(slot, call)
+        self.backend.settle(slot, None, call.model)
         await slot.__aexit__(None, None, None)
         return data
 
@@ -399,24 +375,24 @@ class RequestPath:
         Retried only while nothing has been received. The caller holds the returned slot (already
         entered) while it reads, and must ``await slot.__aexit__(...)`` when done.
         """
-        call = _Call(body.get("model"), prefix)
+        call = Call(self._first, body.get("model"), prefix)
 
         async def attempt() -> tuple[httpx.Response, Lease]:
             slot = await self._take(lane, urgency, group, call)
             try:
-                server = self._server(call)
+                server = call.endpoint
                 order = server.info.priority if server.info is not None else None
                 sent = with_priority(body, lane, urgency, order)
-                response = await self._open(self._root(call), path, sent)
+                response = await self._open(server.url, path, sent)
             except BaseException as exc:
                 await self._release_failed(slot, exc, call)
                 raise
-            self._succeeded(slot, call)
+            self.backend.settle(slot, None, call.model)
             return response, slot
 
-        self._wake()
+        self.backend.wake()
         (response, slot), attempts = await self._with_retries(attempt, path, call)
-        return response, slot, attempts, call.queued_s, self._root(call)
+        return response, slot, attempts, call.queued_s, call.endpoint.url
 
     async def send_raw(
         self,
@@ -428,6 +404,7 @@ class RequestPath:
         stream: bool,
         model: str | None = None,
         prefix: str | None = None,
+        call: Call | None = None,
     ) -> Answer:
         """Send a caller's request attempt by attempt, as :meth:`send_json` does, and give back
         the server's answer instead of raising for its status (``dsclient/client/_transport.py``
@@ -447,8 +424,11 @@ class RequestPath:
         Raises:
             DSClientError: what has no answer: a transport failure, the outage gate giving up,
                 a body over the cap, the client's own full queue (``Overloaded(0)``).
+
+        ``call`` is as in :meth:`send_json` (made with ``model`` and ``prefix``).
         """
-        call = _Call(model, prefix)
+        if call is None:
+            call = Call(self._first, model, prefix)
         refused: list[tuple[DSClientError, Answer]] = []
         label = request.url.path
 
@@ -465,16 +445,16 @@ class RequestPath:
                 await self._release_failed(slot, exc, call)
                 raise
             if body is not None:
-                self._server(call).observe_answer(response.headers.get(LOAD_HEADER))
+                call.endpoint.observe_answer(response.headers.get(LOAD_HEADER))
                 found = _COMPLETION_TOKENS.search(body, max(0, len(body) - 512))
                 slot.work = float(found[1]) if found is not None else None
-            self._succeeded(slot, call)
+            self.backend.settle(slot, None, call.model)
             if body is None:
                 return Answer(response, None, slot)
             await slot.__aexit__(None, None, None)
             return Answer(response, body, None)
 
-        self._wake()
+        self.backend.wake()
         try:
             answer, attempts = await self._with_retries(attempt, label, call)
         except RequestRefused as exc:
@@ -483,14 +463,14 @@ class RequestPath:
             answer, attempts = refused[0][1], exc.attempts
             answer.error = exc
         answer.attempts, answer.queued_s = attempts, call.queued_s
-        answer.server = self._root(call)
+        answer.server = call.endpoint.url
         return answer
 
-    def _aim(self, request: httpx.Request, call: _Call) -> httpx.Request:
+    def _aim(self, request: httpx.Request, call: Call) -> httpx.Request:
         """``request`` as built (for the first server), or a copy aimed at the server the router
         chose for this attempt: same method, path, headers (``Host`` changed) and body."""
-        root = self._root(call)
-        first = self._endpoint.url
+        root = call.endpoint.url
+        first = self._first.url
         if root == first:
             return request
         url = str(request.url)
@@ -507,33 +487,27 @@ class RequestPath:
             extensions=request.extensions,
         )
 
-    def _wake(self) -> None:
-        pool = self.pool
-        if pool is None:
-            self._endpoint.wake()
-        else:
-            pool.wake()
-
-    async def _release_failed(self, slot: Lease, exc: BaseException, call: _Call) -> None:
-        """Give back the slot of an attempt that failed, with its outcome; a connection that
-        failed marks the server down (:meth:`_unreachable`), or with a pool takes it out of
-        rotation, and the call's next attempt goes to another server."""
+    async def _release_failed(self, slot: Lease, exc: BaseException, call: Call) -> None:
+        """Give back the slot of an attempt that failed, with its outcome. The backend hears
+        of it (a pool's breaker may take the server out of rotation). A connection that failed
+        sends the call's next attempt to another server in rotation at once, or, where there is
+        none, marks the servers down: later attempts wait at the gate until a probe says one
+        answers (at once, if it does), and the call remembers which outage it failed in (see
+        :meth:`_retry_loop`)."""
         if isinstance(exc, DSClientError):
+            endpoint = call.endpoint
+            exc.server = endpoint.url  # the call's record names the server that failed
             slot.set_outcome(outcome_of(exc))
-            pool = self.pool
-            if pool is None:
-                self._unreachable(exc, call)
-            else:
-                endpoint = call.endpoint
-                if endpoint is not None:
-                    call.avoid = call.avoid | {endpoint.url}
-                    call.mode = endpoint.controller.mode
-                others = pool.settle(slot, exc, call.model)  # type: ignore[arg-type]
-                if isinstance(exc, ConnectionError):
-                    if others:
-                        call.failover = True
-                    else:
-                        call.outage = self.reach.mark_down(str(exc))
+            call.avoid = call.avoid | {endpoint.url}
+            call.mode = endpoint.controller.mode
+            others = self.backend.settle(slot, exc, call.model)
+            if isinstance(exc, ConnectionError):
+                if others:
+                    call.failover = True
+                else:
+                    call.outage = self.reach.mark_down(str(exc))
+        else:  # cancelled in flight (the call's deadline): the caller may name this server
+            call.cut = call.endpoint
         await slot.__aexit__(type(exc), exc, exc.__traceback__)
 
     def _post(
@@ -635,7 +609,7 @@ class RequestPath:
         return body.replace(secret, b"***") if len(secret) >= 6 else body
 
     async def _with_retries(
-        self, op: Callable[[], Awaitable[T]], label: str, call: _Call
+        self, op: Callable[[], Awaitable[T]], label: str, call: Call
     ) -> tuple[T, int]:
         """Run ``op`` once; only if that fails, hand over to :meth:`_retry_loop`.
 
@@ -654,17 +628,17 @@ class RequestPath:
             failure: DSClientError = first
         return await self._retry_loop(op, failure, label, call)
 
-    def _is_congestion(self, exc: BaseException | None, call: _Call) -> bool:
+    def _is_congestion(self, exc: BaseException | None, call: Call) -> bool:
         """A load refusal under an adaptive limit (see the module docstring)."""
-        mode = call.mode if call.mode is not None else self._endpoint.controller.mode
+        mode = call.mode if call.mode is not None else call.endpoint.controller.mode
         return exc is not None and outcome_of(exc) == "overloaded" and mode != "fixed"
 
-    def _tries_allowed(self, exc: BaseException | None, call: _Call) -> int:
+    def _tries_allowed(self, exc: BaseException | None, call: Call) -> int:
         """Total tries a call may take, given how its last attempt failed."""
         congestion = self._is_congestion(exc, call)
         return self._retry.load_attempts if congestion else self._retry.attempts
 
-    def _spend(self, exc: BaseException, call: _Call) -> bool:
+    def _spend(self, exc: BaseException, call: Call) -> bool:
         """Take one token for a retry that is about to happen (none for congestion)."""
         if self._is_congestion(exc, call):
             return True
@@ -674,7 +648,7 @@ class RequestPath:
         return False
 
     async def _retry_loop(
-        self, op: Callable[[], Awaitable[T]], failure: DSClientError, label: str, call: _Call
+        self, op: Callable[[], Awaitable[T]], failure: DSClientError, label: str, call: Call
     ) -> tuple[T, int]:
         """Retry ``op`` after ``failure`` (retryable) until it succeeds or may not go on.
 
@@ -704,7 +678,7 @@ class RequestPath:
                     "dsclient: %s lost its connection to %s; trying another server now "
                     "(outside the retry budget)",
                     label,
-                    call.endpoint.url if call.endpoint is not None else "a server",
+                    call.endpoint.url,
                 )
             elif outage is not None:
                 try:
@@ -761,13 +735,16 @@ class RequestPath:
 _AVOID_NONE: frozenset[str] = frozenset()
 
 
-class _Call:
+class Call:
     """What the attempts of one call share: the time queued for slots, the outage its last
-    connection failed in, and with a pool: its model and prefix (for the router), the server of
-    its last attempt, the servers it failed on, whether it may fail over at once."""
+    connection failed in, its model and prefix (for the backend's router), the server of its
+    last attempt (before the first: the backend's first server), the servers it failed on,
+    whether it may fail over at once, and ``cut``: the server of the attempt in flight when the
+    call was cancelled (by its deadline), ``None`` if none was."""
 
     __slots__ = (
         "avoid",
+        "cut",
         "endpoint",
         "failover",
         "miss_at",
@@ -778,12 +755,13 @@ class _Call:
         "queued_s",
     )
 
-    def __init__(self, model: Any = None, prefix: str | None = None) -> None:
+    def __init__(self, endpoint: Endpoint, model: Any = None, prefix: str | None = None) -> None:
         self.queued_s = 0.0
         self.outage: int | None = None
         self.model: str | None = model if isinstance(model, str) else None
         self.prefix = prefix
-        self.endpoint: Endpoint | None = None
+        self.endpoint = endpoint
+        self.cut: Endpoint | None = None
         self.avoid: frozenset[str] = _AVOID_NONE
         self.failover = False
         self.mode: str | None = None

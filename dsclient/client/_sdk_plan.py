@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 from .._exceptions import ContextOverflow, parse_json
 from .._http import httpx
 from ..governor._governor import choose_lane, default_long_threshold
-from ..governor._routing import prefix_text
 
 if TYPE_CHECKING:
     from ..governor._governor import Lane
@@ -258,7 +257,7 @@ async def plan_request(
     if changed:
         content = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
     model = body.get("model")
-    prefix = prefix_text(prompt) if prompt is not None and client._pool is not None else None
+    prefix = client._backend.prefix_of(prompt) if prompt is not None else None
     return Governed(
         content, lane, urgency, group, stream, model if isinstance(model, str) else None, prefix
     )

@@ -16,8 +16,8 @@ from ._request import Lane, Prompt, deadline
 from ._streaming import delta_of, sse_events
 
 if TYPE_CHECKING:
+    from ..governor._backend import Lease
     from ._client import AsyncClient
-    from ._pipeline import Lease
 
 __all__ = ["Stream"]
 

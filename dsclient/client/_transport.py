@@ -103,8 +103,9 @@ from ._streaming import MAX_BODY_BYTES
 if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
 
+    from ..governor._backend import Lease
     from ._client import AsyncClient
-    from ._pipeline import Answer, Lease
+    from ._pipeline import Answer, Call
 
 __all__ = [
     "INFERENCE_PATHS",
@@ -199,6 +200,7 @@ class GovernedTransport(httpx.AsyncBaseTransport):
         start = client._clock()
         ends_at, limit_s = _deadline_of(request)
         planned: Governed | None = None
+        call: Call | None = None
         try:
             async with client._deadline(limit_s):
                 plan = await plan_request(client, kind, content, options, self._defaults)
@@ -208,19 +210,23 @@ class GovernedTransport(httpx.AsyncBaseTransport):
                     return plan
                 planned = plan
                 outgoing = self._outgoing(path, query, forwarded, planned.content)
+                call = client._path.new_call(planned.model, planned.prefix)
                 sent = await client._path.send_raw(
                     outgoing,
                     lane=planned.lane,
                     urgency=planned.urgency,
                     group=planned.group,
                     stream=planned.stream,
-                    model=planned.model,
-                    prefix=planned.prefix,
+                    call=call,
                 )
         except Exception as exc:
             failure: Exception = exc
             if isinstance(exc, builtins.TimeoutError):
-                failure = TimeoutError(f"call did not finish within its timeout of {limit_s} s")
+                failure = late = TimeoutError(
+                    f"call did not finish within its timeout of {limit_s} s"
+                )
+                if call is not None and call.cut is not None:
+                    late.server = call.cut.url  # cut in flight there: its record names it
             if client._observers:
                 self._observe(kind, planned, failure, None, start)
             if failure is not exc:
@@ -363,7 +369,9 @@ class GovernedTransport(httpx.AsyncBaseTransport):
         client._notify(
             CallRecord(
                 kind=record_kind,
-                server=getattr(sent, "server", None) or client.url,
+                server=getattr(sent, "server", None)
+                or getattr(error, "server", None)
+                or client.url,
                 lane=planned.lane if planned is not None else None,
                 group=planned.group if planned is not None else None,
                 error=error_name,

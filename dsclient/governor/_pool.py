@@ -39,6 +39,7 @@ timeout and ``outage_wait``, after which they fail with :class:`~dsclient.Connec
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -50,11 +51,22 @@ import anyio
 
 from .._exceptions import ConnectionError, DSClientError, Overloaded, ServerError
 from .._exceptions import TimeoutError as DSTimeoutError
-from ._governor import Governor, Lane, Slot
+from ..client._discovery import ServerInfo
+from ._governor import Governor, GovernorStats, Lane, Slot
 from ._health import Reachability
-from ._routing import CircuitBreaker, NoServer, Route, Router, RouteRequest, ServerState
+from ._routing import (
+    CircuitBreaker,
+    NoServer,
+    Route,
+    Router,
+    RouteRequest,
+    ServerState,
+    prefix_text,
+)
 
 if TYPE_CHECKING:
+    from .._http import httpx
+    from ._backend import Lease
     from ._endpoint import Endpoint, Health
 
 __all__ = ["NoServerError", "PoolSlot", "ServerPool"]
@@ -133,7 +145,8 @@ def _health_of(breaker: CircuitBreaker) -> Callable[[], Health]:
 
 
 class ServerPool:
-    """The servers of one client, a front governor per model, the router and the breakers.
+    """The servers of one client, a front governor per model, the router and the breakers: the
+    :class:`~dsclient.governor._backend.Backend` of a client of several servers.
 
     Parameters:
         endpoints: one :class:`~dsclient.governor._endpoint.Endpoint` per server, in the caller's
@@ -213,6 +226,57 @@ class ServerPool:
     @property
     def in_flight(self) -> int:
         return sum(e.governor.in_flight for e in self.endpoints)
+
+    def stats(self, model: str | None) -> GovernorStats:
+        """The calls of ``model`` as they wait and run (its front queue), against the sum of
+        the limits of the servers that serve it; each server's own is in its view."""
+        return dataclasses.replace(self.front(model).stats(), limit=self.limit_for(model))
+
+    def info(self, model: str | None) -> ServerInfo | None:
+        """Several servers as one for planning (``None`` before any was discovered): the
+        first that serves ``model``, with the smallest context of those that do; incomplete
+        while none does."""
+        if all(e.info is None for e in self.endpoints):
+            return None
+        serving = [e.info for e in self.serving(model) if e.info is not None]
+        if not serving:
+            first = self.endpoints[0].info
+            kinds = {e.info.kind for e in self.endpoints if e.info is not None}
+            return ServerInfo(
+                url=self.endpoints[0].url,
+                kind=kinds.pop() if len(kinds) == 1 else "unknown",
+                model=model,
+                sources=first.sources if first is not None else {},
+                complete=False,
+            )
+        contexts = [i.max_model_len for i in serving if i.max_model_len is not None]
+        return dataclasses.replace(
+            serving[0],
+            max_model_len=min(contexts) if contexts else None,
+            has_tokenize=any(i.has_tokenize for i in serving),
+        )
+
+    def discovered(self, endpoint: Endpoint) -> None:
+        """The fronts follow what a server serves. A server whose discovery got no answer from
+        ``/v1/models`` stays out of rotation until a probe answers (:meth:`run_health` then
+        discovers it again)."""
+        info = endpoint.info
+        if info is None or not info.complete:
+            self.router.record_failure(endpoint.url, "connect")
+            logger.warning(
+                "dsclient: %s/v1/models did not answer; it stays out of rotation until it does",
+                endpoint.url,
+            )
+        self.refresh()  # the fronts follow the servers that serve each model
+
+    def rediscover_due(self) -> bool:
+        """Always: a call that finds no server discovered for its model asks again (the
+        health loop rediscovers each server that answers again, on its breaker's backoff)."""
+        return True
+
+    def prefix_of(self, prompt: object) -> str | None:
+        """The text the router matches against the prefixes each server probably caches."""
+        return prefix_text(prompt)
 
     @property
     def fronts(self) -> Mapping[str | None, Governor]:
@@ -318,6 +382,10 @@ class ServerPool:
         return 0
 
     # -- one attempt ---------------------------------------------------------------------------
+    def gate_is_open(self, model: str | None) -> bool:
+        """Whether a server for ``model`` is in rotation (:meth:`gate` would return at once)."""
+        return any(self.in_rotation(e) for e in self.serving(model))
+
     async def gate(self, model: str | None) -> None:
         """Return at once while a server for ``model`` is in rotation; else wait (probing every
         server) until one is, within ``outage_wait`` (then ``ConnectionError``)."""
@@ -377,10 +445,16 @@ class ServerPool:
             await front.__aexit__(type(exc), exc, exc.__traceback__)
             raise
 
-    def settle(self, slot: PoolSlot, exc: BaseException | None, model: str | None) -> bool:
+    def server_of(self, lease: Lease) -> Endpoint:
+        """The server the router chose for the attempt holding ``lease``."""
+        if not isinstance(lease, PoolSlot):
+            raise TypeError(f"not a slot of this pool: {lease!r}")
+        return lease.endpoint
+
+    def settle(self, lease: Lease, exc: BaseException | None, model: str | None) -> bool:
         """Tell the breaker how an attempt went. Returns whether another server for the same
         model is still in rotation after a failure (the call may fail over at once)."""
-        url = slot.endpoint.url
+        url = self.server_of(lease).url
         router = self.router
         if exc is None:
             router.record_success(url)
@@ -408,6 +482,23 @@ class ServerPool:
             if event is not None:
                 event.set()
         return any(self.in_rotation(e) for e in self.serving(model) if e.url != url)
+
+    # -- background work -------------------------------------------------------------------------
+    def needs_background(self) -> bool:
+        """Always: the router compares the servers' gauges, and the breakers need probes."""
+        return True
+
+    async def run(
+        self,
+        http: httpx.AsyncClient,
+        rediscover: Callable[[Endpoint], Awaitable[None]],
+    ) -> None:
+        """Each server's load poller and the health loop (:meth:`run_health`), until
+        cancelled."""
+        async with anyio.create_task_group() as group:
+            group.start_soon(self.run_health, rediscover)
+            for endpoint in self.endpoints:
+                group.start_soon(endpoint.run_poller, http)
 
     # -- health --------------------------------------------------------------------------------
     async def _probe_each(self, urls: Iterable[str]) -> dict[str, bool]:

@@ -149,6 +149,22 @@ async def success_total(url: str) -> int:
     return round(metric_sum(text, "vllm:request_success_total", skip=skip))
 
 
+async def refused_total(url: str) -> int:
+    """``/v1/completions`` requests the server answered with a 4xx (the ``http_requests_total``
+    counter vLLM's HTTP layer keeps). A new vLLM process starts it from 0."""
+    text = await _metrics(url)
+    total = 0.0
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        if (
+            series.startswith("http_requests_total{")
+            and 'handler="/v1/completions"' in series
+            and 'status="4xx"' in series
+        ):
+            total += float(value)
+    return round(total)
+
+
 async def gauges(url: str) -> tuple[int, int]:
     """``(running, waiting)`` as the server reports them now."""
     text = await _metrics(url)

@@ -26,7 +26,7 @@ import pytest
 import dsclient
 from dsclient import AsyncClient, BatchResults, CompletionResult, Retry, ServerView
 from dsclient.launcher import LaunchError, make_tiny_model, resolve_server_python
-from tests.integration.killable import KillableServer, gauges, success_total
+from tests.integration.killable import KillableServer, gauges, refused_total, success_total
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -330,6 +330,31 @@ async def test_each_server_runs_no_more_than_its_client_limit(servers: Servers) 
     assert set(answered) == set(peak), dict(answered)  # both servers took part
     # A call never waited on the client while a server had room.
     assert violations == [], violations[:3]
+
+
+async def test_failed_calls_are_recorded_against_the_server_that_refused_them(
+    servers: Servers,
+) -> None:
+    """Calls both servers refuse (a negative temperature: vLLM answers 400) are each recorded
+    under the server that refused it, as that server counts it: the per-server Prometheus
+    series of failures match the servers' own. (Every failure was once counted against the
+    first server.)"""
+    await servers.ensure_up()
+    urls = [servers.plain, servers.killable.url]
+    before = {url: await refused_total(url) for url in urls}
+    seen: list[dsclient.CallRecord] = []
+    async with AsyncClient(urls, model="tiny", limit=2, retry=Retry(attempts=1)) as client:
+        client.add_observer(seen.append)
+        results = await client.map(
+            [f"Item {i}" for i in range(24)], max_tokens=4, temperature=-1.0, progress=False
+        )
+    assert len(results.failures) == 24
+    refused = {url: await refused_total(url) - before[url] for url in urls}
+    recorded = Counter(r.server for r in seen if r.error == "RequestRefused")
+    _progress(f"refused per server: by the servers {refused}, in the records {dict(recorded)}")
+    assert sum(refused.values()) == 24
+    assert dict(recorded) == {url: n for url, n in refused.items() if n}
+    assert len(recorded) == 2  # both servers took calls (a limit of 2 each, 24 at once)
 
 
 async def test_every_server_down_fails_typed_within_outage_wait() -> None:
