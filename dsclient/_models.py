@@ -82,6 +82,17 @@ class Result(BaseModel):
         return result_html(self)
 
     @classmethod
+    def _rebuilt(cls: type[_R], raw_data: dict[str, Any], **fields: Any) -> _R:
+        """Build from ``fields``, validated as the constructor does, with ``raw_data`` as the
+        server's answer that ``raw`` is read from (a result rebuilt from a results file).
+
+            Result._rebuilt(body, text="Paris", finish_reason="stop", usage=usage, latency_s=0.0)
+        """
+        result = cls(**fields)
+        result._raw_data = raw_data
+        return result
+
+    @classmethod
     def _trusted(
         cls: type[_R],
         *,

@@ -172,7 +172,8 @@ class MapRecords:
         prompt_tokens, completion_tokens = _usage_of(record)
         max_tokens = _count(record.get("max_tokens"))
         cls = ChatResult if kind == "chat" else CompletionResult
-        result = cls(
+        return cls._rebuilt(
+            raw_from_fields(kind, record),
             text=record["text"],
             finish_reason=_text(record.get("finish_reason")),
             usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
@@ -185,8 +186,6 @@ class MapRecords:
             server=_text(record.get("server")),
             degraded=_text(record.get("degraded")),
         )
-        result._raw_data = raw_from_fields(kind, record)
-        return result
 
 
 def _count(value: Any) -> int:

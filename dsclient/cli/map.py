@@ -103,7 +103,8 @@ class BatchRecords:
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
         finish = choice.get("finish_reason")
         cls = ChatResult if chat else CompletionResult
-        result = cls(
+        return cls._rebuilt(
+            body,
             text=(choice["message"].get("content") or "") if chat else choice["text"],
             finish_reason=finish if isinstance(finish, str) else None,
             usage=Usage(
@@ -113,8 +114,6 @@ class BatchRecords:
             latency_s=0.0,  # not in OpenAI's shape
             index=index,
         )
-        result._raw_data = body
-        return result
 
 
 BATCH_RECORDS = BatchRecords()
