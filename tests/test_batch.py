@@ -169,7 +169,7 @@ async def test_input_is_read_lazily(order, window):
         options = _batch._Options(
             "return", False, None, False, None, 0, None, None, {}, order, window or 1
         )
-        run = _batch._run_batch(client, items(), options)
+        run = _batch._run_batch(client, client._caller, client._planner, items(), options)
         async with contextlib.aclosing(run) as results:
             async for _ in results:
                 yielded += 1
@@ -203,7 +203,7 @@ async def test_map_reads_at_most_the_cap_ahead_of_what_is_done(order, window):
         options = _batch._Options(
             "return", False, None, False, None, 0, None, None, {}, order, window or 1
         )
-        await _batch._run_direct(client, items(), count, options)
+        await _batch._run_direct(client, client._caller, client._planner, items(), count, options)
         assert done == 200
         # Workers: the limit plus a few waiting in the governor (the controller's demand), plus
         # the window order="shape" reads ahead of what has started.

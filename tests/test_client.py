@@ -529,7 +529,7 @@ async def test_prompt_near_the_limit_is_counted_exactly_and_max_tokens_cut():
     async with make_client(fake) as client:
         r = await client.generate(prompt, max_tokens=1000)
     sent = fake.bodies[0]["max_tokens"]
-    assert sent == 2048 - 1800 - client._tokens.margin
+    assert sent == 2048 - 1800 - client._planner.tokens.margin
     assert r.max_tokens == sent
     assert r.lane == "long"
 
@@ -603,7 +603,7 @@ async def test_calibration_puts_a_long_prompt_in_the_long_lane_without_counting_
 
     fake = FakeServer(tokenize=tokenize, max_model_len=2048)
     async with make_client(fake, tokenizer=lambda text: len(text.split())) as client:
-        assert client._tokens.correction == pytest.approx(3.0)
+        assert client._planner.tokens.correction == pytest.approx(3.0)
         # 300 words: 300 locally, 900 served; even the low end of the bound (after a single
         # calibration sample) + 64 out is over the 512 threshold, so no count is needed.
         r = await client.generate(" ".join(["word"] * 300), max_tokens=64)
@@ -620,11 +620,11 @@ async def test_an_estimate_straddling_the_lane_threshold_is_counted_exactly():
 
     fake = _NoCalibration(tokenize=tokenize, max_model_len=2048)
     async with make_client(fake, tokenizer=lambda text: len(text.split())) as client:
-        assert client._tokens.samples == 0
+        assert client._planner.tokens.samples == 0
         # 250 words: estimate 250 +- 133 (+ 256 out) straddles 512; served it is 750 + 256.
         r = await client.generate(" ".join(["word"] * 250), max_tokens=256)
         assert r.lane == "long"
-        assert client._tokens.correction == pytest.approx(3.0)  # learned from that count
+        assert client._planner.tokens.correction == pytest.approx(3.0)  # learned from that count
         # Clearly short prompts are never counted, even before calibration.
         r = await client.generate("a b c", max_tokens=16)
         assert r.lane == "short"
@@ -646,7 +646,7 @@ async def test_observers_hear_every_call_and_cannot_break_it():
         raise RuntimeError("observer bug")
 
     async with make_client(fake) as client:
-        client._observers += [records.append, broken]
+        client._caller.observers += [records.append, broken]
         await client.generate("x", max_tokens=2)
         with pytest.raises(RequestRefused):
             await client.generate("y", max_tokens=2)

@@ -143,7 +143,7 @@ async def test_calls_through_client_openai_are_counted_as_generate_calls_are():
     for name, calls in (("generate", three_calls), ("openai", three_calls_through_openai)):
         async with make_client(three_calls_server()) as client:
             records: list[CallRecord] = []
-            client._observers.append(records.append)
+            client._caller.observers.append(records.append)
             registry = CollectorRegistry()
             registry.register(dsclient.metrics.Collector(client))
             await calls(client)
@@ -180,7 +180,7 @@ async def test_histogram_buckets_follow_prometheus_le_and_are_cumulative():
     registry = CollectorRegistry()
     collector = dsclient.metrics.Collector(client, latency_buckets=[1, 2], queue_buckets=[0.5])
     registry.register(collector)
-    observe = client._observers[-1]
+    observe = client._caller.observers[-1]
     for latency in (0.5, 1.0, 1.5, 5.0):  # 1.0 lands in le="1.0": le means <=
         observe(record(latency_s=latency, queued_s=latency / 10))
     observe(record(lane=None, error="ConnectionError", queued_s=None, attempts=3))
@@ -203,15 +203,15 @@ async def test_histogram_buckets_follow_prometheus_le_and_are_cumulative():
 
 async def test_close_stops_counting_and_two_collectors_clash_at_register():
     client = make_client(FakeServer())
-    before = list(client._observers)
+    before = list(client._caller.observers)
     with dsclient.metrics.Collector(client) as collector:
-        assert len(client._observers) == len(before) + 1
+        assert len(client._caller.observers) == len(before) + 1
         registry = CollectorRegistry()
         registry.register(collector)
         with pytest.raises(ValueError, match="Duplicated timeseries"):
             registry.register(dsclient.metrics.Collector(client))
-        client._observers.pop()  # the refused collector's observer
-    assert client._observers == before
+        client._caller.observers.pop()  # the refused collector's observer
+    assert client._caller.observers == before
     collector.close()  # idempotent
     await client.aclose()
 
@@ -238,7 +238,7 @@ async def test_calls_are_counted_under_the_server_that_answered():
     registry = CollectorRegistry()
     collector = dsclient.metrics.Collector(client)
     registry.register(collector)
-    observe = client._observers[-1]
+    observe = client._caller.observers[-1]
     other = "http://user:pw@10.0.0.2:8000"  # the server of a record, credentials and all
     observe(record(prompt_tokens=3))
     observe(record(server=other, attempts=3, completion_tokens=5))
@@ -318,7 +318,7 @@ async def test_start_http_server_serves_the_families_until_closed():
             assert 'dsclient_requests_total{lane="short",outcome="ok",server=' in text
             assert "dsclient_in_flight" in text and "dsclient_limit" in text
             assert "python_gc" not in text  # a fresh registry: dsclient's families only
-        assert server.collector._tallies[0] not in client._observers
+        assert server.collector._tallies[0] not in client._caller.observers
         async with httpx.AsyncClient() as http:
             with pytest.raises(httpx.ConnectError):
                 await http.get(server.url)
@@ -367,7 +367,7 @@ async def test_missing_packages_fail_only_when_used(monkeypatch):
         dsclient.metrics.Collector(client)
     with pytest.raises(ImportError, match=r"pip install 'dsclient\[metrics\]'"):
         dsclient.metrics.trace(client)
-    assert client._observers == []
+    assert client._caller.observers == []
     await client.aclose()
 
 

@@ -88,7 +88,7 @@ async def collector_metric_names() -> set[str]:
         client._endpoint.observe_load(
             Load(source="vllm /metrics", running=3, waiting=1, kv_usage=0.25), client._clock()
         )
-        client._observers[-1](record(completion_tokens=2, prompt_tokens=3))
+        client._caller.observers[-1](record(completion_tokens=2, prompt_tokens=3))
         exported = {name for name, _ in scrape(registry)}
         # Families still without samples (a gauge unknown in this state) count by their name.
         for family in collector.describe():

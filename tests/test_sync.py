@@ -81,10 +81,10 @@ def test_client_map_and_imap_take_the_batch_runners_parameters():
     from dsclient.batch._batch import iter_map, run_map
 
     assert _parameters(dsclient.Client.map, drop=("self",)) == _parameters(
-        run_map, drop=("client",)
+        run_map, drop=("client", "caller", "planner")
     )
     assert _parameters(dsclient.Client.imap, drop=("self",)) == _parameters(
-        iter_map, drop=("client",)
+        iter_map, drop=("client", "caller", "planner")
     )
 
 

@@ -527,7 +527,7 @@ def test_the_sync_client_gives_openai_and_httpx_clients():
     stub = Stub()
     with Client(URL, transport=stub.transport, adaptive=False) as client:
         records: list[Any] = []
-        client._async._observers.append(records.append)
+        client._async._caller.observers.append(records.append)
         sdk = client.openai()
         assert isinstance(sdk, openai.OpenAI) and sdk.max_retries == 0
         r = sdk.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4)
@@ -589,7 +589,7 @@ async def test_langchain_takes_the_httpx_client():
 # -- observers (dsclient.metrics) ---------------------------------------------------------------
 def observed(client: AsyncClient) -> list[Any]:
     records: list[Any] = []
-    client._observers.append(records.append)
+    client._caller.observers.append(records.append)
     return records
 
 
@@ -672,7 +672,7 @@ async def test_an_observer_that_raises_does_not_fail_the_call_or_keep_the_slot()
 
     stub = Stub()
     async with make_client(stub, limit=1) as client:
-        client._observers.append(broken)
+        client._caller.observers.append(broken)
         sdk = client.openai()
         await sdk.completions.create(model="tiny", prompt="x", max_tokens=2)
         stream = await sdk.chat.completions.create(

@@ -51,7 +51,7 @@ from collections.abc import (
 )
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, TypeVar, cast
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -72,7 +72,9 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup
     from anyio.from_thread import BlockingPortal
 
+    from ..client._caller import Caller
     from ..client._client import AsyncClient
+    from ..client._planner import Planner
 
 __all__ = ["BatchResults", "InvalidItem", "iter_map", "iter_map_blocking", "run_map"]
 
@@ -451,14 +453,18 @@ class _Shaped:
 
 
 class _Run:
+    """One batch's items: each read, shaped, called (through ``caller``) and settled."""
+
     def __init__(
         self,
-        client: AsyncClient,
+        caller: Caller,
+        planner: Planner,
         store: JsonlStore | None,
         done_ids: dict[str, int],
         options: _Options,
     ) -> None:
-        self.client = client
+        self.caller = caller
+        self.planner = planner
         self.store = store
         self.done_ids = done_ids
         self.options = options
@@ -510,10 +516,10 @@ class _Run:
         if prepared.offset is not None or isinstance(parsed, Exception):
             return ItemShape(free=True)
         _, prompt, max_tokens, _ = parsed
-        client = self.client
-        wanted = max_tokens if max_tokens is not None else client._default_max_tokens
+        planner = self.planner
+        wanted = max_tokens if max_tokens is not None else planner.default_max_tokens
         return ItemShape(
-            blocks=prefix_of(prompt), cost=predicted_tokens(prompt, wanted, client._tokens)
+            blocks=prefix_of(prompt), cost=predicted_tokens(prompt, wanted, planner.tokens)
         )
 
     async def process(self, prepared: _Prepared) -> _Done:
@@ -529,7 +535,7 @@ class _Run:
         kind, prompt, max_tokens, sampling = parsed
         self.running += 1
         try:
-            result = await self.client._request(
+            result = await self.caller.request(
                 kind,
                 prompt,
                 max_tokens,
@@ -583,6 +589,8 @@ async def iter_map(
     client: AsyncClient,
     items: Iterable[Any] | AsyncIterable[Any],
     *,
+    caller: Caller,
+    planner: Planner,
     on_error: OnError = "return",
     progress: bool | Mapping[str, Any] | None = None,
     output: str | os.PathLike[str] | JsonlStore | None = None,
@@ -610,6 +618,8 @@ async def iter_map(
         )
     run = _run_batch(
         client,
+        caller,
+        planner,
         items,
         _Options(
             on_error, progress, output, resume, max_tokens, urgency, group, timeout, sampling, order
@@ -621,7 +631,11 @@ async def iter_map(
 
 
 async def _open_batch(
-    client: AsyncClient, items: Iterable[Any] | AsyncIterable[Any], options: _Options
+    client: AsyncClient,
+    caller: Caller,
+    planner: Planner,
+    items: Iterable[Any] | AsyncIterable[Any],
+    options: _Options,
 ) -> tuple[_Feed, JsonlStore | None, _Run, Progress]:
     """Check the arguments, discover the server, open the output and the bar."""
     if options.on_error not in _ON_ERROR:
@@ -631,11 +645,11 @@ async def _open_batch(
     if not isinstance(options.resume, bool):
         raise TypeError(f"resume must be a bool, got {type(options.resume).__name__}")
     check_max_tokens(options.max_tokens)
-    client._timeout_of(options.timeout)  # validates
+    caller.timeout_of(options.timeout)  # validates
     source = _Source(items)
     await client.discover()
     store, done_ids = _open_store(options.output, options.resume)
-    run = _Run(client, store, done_ids, options)
+    run = _Run(caller, planner, store, done_ids, options)
     feed: _Feed = (
         _Shaped(source, run, options.window) if options.order == "shape" else _InOrder(source, run)
     )
@@ -650,6 +664,8 @@ async def _open_batch(
 
 async def _run_direct(
     client: AsyncClient,
+    caller: Caller,
+    planner: Planner,
     items: Iterable[Any] | AsyncIterable[Any],
     sink: Callable[[int, Outcome, bool], None],
     options: _Options,
@@ -663,7 +679,7 @@ async def _run_direct(
     stop the batch (``on_error="raise"``, the input raising, the output failing) cancels the
     other workers and is raised as itself, not as an ``ExceptionGroup``.
     """
-    feed, store, run, bar = await _open_batch(client, items, options)
+    feed, store, run, bar = await _open_batch(client, caller, planner, items, options)
     stop: list[BaseException] = []
     started: _Pool | None = None  # the worker pool, once made
     try:
@@ -693,10 +709,14 @@ async def _run_direct(
 
 
 async def _run_batch(
-    client: AsyncClient, items: Iterable[Any] | AsyncIterable[Any], options: _Options
+    client: AsyncClient,
+    caller: Caller,
+    planner: Planner,
+    items: Iterable[Any] | AsyncIterable[Any],
+    options: _Options,
 ) -> AsyncGenerator[tuple[int, Outcome, bool], None]:
     """The run behind ``imap()``: yields ``(index, outcome, read back from the output file)``."""
-    feed, store, run, bar = await _open_batch(client, items, options)
+    feed, store, run, bar = await _open_batch(client, caller, planner, items, options)
     # Errors leave the task group only after it is closed, so callers get the original error,
     # not an ExceptionGroup, and aclose() gets its GeneratorExit back.
     stop: BaseException | None = None
@@ -835,6 +855,8 @@ async def run_map(
     client: AsyncClient,
     items: Iterable[Any] | AsyncIterable[Any],
     *,
+    caller: Caller,
+    planner: Planner,
     ordered: bool = True,
     on_error: OnError = "return",
     progress: bool | Mapping[str, Any] | None = None,
@@ -852,6 +874,7 @@ async def run_map(
         results = await client.map(["Hello", "Bonjour"], max_tokens=16, output="out.jsonl")
 
     Parameters:
+        client: the client whose limit the number of workers follows.
         items: prompts, message lists or request dicts, from an iterable or async iterable,
             read lazily (at most the cap plus a small read-ahead beyond what has finished).
         ordered: input order (default); ``False`` returns completion order.
@@ -870,6 +893,8 @@ async def run_map(
             and the longest (prompt + ``max_tokens``) first, none waiting more than two
             windows of starts (:mod:`dsclient.batch._order`). ``"input"``: in input order, read one
             at a time.
+        caller, planner: the client's own (:class:`~dsclient.client._caller.Caller`: each item's
+            call; :class:`~dsclient.client._planner.Planner`: its predicted tokens).
     """
     start = time.perf_counter()
     outcomes: list[Outcome | None] = []
@@ -887,6 +912,8 @@ async def run_map(
 
     await _run_direct(
         client,
+        caller,
+        planner,
         items,
         keep,
         _Options(
@@ -906,7 +933,8 @@ async def run_map(
 def iter_map_blocking(
     portal: BlockingPortal, client: AsyncClient, items: Any, **kwargs: Any
 ) -> Iterator[tuple[int, Outcome]]:
-    """:func:`iter_map` for synchronous code, run in one task on ``portal``'s loop.
+    """``client.imap(items, **kwargs)`` for synchronous code, run in one task on ``portal``'s
+    loop.
 
     The async iterator runs a task group, so it must be advanced by a single task; this runs
     it in one and hands each outcome over a zero-buffer stream (no read-ahead beyond map's).
@@ -914,7 +942,9 @@ def iter_map_blocking(
     send, receive = anyio.create_memory_object_stream[tuple[int, Outcome]](0)
 
     async def pump() -> None:
-        async with send, aclosing(iter_map(client, items, **kwargs)) as results:
+        # imap()'s iterator is iter_map's generator: closed here, in the task that ran it.
+        results = cast("AsyncGenerator[tuple[int, Outcome], None]", client.imap(items, **kwargs))
+        async with send, aclosing(results):
             async for pair in results:
                 await send.send(pair)
 

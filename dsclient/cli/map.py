@@ -346,7 +346,8 @@ async def _run(
             sampling={},
             order=args.order,
         )
-        await _run_direct(client, requests, count, options)
+        # The batch runner's direct entry (no consumer task): the client's caller and planner.
+        await _run_direct(client, client._caller, client._planner, requests, count, options)
     return total, failed, resumed, time.perf_counter() - start
 
 

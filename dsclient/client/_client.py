@@ -1,11 +1,14 @@
-"""The async client: validation, discovery, token budget and the request path, wired to httpx.
+"""The async client: validation and lifecycle, wiring a planner and a caller to httpx.
 
-The per-server state (governor, limit controller, load) lives in
-:class:`~dsclient.governor._endpoint.
-Endpoint`; the per-attempt path (slot, send once, release with the outcome, retry outside the
-slot) in :mod:`dsclient.client._pipeline`. :meth:`AsyncClient._request` and
-:meth:`AsyncClient._open_stream` are the one internal entry point that calls, streams, ``map()``
-and ``dsclient map`` go through.
+The client composes objects that each have one job: the servers behind one interface
+(:class:`~dsclient.governor._backend.Backend`: one server, or a pool; the per-server state in
+:class:`~dsclient.governor._endpoint.Endpoint`), the per-attempt path (slot, send once, release
+with the outcome, retry outside the slot) in :mod:`dsclient.client._pipeline`, the
+:class:`~dsclient.client._planner.Planner` (discovery, tokens, each call's plan) and the
+:class:`~dsclient.client._caller.Caller` (timeout, degradation, attempts, result, observers).
+:meth:`Caller.request <dsclient.client._caller.Caller.request>` and :meth:`Caller.open_stream
+<dsclient.client._caller.Caller.open_stream>` are the internal entry points that calls, streams,
+``map()`` and ``dsclient map`` go through.
 """
 
 from __future__ import annotations
@@ -42,12 +45,12 @@ from ..governor._health import Reachability
 from ..governor._pool import ServerPool
 from ..governor._routing import Router, RoutingPolicy
 from ..governor._shared import SharedBudget
-from ._client_calls import CallsMixin
-from ._client_discovery import DiscoveryMixin
-from ._degrade import Degrade, Pace
+from ._caller import Caller
+from ._degrade import Degrade
 from ._discovery import DEFAULT_MAX_NUM_SEQS, ServerInfo
 from ._options import Secret, check_options, handle_tokenizer, servers_of
 from ._pipeline import RequestPath
+from ._planner import Planner
 from ._request import (
     USE_DEFAULT,
     Messages,
@@ -67,6 +70,8 @@ from ._tokens import (
 if TYPE_CHECKING:
     import openai
 
+    from ._transport import GovernedTransport
+
 
 __all__ = ["USE_DEFAULT", "AsyncClient", "Messages", "Prompt", "Stream", "UseDefault"]
 
@@ -78,7 +83,7 @@ logger = logging.getLogger("dsclient")
 _CONNECT_TIMEOUT_S = 10.0
 
 
-class AsyncClient(CallsMixin, DiscoveryMixin):
+class AsyncClient:
     """An async client for an OpenAI-compatible LLM server that governs its own concurrency.
 
         async with dsclient.AsyncClient("http://127.0.0.1:8000") as client:
@@ -233,25 +238,16 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
             degrade=degrade,
             routing=routing,
         )
-        self._degrade = degrade
-        self._pace = Pace()
         key = api_key or os.environ.get("DSCLIENT_API_KEY") or os.environ.get("OPENAI_API_KEY")
         self._api_key = Secret(key) if key else None
-        self._model = model
-        self._timeout = float(timeout) if timeout is not None else None
         self._retry = retry if retry is not None else Retry()
         self._budget = RetryBudget(
             ratio=self._retry.budget_ratio,
             floor=self._retry.budget_floor,
             window=self._retry.budget_window,
         )
-        self._explicit_max_num_seqs = max_num_seqs
         if server_priority is not None and not isinstance(server_priority, bool):
             raise TypeError(f"server_priority must be a bool or None, got {server_priority!r}")
-        self._server_priority = server_priority
-        self._explicit_max_model_len = max_model_len
-        self._long_threshold = long_threshold
-        self._default_max_tokens = default_max_tokens
         self._clock = clock
         # Until discovery runs, the limit uses the explicit value or the default guess.
         options = ControlOptions(
@@ -279,9 +275,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         if shared is not None:
             self._shared = SharedBudget(Secret(shared), key=shared_key, server_url=url)
             self._endpoint.use_shared(self._shared)
-        self._tokens = TokenCounter(
-            tokenizer if tokenizer is not None else handle_tokenizer(handle)
-        )
+        tokens = TokenCounter(tokenizer if tokenizer is not None else handle_tokenizer(handle))
         request_headers = {"User-Agent": "dsclient/0.1"}
         request_headers.update(headers or {})
         if self._api_key is not None:
@@ -332,15 +326,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
             rng=self._rng,
             max_body_bytes=max_response_bytes,
         )
-        self._observers: list[Observer] = []
-        self._discover_lock = anyio.Lock()
-        self._join_lock = anyio.Lock()
-        self._tokenize_limiter = anyio.CapacityLimiter(8)
-        self._closed = False
-        self._poller_scope: anyio.CancelScope | None = None
-        self._poller_task: asyncio.Task[None] | None = None
-        self._task_group: Any = None
-        self._handle_facts = {
+        handle_facts = {
             root: {
                 key: value
                 for key in ("max_num_seqs", "max_model_len")
@@ -349,6 +335,38 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
             for root, h in servers
             if h is not None
         }
+        #: What each call sends and where (discovery, tokens, the plan); its readiness is the
+        #: client's, which also starts the background tasks.
+        self._planner = Planner(
+            self._http,
+            self._backend,
+            tokens,
+            model=model,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            server_priority=server_priority,
+            long_threshold=long_threshold,
+            default_max_tokens=default_max_tokens,
+            handle_facts=handle_facts,
+            retry=self._retry,
+            rng=self._rng,
+            sleep=self._sleep,
+            ready=self._ready,
+        )
+        #: Each call from its plan to its result and record.
+        self._caller = Caller(
+            self._path,
+            self._planner,
+            url=self._endpoint.url,
+            timeout=float(timeout) if timeout is not None else None,
+            degrade=degrade,
+            clock=clock,
+        )
+        self._join_lock = anyio.Lock()
+        self._closed = False
+        self._poller_scope: anyio.CancelScope | None = None
+        self._poller_task: asyncio.Task[None] | None = None
+        self._task_group: Any = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncClient:
@@ -391,6 +409,20 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
                 await self._shared.aclose()  # the leases go back now, not in LEASE_S
         await self._http.aclose()
 
+    async def discover(self, *, refresh: bool = False) -> ServerInfo:
+        """Find the server's kind, model, context and ``max_num_seqs`` (once; cached).
+
+        Also scrapes ``/metrics`` once (whether the limit can follow the server's queue) and,
+        where the server has ``/tokenize``, calibrates the local token estimate on a sample text.
+        A discovery that got no answer from ``/v1/models`` (``server.complete`` is false) is not
+        final: later calls ask again, with a backoff (0.5 s doubling to 30 s, jittered), and a
+        call that needs the model to send waits for the answer.
+        """
+        return await self._planner.discover(refresh=refresh)
+
+    async def _probe_url(self, url: str) -> bool:
+        return await self._path.probe_url(url)
+
     def _needs_poller(self) -> bool:
         """Whether a background task has work: scraping an adaptive limit's server, syncing a
         shared budget, or probing the servers of a pool that leave the rotation."""
@@ -401,11 +433,11 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
             self._poller_scope = scope
             shared = self._shared
             if shared is None:
-                await self._backend.run(self._http, self._rediscover_endpoint)
+                await self._backend.run(self._http, self._planner.rediscover_endpoint)
                 return
             async with anyio.create_task_group() as group:
                 group.start_soon(shared.run, self._endpoint)
-                group.start_soon(self._backend.run, self._http, self._rediscover_endpoint)
+                group.start_soon(self._backend.run, self._http, self._planner.rediscover_endpoint)
 
     def _ensure_poller(self) -> None:
         """Outside ``async with`` (a client used bare, or the sync ``Client``), start the poller as
@@ -424,13 +456,10 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
     async def _ready(self) -> ServerInfo:
         if self._closed:
             raise RuntimeError("this AsyncClient is closed")
-        info = self._info()
-        if info is None:
-            info = await self.discover()
-        if not info.complete:
-            info = await self._rediscover()
-            if not info.complete and self._model is None:
-                info = await self._wait_for_listing()
+        planner = self._planner
+        info = planner.info()
+        if info is None or not info.complete:
+            info = await planner.discovered()
         if self._poller_scope is None and self._poller_task is None:
             shared = self._shared
             if shared is not None and shared.last is None and not shared.state.failures:
@@ -445,7 +474,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         urls = self.urls
         where = f"urls={list(urls)!r}" if len(urls) > 1 else f"url={self.url!r}"
         return (
-            f"AsyncClient({where}, model={self._model!r}, limit={self.limit}, "
+            f"AsyncClient({where}, model={self._planner.model!r}, limit={self.limit}, "
             f"in_flight={self.in_flight}, api_key={'***' if self._api_key else None}"
             + (f", shared={self._shared.display_url!r}" if self._shared is not None else "")
             + ")"
@@ -464,7 +493,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
 
     @property
     def model(self) -> str | None:
-        return self._model
+        return self._planner.model
 
     @property
     def server(self) -> ServerInfo | None:
@@ -472,7 +501,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         ``max_num_seqs`` (``server.sources["max_num_seqs"]`` then says so). With several
         servers: the first server that serves the model, with the smallest context among them
         (each server's own is in :attr:`servers`)."""
-        return self._info()
+        return self._planner.info()
 
     @property
     def limit(self) -> int:
@@ -482,7 +511,8 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         shared = self._shared
         if shared is not None and self._endpoint.shared_active and shared.limit is not None:
             return shared.limit
-        return self._backend.limit_for(self._model)  # with a pool: those in rotation serving it
+        # With a pool: those in rotation serving it.
+        return self._backend.limit_for(self._planner.model)
 
     @property
     def in_flight(self) -> int:
@@ -516,13 +546,14 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         """Call ``observer(record)`` with a :class:`~dsclient.CallRecord` for every finished
         call (see :mod:`dsclient._observe`); returns a function that removes it. An observer
         that raises is logged and ignored."""
-        self._observers.append(observer)
+        observers = self._caller.observers
+        observers.append(observer)
 
         def remove() -> None:
             # By identity: list.remove compares with ==, which an observer may define.
-            for i, known in enumerate(self._observers):
+            for i, known in enumerate(observers):
                 if known is observer:
-                    del self._observers[i]
+                    del observers[i]
                     return
 
         return remove
@@ -533,7 +564,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         learned capacity."""
         # With several servers: the calls of the client's model as they wait and run (the
         # pool's front queue), against the sum of the limits; each server's own in .servers.
-        return self._backend.stats(self._model)
+        return self._backend.stats(self._planner.model)
 
     # -- public calls ------------------------------------------------------------------------
     async def generate(
@@ -568,7 +599,7 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         """
         check_prompt(prompt)
         check_max_tokens(max_tokens)
-        result = await self._request(
+        result = await self._caller.request(
             "completion", prompt, max_tokens, urgency, group, timeout, sampling, degrade=degrade
         )
         assert isinstance(result, CompletionResult)
@@ -593,11 +624,20 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         """
         check_messages(messages)
         check_max_tokens(max_tokens)
-        result = await self._request(
+        result = await self._caller.request(
             "chat", messages, max_tokens, urgency, group, timeout, sampling, degrade=degrade
         )
         assert isinstance(result, ChatResult)
         return result
+
+    async def count_tokens(self, prompt: Prompt, *, exact: bool = True) -> int:
+        """Tokens in a prompt or message list: exact via the server's ``/tokenize`` when it
+        has one and ``exact`` is true, else the local (corrected) estimate."""
+        if isinstance(prompt, str):
+            check_prompt(prompt)
+        else:
+            check_messages(prompt)
+        return await self._planner.count_tokens(prompt, exact=exact)
 
     def stream(
         self,
@@ -623,7 +663,10 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         else:
             check_messages(prompt)
         check_max_tokens(max_tokens)
-        return Stream(self, prompt, max_tokens, urgency, group, self._timeout_of(timeout), sampling)
+        caller = self._caller
+        return Stream(
+            caller, prompt, max_tokens, urgency, group, caller.timeout_of(timeout), sampling
+        )
 
     async def map(
         self,
@@ -654,6 +697,8 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         return await run_map(
             self,
             items,
+            caller=self._caller,
+            planner=self._planner,
             ordered=ordered,
             on_error=on_error,
             progress=progress,
@@ -691,6 +736,8 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         return iter_map(
             self,
             items,
+            caller=self._caller,
+            planner=self._planner,
             on_error=on_error,
             progress=progress,
             output=output,
@@ -702,15 +749,6 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
             order=order,
             **sampling,
         )
-
-    def _timeout_of(self, timeout: float | UseDefault | None) -> float | None:
-        if isinstance(timeout, UseDefault):
-            return self._timeout
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(
-                f"timeout must be a positive number of seconds or None, got {timeout!r}"
-            )
-        return float(timeout) if timeout is not None else None
 
     # -- other SDKs over this client (dsclient/client/_transport.py) ------------------------
     def openai(
@@ -739,9 +777,8 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         """
         from ._transport import async_openai
 
-        sdk: openai.AsyncOpenAI = async_openai(
-            self, urgency=urgency, group=group, overflow=overflow, **kwargs
-        )
+        transport = self._governed(urgency=urgency, group=group, overflow=overflow)
+        sdk: openai.AsyncOpenAI = async_openai(transport, **kwargs)
         return sdk
 
     def httpx(
@@ -764,4 +801,22 @@ class AsyncClient(CallsMixin, DiscoveryMixin):
         """
         from ._transport import async_httpx
 
-        return async_httpx(self, urgency=urgency, group=group, overflow=overflow, **kwargs)
+        transport = self._governed(urgency=urgency, group=group, overflow=overflow)
+        return async_httpx(transport, **kwargs)
+
+    def _governed(
+        self, *, urgency: int, group: str | None, overflow: Literal["refuse", "cut"]
+    ) -> GovernedTransport:
+        """The governed transport over this client's caller, planner and connections: what
+        :meth:`openai` and :meth:`httpx` (and the sync ``Client``'s) are built on."""
+        from ._transport import GovernedTransport
+
+        return GovernedTransport(
+            self._caller,
+            self._planner,
+            self._http,
+            keyed=self._api_key is not None,
+            urgency=urgency,
+            group=group,
+            overflow=overflow,
+        )

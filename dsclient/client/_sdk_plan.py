@@ -16,7 +16,7 @@ from ..governor._governor import choose_lane, default_long_threshold
 
 if TYPE_CHECKING:
     from ..governor._governor import Lane
-    from ._client import AsyncClient
+    from ._planner import Planner
 
 __all__ = [
     "GROUP",
@@ -111,8 +111,9 @@ def _requested(kind: str, body: Mapping[str, Any]) -> tuple[str, int | None]:
 
 
 def _prompt_of(kind: str, body: Mapping[str, Any]) -> str | list[Mapping[str, Any]] | None:
-    """What :meth:`AsyncClient._plan` can plan: a prompt string or a message list, else None
-    (token ids, batches of prompts: sent as written, in the short lane)."""
+    """What :meth:`Planner.plan <dsclient.client._planner.Planner.plan>` can plan: a prompt
+    string or a message list, else None (token ids, batches of prompts: sent as written, in the
+    short lane)."""
     if kind == "chat":
         messages = body.get("messages")
         if (
@@ -207,13 +208,13 @@ class Governed:
 
 
 async def plan_request(
-    client: AsyncClient,
+    planner: Planner,
     kind: str,
     content: bytes,
     headers: Mapping[str, str],
     defaults: tuple[int, str | None, Overflow],
 ) -> Governed | httpx.Response:
-    """Plan one inference request, or answer it with the client's refusal."""
+    """Plan one inference request with ``planner``, or answer it with the client's refusal."""
     try:
         body = parse_json(content)
     except ValueError:
@@ -232,17 +233,17 @@ async def plan_request(
     prompt = _prompt_of(kind, body)
     lane: Lane = "short"
     if prompt is not None and kind == "embedding":
-        info = await client._ready()
-        threshold = client._long_threshold or default_long_threshold(info.max_model_len)
-        upper = client._tokens.upper_bound(prompt) or 0
+        info = await planner.ready()
+        threshold = planner.long_threshold or default_long_threshold(info.max_model_len)
+        upper = planner.tokens.upper_bound(prompt) or 0
         if upper > threshold:
-            estimate = client._tokens.estimate(prompt)
+            estimate = planner.tokens.estimate(prompt)
             lane = choose_lane(estimated_total_tokens=estimate, threshold=threshold)
     elif prompt is not None:
         field, requested = _requested(kind, body)
         plan_kind: Literal["completion", "chat"] = "chat" if kind == "chat" else "completion"
         try:
-            plan = await client._plan(plan_kind, prompt, requested, {})
+            plan = await planner.plan(plan_kind, prompt, requested, {})
         except ContextOverflow as exc:
             return _overflow_refusal(exc, requested, field)
         lane = plan.lane
@@ -251,26 +252,26 @@ async def plan_request(
                 body[field] = plan.max_tokens
                 changed = True
             else:
-                refusal = await _check_fit(client, prompt, requested, field)
+                refusal = await _check_fit(planner, prompt, requested, field)
                 if refusal is not None:
                     return refusal
     if changed:
         content = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
     model = body.get("model")
-    prefix = client._backend.prefix_of(prompt) if prompt is not None else None
+    prefix = planner.backend.prefix_of(prompt) if prompt is not None else None
     return Governed(
         content, lane, urgency, group, stream, model if isinstance(model, str) else None, prefix
     )
 
 
 async def _check_fit(
-    client: AsyncClient, prompt: str | list[Mapping[str, Any]], requested: int, field: str
+    planner: Planner, prompt: str | list[Mapping[str, Any]], requested: int, field: str
 ) -> httpx.Response | None:
     """The planner would cut ``requested``: refuse when the server's own count says it cannot
     fit (the margin not counted), else let the request go as written."""
-    info = await client._ready()
+    info = await planner.ready()
     ctx = info.max_model_len
-    counted = await client._count_exact(prompt) if info.has_tokenize else None
+    counted = await planner.count_exact(prompt) if info.has_tokenize else None
     if counted is None or ctx is None or counted + requested <= ctx:
         return None
     message = overflow_message(prompt_tokens=counted, requested=requested, context=ctx, field=field)

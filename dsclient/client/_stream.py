@@ -10,14 +10,13 @@ import anyio
 
 from .._exceptions import DSClientError, TimeoutError, translate_transport_error
 from .._http import httpx
-from .._observe import CallRecord
 from ._pipeline import outcome_of
 from ._request import Lane, Prompt, deadline
 from ._streaming import delta_of, sse_events
 
 if TYPE_CHECKING:
     from ..governor._backend import Lease
-    from ._client import AsyncClient
+    from ._caller import Caller
 
 __all__ = ["Stream"]
 
@@ -31,11 +30,14 @@ class Stream:
     The call's timeout covers the whole stream, from ``async with`` to the last event: a server
     that stops sending, or trickles a byte at a time (which no per-read timeout catches), ends
     the iteration with :class:`~dsclient.TimeoutError` once it runs out.
+
+    ``client.stream(...)`` builds one over the client's :class:`~dsclient.client._caller.Caller`,
+    which plans and opens it and hears how it ended.
     """
 
     def __init__(
         self,
-        client: AsyncClient,
+        caller: Caller,
         prompt: Prompt,
         max_tokens: int | None,
         urgency: int,
@@ -43,7 +45,7 @@ class Stream:
         timeout: float | None,
         sampling: dict[str, Any],
     ) -> None:
-        self._client = client
+        self._caller = caller
         self._prompt = prompt
         self._max_tokens = max_tokens
         self._urgency = urgency
@@ -64,13 +66,13 @@ class Stream:
         self._chunks: list[str] = []
 
     async def __aenter__(self) -> Stream:
-        client = self._client
-        self._start = client._clock()
+        caller = self._caller
+        self._start = caller.clock()
         if self._timeout is not None:
             self._ends_at = anyio.current_time() + self._timeout
         try:
             async with deadline(self._timeout):
-                plan, response, slot, attempts, server = await client._open_stream(
+                plan, response, slot, attempts, server = await caller.open_stream(
                     self._prompt, self._max_tokens, self._urgency, self._group, self._sampling
                 )
         except builtins.TimeoutError as exc:
@@ -80,7 +82,7 @@ class Stream:
         self.lane, self.max_tokens, self.attempts = plan.lane, plan.max_tokens, attempts
         self.server = server
         self._response, self._slot = response, slot
-        self._events = sse_events(response, limit=client._path.max_body_bytes)
+        self._events = sse_events(response, limit=caller.path.max_body_bytes)
         return self
 
     def __aiter__(self) -> AsyncIterator[str]:
@@ -106,14 +108,14 @@ class Stream:
                         f"stream did not finish within its timeout of {self._timeout} s"
                     ) from exc
                 except DSClientError as exc:
-                    self._client._path.redact_error(exc)  # the server may echo the key
+                    self._caller.path.redact_error(exc)  # the server may echo the key
                     raise
                 delta, finish = delta_of(event)
                 if finish is not None:
                     self.finish_reason = finish
                 if delta:
                     if self.ttft_s is None:
-                        self.ttft_s = self._client._clock() - self._start
+                        self.ttft_s = self._caller.clock() - self._start
                     self._chunks.append(delta)
                     yield delta
         except httpx.TransportError as exc:
@@ -123,22 +125,18 @@ class Stream:
         if self._response is not None:
             await self._response.aclose()
             self._response = None
-        client = self._client
-        if self._slot is not None and client._observers:
-            client._notify(
-                CallRecord(
-                    kind="stream",
-                    server=self.server or client.url,
-                    lane=self.lane,
-                    group=self._group,
-                    error=type(exc).__name__ if exc is not None else None,
-                    status=getattr(exc, "status", None) or None,
-                    latency_s=self.latency_s,
-                    queued_s=self._slot.queued_s,
-                    attempts=self.attempts,
-                    prompt_tokens=None,
-                    completion_tokens=len(self._chunks),
-                )
+        caller = self._caller
+        if self._slot is not None and caller.observers:
+            caller.record(
+                "stream",
+                server=self.server,
+                lane=self.lane,
+                group=self._group,
+                error=exc,
+                latency_s=self.latency_s,
+                queued_s=self._slot.queued_s,
+                attempts=self.attempts,
+                completion_tokens=len(self._chunks),
             )
         if self._slot is not None:
             slot, self._slot = self._slot, None
@@ -160,4 +158,4 @@ class Stream:
 
     @property
     def latency_s(self) -> float:
-        return self._client._clock() - self._start
+        return self._caller.clock() - self._start

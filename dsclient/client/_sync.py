@@ -313,9 +313,8 @@ class Client:
         """
         from ._transport import sync_openai
 
-        sdk: openai.OpenAI = sync_openai(
-            self._portal, self._async, urgency=urgency, group=group, overflow=overflow, **kwargs
-        )
+        transport = self._async._governed(urgency=urgency, group=group, overflow=overflow)
+        sdk: openai.OpenAI = sync_openai(self._portal, transport, **kwargs)
         return sdk
 
     def httpx(
@@ -333,9 +332,8 @@ class Client:
         """
         from ._transport import sync_httpx
 
-        return sync_httpx(
-            self._portal, self._async, urgency=urgency, group=group, overflow=overflow, **kwargs
-        )
+        transport = self._async._governed(urgency=urgency, group=group, overflow=overflow)
+        return sync_httpx(self._portal, transport, **kwargs)
 
 
 class SyncStream:

@@ -1,21 +1,22 @@
 """The governor under other SDKs: httpx transports that send inference requests through a
 client's request path.
 
-    sdk = openai.AsyncOpenAI(base_url=client.url + "/v1", api_key="EMPTY", max_retries=0,
-                             http_client=httpx.AsyncClient(transport=GovernedTransport(client)))
+    transport = GovernedTransport(caller, planner, http)
+    sdk = openai.AsyncOpenAI(base_url=caller.url + "/v1", api_key="EMPTY", max_retries=0,
+                             http_client=httpx.AsyncClient(transport=transport))
 
-:meth:`AsyncClient.openai` and :meth:`AsyncClient.httpx` build exactly that. What the transport
-does with one request the SDK hands it:
+:meth:`AsyncClient.openai` and :meth:`AsyncClient.httpx` build exactly that, over the client's
+own :class:`~dsclient.client._caller.Caller`, :class:`~dsclient.client._planner.Planner` and
+connections. What the transport does with one request the SDK hands it:
 
 * ``POST /v1/completions``, ``/v1/chat/completions`` and ``/v1/embeddings`` are *inference*: the
   JSON body is read, its ``prompt`` / ``messages`` / ``input`` and ``max_tokens`` (or
-  ``max_completion_tokens``) planned with the client's own planning (:meth:`AsyncClient._plan`:
-  the lane, whether ``max_tokens`` fits), and the request goes through the client's
-  :class:`~dsclient.client._pipeline.RequestPath` attempt by attempt: a slot, one send, the slot
-  back
-  with its outcome, retries with backoff outside the slot under the retry budget, the outage
-  gate, the response-size cap. Everything else in the body (tools, ``response_format``, vLLM's
-  own fields) is sent as the SDK wrote it.
+  ``max_completion_tokens``) planned with the client's own planning (:meth:`Planner.plan
+  <dsclient.client._planner.Planner.plan>`: the lane, whether ``max_tokens`` fits), and the
+  request goes through the client's :class:`~dsclient.client._pipeline.RequestPath` attempt by
+  attempt: a slot, one send, the slot back with its outcome, retries with backoff outside the
+  slot under the retry budget, the outage gate, the response-size cap. Everything else in the
+  body (tools, ``response_format``, vLLM's own fields) is sent as the SDK wrote it.
 * Anything else (``GET /v1/models``, ``/tokenize``, ``/health``) passes through ungoverned.
 * Every request goes to the client's server: the path is the SDK's, the host is the client's
   (the one place a later router picks a server per attempt). The client's API key, when it has
@@ -85,7 +86,6 @@ from .._exceptions import (
     TransportError,
 )
 from .._http import httpx
-from .._observe import CallRecord
 from ._request import deadline
 from ._sdk_plan import (
     GROUP,
@@ -104,8 +104,9 @@ if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
 
     from ..governor._backend import Lease
-    from ._client import AsyncClient
+    from ._caller import Caller
     from ._pipeline import Answer, Call
+    from ._planner import Planner
 
 __all__ = [
     "INFERENCE_PATHS",
@@ -138,58 +139,77 @@ _DECODER: Final = json.JSONDecoder()
 
 
 class GovernedTransport(httpx.AsyncBaseTransport):
-    """An httpx transport that sends inference requests through an :class:`AsyncClient`'s
-    governor and request path (see the module docstring); the rest passes through.
+    """An httpx transport that sends inference requests through a client's caller (its
+    governor, request path and observers; see the module docstring); the rest passes through.
 
-        sdk_http = httpx.AsyncClient(transport=GovernedTransport(client, group="batch"))
-        llm = ChatOpenAI(base_url=client.url + "/v1", http_async_client=sdk_http, ...)
+        transport = GovernedTransport(caller, planner, http, group="batch")
+        llm = ChatOpenAI(base_url=caller.url + "/v1", http_async_client=httpx.AsyncClient(
+            transport=transport), ...)
 
     Parameters:
-        client: the dsclient client whose limit, lanes, retries and server are used.
+        caller: the calls' timeout, attempts (limit, lanes, retries, servers) and observers.
+        planner: plans each inference request (lane, fit).
+        http: the connections (its headers go on every request; ungoverned ones use it).
+        keyed: the client has an API key, which then replaces the SDK's.
         urgency, group, overflow: defaults for requests that do not say (see the table above).
 
-    Closing it does not close ``client``: the client owns the connections.
+    Closing it does not close ``http``: the client owns the connections.
     """
 
     def __init__(
         self,
-        client: AsyncClient,
+        caller: Caller,
+        planner: Planner,
+        http: httpx.AsyncClient,
         *,
+        keyed: bool = False,
         urgency: int = 0,
         group: str | None = None,
         overflow: Overflow = "refuse",
     ) -> None:
-        self._client = client
+        self._caller = caller
+        self._planner = planner
+        self._http = http
+        self._url = caller.url
         options = {"urgency": urgency, "group": group, "overflow": overflow}
         self._defaults: tuple[int, str | None, Overflow] = parse_options(
             {}, options, urgency=0, group=None, overflow="refuse"
         )
         self._warned: set[str] = set()
-        root = httpx.URL(client.url)
+        root = httpx.URL(self._url)
         self._origin = (root.scheme, root.host, root.port)
         self._prefix = root.path.rstrip("/")
         # What every governed request sends besides the SDK's own headers, worked out once:
         # the shared client's headers (its User-Agent, its key) where the SDK has none of the
         # same name, as httpx's own merge does; the client's key replaces the SDK's.
-        http = client._http
         self._host = root.netloc
         self._inner = [(k, v, k.lower()) for k, v in http.headers.raw]
-        self._drop = _DROP_REQUEST | ({b"authorization"} if client._api_key is not None else set())
+        self._drop = _DROP_REQUEST | ({b"authorization"} if keyed else set())
         self._timeout = http.timeout.as_dict()
         self._urls: dict[str, httpx.URL] = {}
 
     def __repr__(self) -> str:
-        return f"GovernedTransport({self._client.url!r})"
+        return f"GovernedTransport({self._url!r})"
+
+    @property
+    def url(self) -> str:
+        """The client's server (its first one), where every request goes."""
+        return self._url
+
+    @property
+    def call_timeout(self) -> float | None:
+        """The client's timeout of a call, the SDK's default."""
+        return self._caller.timeout
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        client = self._client
+        caller = self._caller
         path = self._relative(request.url)
         kind = INFERENCE_PATHS.get(path) if request.method == "POST" else None
         content = await request.aread()
         forwarded, options, retried = self._split(request.headers)
         query = request.url.query
         if kind is None:
-            target = client.url + path + ("?" + query.decode("ascii") if query else "")
+            target = self._url + path + ("?" + query.decode("ascii") if query else "")
             return await self._pass_through(request, target, forwarded, content)
         if retried:
             self._warn_once(
@@ -197,21 +217,21 @@ class GovernedTransport(httpx.AsyncBaseTransport):
                 "dsclient: the SDK is retrying a request that dsclient already retried; "
                 "give it max_retries=0 (client.openai() does)",
             )
-        start = client._clock()
+        start = caller.clock()
         ends_at, limit_s = _deadline_of(request)
         planned: Governed | None = None
         call: Call | None = None
         try:
-            async with client._deadline(limit_s):
-                plan = await plan_request(client, kind, content, options, self._defaults)
+            async with caller.deadline(limit_s):
+                plan = await plan_request(self._planner, kind, content, options, self._defaults)
                 if isinstance(plan, httpx.Response):
-                    if client._observers:
+                    if caller.observers:
                         self._observe(kind, None, None, plan, start)
                     return plan
                 planned = plan
                 outgoing = self._outgoing(path, query, forwarded, planned.content)
-                call = client._path.new_call(planned.model, planned.prefix)
-                sent = await client._path.send_raw(
+                call = caller.path.new_call(planned.model, planned.prefix)
+                sent = await caller.path.send_raw(
                     outgoing,
                     lane=planned.lane,
                     urgency=planned.urgency,
@@ -227,7 +247,7 @@ class GovernedTransport(httpx.AsyncBaseTransport):
                 )
                 if call is not None and call.cut is not None:
                     late.server = call.cut.url  # cut in flight there: its record names it
-            if client._observers:
+            if caller.observers:
                 self._observe(kind, planned, failure, None, start)
             if failure is not exc:
                 raise httpx.ReadTimeout(f"dsclient: {failure}", request=request) from exc
@@ -244,7 +264,7 @@ class GovernedTransport(httpx.AsyncBaseTransport):
             (b"x-dsclient-queued-s", f"{sent.queued_s:.4f}".encode()),
         ]
         if body is not None:
-            if client._observers:
+            if caller.observers:
                 self._observe(kind, planned, sent.error, sent, start)
             out = [(k, v) for k, v in response.headers.raw if k.lower() not in _DROP_READ]
             out.extend(extra)
@@ -252,8 +272,8 @@ class GovernedTransport(httpx.AsyncBaseTransport):
             # stream=, not content=: httpx would work out the same header again, scanning all.
             return httpx.Response(response.status_code, headers=out, stream=httpx.ByteStream(body))
         observe = None
-        limit = client._path.max_body_bytes
-        if client._observers:
+        limit = caller.path.max_body_bytes
+        if caller.observers:
 
             def observe(error: BaseException | None, tail: bytes) -> None:
                 failed = _stream_error(error, limit) if isinstance(error, Exception) else None
@@ -282,7 +302,7 @@ class GovernedTransport(httpx.AsyncBaseTransport):
             self._warn_once(
                 f"origin:{url.scheme}://{url.host}:{url.port}",
                 f"dsclient: a request to {url.scheme}://{url.host}:{url.port} goes to the "
-                f"client's server {self._client.url} (the transport routes; the SDK's host is "
+                f"client's server {self._url} (the transport routes; the SDK's host is "
                 "not used)",
             )
         return path
@@ -315,7 +335,7 @@ class GovernedTransport(httpx.AsyncBaseTransport):
         it to the connection pool as it is (:meth:`RequestPath._exchange`)."""
         url = self._urls.get(path) if not query else None
         if url is None:
-            target = self._client.url + path + ("?" + query.decode("ascii") if query else "")
+            target = self._url + path + ("?" + query.decode("ascii") if query else "")
             url = httpx.URL(target)
             if not query and len(self._urls) < len(INFERENCE_PATHS):
                 self._urls[path] = url
@@ -345,43 +365,39 @@ class GovernedTransport(httpx.AsyncBaseTransport):
     ) -> None:
         """Tell the client's observers about one finished call, as :meth:`AsyncClient.generate`
         does: ``sent`` is the answer (or the client's own refusal), ``tail`` a stream's end."""
-        client = self._client
-        error_name = type(error).__name__ if error is not None else None
-        status = getattr(error, "status", None) or None
-        attempts = getattr(error, "attempts", 1)
+        failed: Exception | str | None = error
+        status: int | None = None
+        attempts: int | None = None
         queued_s: float | None = None
         prompt_tokens: int | None = None
         completion_tokens: int | None = None
         if isinstance(sent, httpx.Response):  # max_tokens refused before sending
-            error_name, status = ContextOverflow.__name__, sent.status_code
+            failed, status = ContextOverflow.__name__, sent.status_code
         elif sent is not None:
             attempts = sent.attempts
             if sent.error is not None:  # the server's refusal, handed back as it came
-                error_name, status = type(sent.error).__name__, sent.response.status_code
+                failed, status = sent.error, sent.response.status_code
             else:
                 body = sent.content if tail is None else tail
                 if body is not None:
                     prompt_tokens, completion_tokens = usage_of(body)
-                if error_name is None:  # as generate(): a failed call has no queue time
+                if error is None:  # as generate(): a failed call has no queue time
                     queued_s = sent.queued_s
         stream = planned is not None and planned.stream
         record_kind: Any = "stream" if stream else kind
-        client._notify(
-            CallRecord(
-                kind=record_kind,
-                server=getattr(sent, "server", None)
-                or getattr(error, "server", None)
-                or client.url,
-                lane=planned.lane if planned is not None else None,
-                group=planned.group if planned is not None else None,
-                error=error_name,
-                status=status,
-                latency_s=client._clock() - start,
-                queued_s=queued_s,
-                attempts=attempts if isinstance(attempts, int) else 1,
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-            )
+        caller = self._caller
+        caller.record(
+            record_kind,
+            server=getattr(sent, "server", None) or None,
+            lane=planned.lane if planned is not None else None,
+            group=planned.group if planned is not None else None,
+            error=failed,
+            status=status,
+            latency_s=caller.clock() - start,
+            queued_s=queued_s,
+            attempts=attempts,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
         )
 
     async def _pass_through(
@@ -392,7 +408,7 @@ class GovernedTransport(httpx.AsyncBaseTransport):
         content: bytes,
     ) -> httpx.Response:
         """Not inference: one send, no slot, no retry; the body streams under the line cap."""
-        http = self._client._http
+        http = self._http
         outgoing = http.build_request(
             request.method, target, headers=headers, content=content or None
         )
@@ -400,7 +416,7 @@ class GovernedTransport(httpx.AsyncBaseTransport):
         if timeout is not None:
             outgoing.extensions["timeout"] = timeout
         response = await http.send(outgoing, stream=True)
-        stream = GovernedStream(response, None, limit=self._client._path.max_body_bytes)
+        stream = GovernedStream(response, None, limit=self._caller.path.max_body_bytes)
         return httpx.Response(response.status_code, headers=response.headers.raw, stream=stream)
 
     def _warn_once(self, key: str, message: str) -> None:
@@ -620,8 +636,8 @@ class _SyncStream(httpx.SyncByteStream):
 
 
 # -- what AsyncClient.openai() / .httpx() and Client.openai() / .httpx() build -------------------
-def _sdk_kwargs(client: AsyncClient, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The openai client's options: this client's URL and timeout, openai's retries off."""
+def _sdk_kwargs(transport: GovernedTransport, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The openai client's options: the client's URL and timeout, openai's retries off."""
     if kwargs.get("max_retries", 0) != 0:
         raise ValueError(
             "max_retries must be 0: dsclient retries (once, under its budget); set the "
@@ -630,67 +646,45 @@ def _sdk_kwargs(client: AsyncClient, kwargs: dict[str, Any]) -> dict[str, Any]:
     if "http_client" in kwargs:
         raise TypeError("http_client is dsclient's; use client.httpx() to build your own SDK")
     kwargs["max_retries"] = 0
-    kwargs.setdefault("base_url", client.url + "/v1")
+    kwargs.setdefault("base_url", transport.url + "/v1")
     # A placeholder: the transport sends the client's own key, which the SDK never holds.
     kwargs.setdefault("api_key", "EMPTY")
-    kwargs.setdefault("timeout", client._timeout)
+    kwargs.setdefault("timeout", transport.call_timeout)
     return kwargs
 
 
-def _http_kwargs(client: AsyncClient, kwargs: dict[str, Any]) -> dict[str, Any]:
+def _http_kwargs(transport: GovernedTransport, kwargs: dict[str, Any]) -> dict[str, Any]:
     if "transport" in kwargs:
         raise TypeError("transport is dsclient's governed transport; it cannot be replaced")
-    kwargs.setdefault("base_url", client.url)
-    kwargs.setdefault("timeout", httpx.Timeout(client._timeout))
+    kwargs.setdefault("base_url", transport.url)
+    kwargs.setdefault("timeout", httpx.Timeout(transport.call_timeout))
     return kwargs
 
 
-def async_openai(
-    client: AsyncClient, *, urgency: int, group: str | None, overflow: Overflow, **kwargs: Any
-) -> Any:
-    """An ``openai.AsyncOpenAI`` over ``client`` (see :meth:`AsyncClient.openai`)."""
+def async_openai(transport: GovernedTransport, **kwargs: Any) -> Any:
+    """An ``openai.AsyncOpenAI`` over ``transport`` (see :meth:`AsyncClient.openai`)."""
     import openai
 
-    http = async_httpx(client, urgency=urgency, group=group, overflow=overflow)
+    http = async_httpx(transport)
     # openai 3.x is built on httpx2, as dsclient is (dsclient/_http.py): the client is its own.
-    return openai.AsyncOpenAI(http_client=http, **_sdk_kwargs(client, kwargs))
+    return openai.AsyncOpenAI(http_client=http, **_sdk_kwargs(transport, kwargs))
 
 
-def async_httpx(
-    client: AsyncClient, *, urgency: int, group: str | None, overflow: Overflow, **kwargs: Any
-) -> httpx.AsyncClient:
-    """An ``httpx.AsyncClient`` over ``client`` (see :meth:`AsyncClient.httpx`)."""
-    transport = GovernedTransport(client, urgency=urgency, group=group, overflow=overflow)
-    return httpx.AsyncClient(transport=transport, **_http_kwargs(client, kwargs))
+def async_httpx(transport: GovernedTransport, **kwargs: Any) -> httpx.AsyncClient:
+    """An ``httpx.AsyncClient`` over ``transport`` (see :meth:`AsyncClient.httpx`)."""
+    return httpx.AsyncClient(transport=transport, **_http_kwargs(transport, kwargs))
 
 
-def sync_openai(
-    portal: BlockingPortal,
-    client: AsyncClient,
-    *,
-    urgency: int,
-    group: str | None,
-    overflow: Overflow,
-    **kwargs: Any,
-) -> Any:
-    """An ``openai.OpenAI`` over the sync client's ``client`` (see :meth:`Client.openai`)."""
+def sync_openai(portal: BlockingPortal, transport: GovernedTransport, **kwargs: Any) -> Any:
+    """An ``openai.OpenAI`` over the sync client's ``transport`` (see :meth:`Client.openai`)."""
     import openai
 
-    http = sync_httpx(portal, client, urgency=urgency, group=group, overflow=overflow)
-    return openai.OpenAI(http_client=http, **_sdk_kwargs(client, kwargs))
+    http = sync_httpx(portal, transport)
+    return openai.OpenAI(http_client=http, **_sdk_kwargs(transport, kwargs))
 
 
-def sync_httpx(
-    portal: BlockingPortal,
-    client: AsyncClient,
-    *,
-    urgency: int,
-    group: str | None,
-    overflow: Overflow,
-    **kwargs: Any,
-) -> httpx.Client:
-    """An ``httpx.Client`` over the sync client's ``client`` (see :meth:`Client.httpx`)."""
-    inner = GovernedTransport(client, urgency=urgency, group=group, overflow=overflow)
+def sync_httpx(portal: BlockingPortal, transport: GovernedTransport, **kwargs: Any) -> httpx.Client:
+    """An ``httpx.Client`` over the sync client's ``transport`` (see :meth:`Client.httpx`)."""
     return httpx.Client(
-        transport=SyncGovernedTransport(portal, inner), **_http_kwargs(client, kwargs)
+        transport=SyncGovernedTransport(portal, transport), **_http_kwargs(transport, kwargs)
     )

@@ -44,7 +44,7 @@ class PeakWatch:
 async def test_openai_chat_completions_stream_and_raw(vllm_server):
     async with AsyncClient(vllm_server) as client:
         records: list[CallRecord] = []  # what dsclient.metrics counts
-        client._observers.append(records.append)
+        client._caller.observers.append(records.append)
         sdk = client.openai()
         chat = await sdk.chat.completions.create(
             model="tiny",

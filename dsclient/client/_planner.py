@@ -1,14 +1,19 @@
-"""What the client learns about its servers before and between calls: discovery (once, again
-after an unanswered ``/v1/models``, for each server of the client's backend), and the token
-budget that planning a call needs (exact counts, the calibrated estimate, ``max_tokens`` and the
-lane).
+"""What a call needs to know before it is sent: :class:`Planner`.
 
-:class:`DiscoveryMixin` is half of :class:`~dsclient.AsyncClient`: the client's wiring and public
-calls are in ``dsclient.client._client``, which sets every attribute declared here. Discovery is
-written once, for a backend of one server or several
-(:class:`~dsclient.governor._backend.Backend`); the one rule that differs is written as such: a
-model a server does not list is tried anyway where no other server could take it, and skipped at
-that server where others might.
+    planner = Planner(http, backend, TokenCounter(None), retry=Retry(), rng=random.Random())
+    plan = await planner.plan("completion", "Once upon a time", 32, {})
+    plan.lane, plan.max_tokens                          # ("short", 32)
+
+The planner discovers the servers of a :class:`~dsclient.governor._backend.Backend` (once, and
+again after an unanswered ``/v1/models``, with a backoff), keeps the token estimate calibrated
+against the server's ``/tokenize``, asks for exact counts where the estimate could change what is
+sent, and turns a prompt into a :class:`~dsclient.client._request.Plan` (the body, its
+``max_tokens`` and its lane). Discovery is written once, for a backend of one server or several;
+the one rule that differs is written as such: a model a server does not list is tried anyway
+where no other server could take it, and skipped at that server where others might.
+
+:class:`~dsclient.AsyncClient` holds one and passes it its own readiness (``ready``: discovery,
+then the client's background tasks); built alone, the planner's readiness is discovery only.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Literal
 
 import anyio
 
@@ -27,7 +32,7 @@ from ..governor._backend import Backend, rediscover_backoff
 from ..governor._endpoint import Endpoint, fetch_load
 from ..governor._governor import choose_lane, default_long_threshold
 from ._discovery import ServerInfo, discover
-from ._request import Lane, Plan, Prompt, check_messages, check_prompt
+from ._request import Lane, Plan, Prompt
 from ._retry import Retry
 from ._tokens import (
     CALIBRATION_TEXT,
@@ -39,80 +44,108 @@ from ._tokens import (
     plan_max_tokens,
 )
 
-if TYPE_CHECKING:
-    from ._pipeline import RequestPath
-
-__all__ = ["DiscoveryMixin"]
+__all__ = ["Planner"]
 
 logger = logging.getLogger("dsclient")
 
 
-class DiscoveryMixin:
-    """Discovery and the token budget of :class:`~dsclient.AsyncClient` (see the module)."""
+class Planner:
+    """Discovery, the token budget and each call's plan (see the module).
 
-    _http: httpx.AsyncClient
-    _endpoint: Endpoint
-    _endpoints: tuple[Endpoint, ...]
-    _backend: Backend
-    _path: RequestPath
-    _model: str | None
-    _explicit_max_num_seqs: int | None
-    _server_priority: bool | None
-    _explicit_max_model_len: int | None
-    _handle_facts: dict[str, dict[str, int]]
-    _tokens: TokenCounter
-    _tokenize_limiter: anyio.CapacityLimiter
-    _discover_lock: anyio.Lock
-    _retry: Retry
-    _rng: random.Random
-    _clock: Callable[[], float]
-    _sleep: Callable[[float], Any]
-    _closed: bool
-    _long_threshold: int | None
-    _default_max_tokens: int
+    Parameters:
+        http: the connections discovery and ``/tokenize`` use.
+        backend: the servers (one, or a pool).
+        tokens: the local token counter, calibrated here.
+        model: the model to ask for; ``None``: the one every server serves (set by discovery).
+        max_num_seqs, max_model_len, server_priority: what the caller knows better than
+            discovery (see :class:`~dsclient.AsyncClient`).
+        long_threshold: estimated tokens above which a call takes the long lane; default a
+            quarter of the context.
+        default_max_tokens: ``max_tokens`` planned when a call gives none.
+        handle_facts: per server root URL, limits a launched ``Server`` handle knows.
+        retry: its ``attempts`` bound the tries for a ``/v1/models`` that does not answer.
+        rng, sleep: the backoff's jitter source and sleep.
+        ready: what :meth:`plan` and :meth:`count_tokens` await before planning; default
+            :meth:`discovered` (the client passes its own, which also starts its background).
+    """
 
-    if TYPE_CHECKING:  # the client's: discovery, then its background tasks
-
-        async def _ready(self) -> ServerInfo: ...
-
-    def _limit_now(self) -> int:
-        return self._backend.limit_for(self._model)
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        backend: Backend,
+        tokens: TokenCounter,
+        *,
+        model: str | None = None,
+        max_num_seqs: int | None = None,
+        max_model_len: int | None = None,
+        server_priority: bool | None = None,
+        long_threshold: int | None = None,
+        default_max_tokens: int = 256,
+        handle_facts: Mapping[str, Mapping[str, int]] | None = None,
+        retry: Retry | None = None,
+        rng: random.Random | None = None,
+        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+        ready: Callable[[], Awaitable[ServerInfo]] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.tokens = tokens
+        self.model = model
+        self.long_threshold = long_threshold
+        self.default_max_tokens = default_max_tokens
+        self.ready: Callable[[], Awaitable[ServerInfo]] = ready or self.discovered
+        self._http = http
+        self._max_num_seqs = max_num_seqs
+        self._max_model_len = max_model_len
+        self._server_priority = server_priority
+        self._handle_facts = handle_facts or {}
+        self._attempts = (retry or Retry()).attempts
+        self._rng = rng or random.Random()
+        self._sleep = sleep
+        self._discover_lock = anyio.Lock()
+        self._tokenize_limiter = anyio.CapacityLimiter(8)
 
     # -- discovery ---------------------------------------------------------------------------
-    async def discover(self, *, refresh: bool = False) -> ServerInfo:
-        """Find the server's kind, model, context and ``max_num_seqs`` (once; cached).
+    def info(self) -> ServerInfo | None:
+        """What discovery found, the servers as one for planning (with several: the first that
+        serves the model, with the smallest context of those that do)."""
+        return self.backend.info(self.model)
 
-        Also scrapes ``/metrics`` once (whether the limit can follow the server's queue) and,
-        where the server has ``/tokenize``, calibrates the local token estimate on a sample text.
-        A discovery that got no answer from ``/v1/models`` (``server.complete`` is false) is not
-        final: later calls ask again, with a backoff (0.5 s doubling to 30 s, jittered), and a
-        call that needs the model to send waits for the answer.
-        """
-        info = self._info()
+    async def discover(self, *, refresh: bool = False) -> ServerInfo:
+        """Discover the servers (once; cached): see :meth:`AsyncClient.discover
+        <dsclient.AsyncClient.discover>`."""
+        info = self.info()
         if info is not None and not refresh:
             return info
         async with self._discover_lock:
-            info = self._info()
+            info = self.info()
             if info is not None and not refresh:
                 return info
             return await self._discover_locked(refresh=refresh)
 
-    def _info(self) -> ServerInfo | None:
-        """What discovery found, the servers as one for planning (with several: the first that
-        serves the model, with the smallest context of those that do)."""
-        return self._backend.info(self._model)
+    async def discovered(self) -> ServerInfo:
+        """What a call can be planned with: discovery once, again when it was incomplete and
+        the backoff says it is due, and, while the model is unknown, until ``/v1/models``
+        answers."""
+        info = self.info()
+        if info is None:
+            info = await self.discover()
+        if not info.complete:
+            info = await self.rediscover()
+            if not info.complete and self.model is None:
+                info = await self._wait_for_listing()
+        return info
 
     def _unlisted(self) -> Literal["warn", "raise"]:
         """What discovery does with a model a server does not list: try it anyway where no
         other server could take its calls (a server may load models on demand), refuse it at
         that server where another may list it."""
-        return "raise" if len(self._backend.endpoints) > 1 else "warn"
+        return "raise" if len(self.backend.endpoints) > 1 else "warn"
 
     async def _discover_locked(self, *, refresh: bool = False) -> ServerInfo:
         """Discover every server not yet (or not completely) discovered, at the same time. The
         model is the one asked for, or the one every server serves; a server that does not
         serve it stays for the models it does serve."""
-        backend = self._backend
+        backend = self.backend
         todo = [e for e in backend.endpoints if refresh or e.info is None or not e.info.complete]
         if len(todo) == 1:  # no task group for one: its errors leave as they are
             await self._discover_endpoint(todo[0])
@@ -120,7 +153,7 @@ class DiscoveryMixin:
             async with anyio.create_task_group() as group:
                 for endpoint in todo:
                     group.start_soon(self._discover_endpoint, endpoint)
-        if self._model is None:
+        if self.model is None:
             found = {e.info.model for e in backend.endpoints if e.info and e.info.complete}
             found.discard(None)
             if len(found) > 1:
@@ -131,26 +164,26 @@ class DiscoveryMixin:
                     f"the servers serve different models ({listing}); choose one with model="
                 )
             if found:
-                self._model = found.pop()
-        info = backend.info(self._model)
+                self.model = found.pop()
+        info = backend.info(self.model)
         assert info is not None  # every server has been discovered, if not completely
         every = all(e.info is not None and e.info.complete for e in backend.endpoints)
         unlisted = self._unlisted() == "raise"
-        if unlisted and self._model is not None and every and not backend.serving(self._model):
+        if unlisted and self.model is not None and every and not backend.serving(self.model):
             served = sorted({m for e in backend.endpoints if e.info for m in e.info.models})
             raise ValueError(
-                f"model {self._model!r} is not served by any of the {len(backend.endpoints)} "
+                f"model {self.model!r} is not served by any of the {len(backend.endpoints)} "
                 f"servers; they serve: {', '.join(map(repr, served)) or '(none)'}"
             )
-        if info.has_tokenize and self._tokens.samples == 0:
+        if info.has_tokenize and self.tokens.samples == 0:
             await self._calibrate()
         if len(backend.endpoints) > 1:
             logger.info(
                 "dsclient: %d servers for model %s, %d serve it, limit %d in all",
                 len(backend.endpoints),
-                self._model,
-                len(backend.serving(self._model)),
-                self._limit_now(),
+                self.model,
+                len(backend.serving(self.model)),
+                backend.limit_for(self.model),
             )
         return info
 
@@ -164,26 +197,26 @@ class DiscoveryMixin:
             info = await discover(
                 self._http,
                 url,
-                model=self._model,
-                max_num_seqs=self._explicit_max_num_seqs,
+                model=self.model,
+                max_num_seqs=self._max_num_seqs,
                 priority=self._server_priority,
-                max_model_len=self._explicit_max_model_len,
+                max_model_len=self._max_model_len,
                 unlisted=unlisted,  # "raise": the other servers may list it; route it to those
             )
         except ValueError:
-            if unlisted == "warn" or self._model is None:
+            if unlisted == "warn" or self.model is None:
                 raise  # several models served here, and none chosen
             try:  # it serves other models: keep what it serves, for calls that ask for them
-                info = await discover(self._http, url, max_model_len=self._explicit_max_model_len)
+                info = await discover(self._http, url, max_model_len=self._max_model_len)
             except ValueError as exc:
-                logger.warning("dsclient: %s does not serve model %r: %s", url, self._model, exc)
+                logger.warning("dsclient: %s does not serve model %r: %s", url, self.model, exc)
                 info = ServerInfo(url=url, kind="unknown", sources={"model": str(exc)})
         info = self._with_handle_facts(info, url)
         load = None
         if info.kind not in ("ollama", "unknown"):
             load = await fetch_load(self._http, url, model=info.model, timeout=2.0, kind=info.kind)
         endpoint.seed(info, load)
-        self._backend.discovered(endpoint)
+        self.backend.discovered(endpoint)
         control = endpoint.controller
         logger.info(
             "dsclient: %s at %s, model %s, max_num_seqs %s (%s), limit %d (%s, up to %d)",
@@ -197,19 +230,19 @@ class DiscoveryMixin:
             control.ceiling,
         )
 
-    async def _rediscover_endpoint(self, endpoint: Endpoint) -> None:
+    async def rediscover_endpoint(self, endpoint: Endpoint) -> None:
         """The backend's health loop found an undiscovered server answering: discover it."""
         async with self._discover_lock:
             if endpoint.info is None or not endpoint.info.complete:
                 await self._discover_endpoint(endpoint)
 
-    async def _rediscover(self, *, now: bool = False) -> ServerInfo:
+    async def rediscover(self, *, now: bool = False) -> ServerInfo:
         """Discovery again, if the last one was incomplete and the backend says it is due (or
         ``now``); concurrent callers share one."""
         async with self._discover_lock:
-            info = self._info()
+            info = self.info()
             if info is not None and (
-                info.complete or (not now and not self._backend.rediscover_due())
+                info.complete or (not now and not self.backend.rediscover_due())
             ):
                 return info
             return await self._discover_locked()
@@ -219,43 +252,43 @@ class DiscoveryMixin:
         without one. Ask again until it answers: while nothing at all answers, wait for the
         server like an outage (``outage_wait``); while it answers but not ``/v1/models``, give it
         ``Retry.attempts`` tries with backoff, then fail. Bounded by the call's own timeout."""
-        backend = self._backend
+        backend = self.backend
         reach = backend.reach
         tries = 0
         while True:
-            info = self._info()
+            info = self.info()
             if info is not None and info.kind == "unknown" and not await backend.probe_all():
                 reach.mark_down("discovery: nothing answered")
                 await reach.wait_up()
             else:
                 tries += 1
-                if tries > self._retry.attempts:
+                if tries > self._attempts:
                     raise ConnectionError(
-                        f"{self._endpoint.url}/v1/models did not answer in {tries - 1} tries, so "
-                        "the model to ask for is unknown; pass model= to AsyncClient to send "
-                        "without it"
+                        f"{backend.endpoints[0].url}/v1/models did not answer in {tries - 1} "
+                        "tries, so the model to ask for is unknown; pass model= to AsyncClient "
+                        "to send without it"
                     )
                 if tries > 1:
                     await self._sleep(rediscover_backoff(tries - 1, self._rng))
-            info = await self._rediscover(now=True)
-            if info.complete or self._model is not None:
+            info = await self.rediscover(now=True)
+            if info.complete or self.model is not None:
                 return info
 
     async def _calibrate(self) -> None:
         """One exact count of a fixed sample text fits the local estimate to the served model."""
         try:
-            exact = await self._count_exact(CALIBRATION_TEXT)
+            exact = await self.count_exact(CALIBRATION_TEXT)
         except DSClientError as exc:  # a server that refuses the sample must not break discovery
             logger.debug("dsclient: token calibration failed: %r", exc)
             return
         if exact is not None:
-            local = self._tokens.count(CALIBRATION_TEXT)
-            self._tokens.learn(local, exact)
+            local = self.tokens.count(CALIBRATION_TEXT)
+            self.tokens.learn(local, exact)
             logger.debug(
                 "dsclient: calibrated token estimate: sample %d local, %d served (x%.2f)",
                 local,
                 exact,
-                self._tokens.correction,
+                self.tokens.correction,
             )
 
     def _with_handle_facts(self, info: ServerInfo, url: str) -> ServerInfo:
@@ -272,58 +305,67 @@ class DiscoveryMixin:
 
     # -- token budget ------------------------------------------------------------------------
     async def count_tokens(self, prompt: Prompt, *, exact: bool = True) -> int:
-        """Tokens in a prompt or message list: exact via the server's ``/tokenize`` when it
-        has one and ``exact`` is true, else the local (corrected) estimate."""
-        if isinstance(prompt, str):
-            check_prompt(prompt)
-        else:
-            check_messages(prompt)
-        info = await self._ready()
-        local = self._tokens.count_any(prompt)
+        """Tokens in a prompt or message list (checked by the caller): see
+        :meth:`AsyncClient.count_tokens <dsclient.AsyncClient.count_tokens>`."""
+        info = await self.ready()
+        local = self.tokens.count_any(prompt)
         if exact and info.has_tokenize:
-            counted = await self._count_exact(prompt)
+            counted = await self.count_exact(prompt)
             if counted is not None:
-                self._tokens.learn(local, counted)
+                self.tokens.learn(local, counted)
                 return counted
-        return self._tokens.estimate_from(local)
+        return self.tokens.estimate_from(local)
 
     def _tokenize_url(self) -> str:
         """Where exact counts are asked: the first server that serves the model, is in rotation
         and has ``/tokenize``; else the first server."""
-        backend = self._backend
-        for endpoint in backend.serving(self._model):
+        backend = self.backend
+        for endpoint in backend.serving(self.model):
             info = endpoint.info
             if info is not None and info.has_tokenize and backend.in_rotation(endpoint):
                 return endpoint.url
-        return self._endpoint.url
+        return backend.endpoints[0].url
 
-    async def _probe_url(self, url: str) -> bool:
-        return await self._path.probe_url(url)
-
-    async def _count_exact(self, prompt: Prompt) -> int | None:
+    async def count_exact(self, prompt: Prompt) -> int | None:
+        """The server's own count of ``prompt`` (``/tokenize``), or ``None`` without one."""
         async with self._tokenize_limiter:
             return await count_exact(
                 self._http,
                 self._tokenize_url(),
-                model=self._model,
+                model=self.model,
                 prompt=prompt if isinstance(prompt, str) else None,
                 messages=None if isinstance(prompt, str) else [dict(m) for m in prompt],
                 timeout=10.0,
             )
 
-    async def _plan(
+    # -- the plan ----------------------------------------------------------------------------
+    def refit(self, plan: Plan, max_model_len: int) -> int:
+        """The ``max_tokens`` ``plan`` may send to a server of context ``max_model_len`` (a
+        call degraded to another model)."""
+        return plan_max_tokens(
+            prompt_tokens=plan.prompt_tokens,
+            requested=plan.max_tokens,
+            default=self.default_max_tokens,
+            max_model_len=max_model_len,
+            margin=self.tokens.margin,
+        )
+
+    async def plan(
         self,
         kind: Literal["completion", "chat"],
         prompt: Prompt,
         max_tokens: int | None,
         sampling: dict[str, Any],
     ) -> Plan:
-        info = await self._ready()
+        """The body to send for ``prompt``, its ``max_tokens`` (cut to the room the context
+        leaves) and its lane: counting the prompt exactly only where the estimate's error could
+        change either."""
+        info = await self.ready()
         ctx = info.max_model_len
-        tokens = self._tokens
-        wanted = max_tokens if max_tokens is not None else self._default_max_tokens
+        tokens = self.tokens
+        wanted = max_tokens if max_tokens is not None else self.default_max_tokens
         margin = tokens.margin
-        threshold = self._long_threshold or default_long_threshold(ctx)
+        threshold = self.long_threshold or default_long_threshold(ctx)
         # Cheapest first: a byte bound (no tokenizer). When even that fits the context and the
         # short lane, counting cannot change what is sent or where, so a short prompt never pays
         # for tiktoken or /tokenize.
@@ -353,14 +395,14 @@ class DiscoveryMixin:
             ) or lane_is_uncertain(
                 estimate=m.estimate, error_bound=m.error_bound, wanted=wanted, threshold=threshold
             ):
-                counted = await self._count_exact(prompt) if info.has_tokenize else None
+                counted = await self.count_exact(prompt) if info.has_tokenize else None
                 if counted is not None:
                     tokens.learn(m.local, counted)
                     prompt_tokens = counted
                     send = plan_max_tokens(
                         prompt_tokens=counted,
                         requested=max_tokens,
-                        default=self._default_max_tokens,
+                        default=self.default_max_tokens,
                         max_model_len=ctx,
                         margin=margin,
                     )
@@ -369,14 +411,14 @@ class DiscoveryMixin:
                         estimate=m.estimate,
                         error_bound=m.error_bound,
                         requested=max_tokens,
-                        default=self._default_max_tokens,
+                        default=self.default_max_tokens,
                         max_model_len=ctx,
                         margin=margin,
                     )
             else:
                 send = wanted
             lane = choose_lane(estimated_total_tokens=prompt_tokens + send, threshold=threshold)
-        body: dict[str, Any] = {"model": self._model} if self._model is not None else {}
+        body: dict[str, Any] = {"model": self.model} if self.model is not None else {}
         if kind == "completion":
             body["prompt"] = prompt
         else:

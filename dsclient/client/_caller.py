@@ -1,0 +1,332 @@
+"""One call from its plan to its result: :class:`Caller`.
+
+    caller = Caller(path, planner, url="http://127.0.0.1:8000")
+    result = await caller.request("completion", "Once upon a time", 32, 0, None, None, {})
+
+The caller puts the call's timeout around it, degrades it (``dsclient.client._degrade``) rather
+than miss that timeout where the call says so, runs its attempts on the request path
+(``dsclient.client._pipeline``), builds its result, and tells the observers about it: its
+:meth:`Caller.record` is the one place a :class:`~dsclient._observe.CallRecord` is built, for
+``generate`` / ``chat``, ``map()``, streams and the calls of other SDKs
+(``dsclient.client._transport``) alike.
+
+:class:`~dsclient.AsyncClient` holds one; :meth:`Caller.request` and :meth:`Caller.open_stream`
+are the internal entry points that calls, streams, ``map()`` and ``dsclient map`` go through.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import anyio
+
+from .._exceptions import TimeoutError
+from .._http import httpx
+from .._models import Result
+from .._observe import CallRecord, Observer
+from ..governor._pool import NoServerError
+from ._degrade import Degrade, Pace, predict_s
+from ._pipeline import Call, RequestPath, WouldMiss
+from ._request import USE_DEFAULT, Deadlines, Plan, Prompt, UseDefault, build_result
+
+if TYPE_CHECKING:
+    from ..governor._backend import Lease
+
+__all__ = ["Caller", "Planning"]
+
+logger = logging.getLogger("dsclient")
+
+
+class Planning(Protocol):
+    """What the caller asks of a planner (:class:`~dsclient.client._planner.Planner`)."""
+
+    async def plan(
+        self,
+        kind: Literal["completion", "chat"],
+        prompt: Prompt,
+        max_tokens: int | None,
+        sampling: dict[str, Any],
+    ) -> Plan:
+        """The body, ``max_tokens`` and lane of a call."""
+        ...
+
+    def refit(self, plan: Plan, max_model_len: int) -> int:
+        """``plan``'s ``max_tokens`` cut to the room a context of ``max_model_len`` leaves."""
+        ...
+
+
+class Caller:
+    """The timeout, degradation, attempts, result and record of each call (see the module).
+
+    Parameters:
+        path: the request path the attempts take (its backend chooses their servers).
+        planner: plans each call.
+        url: the server a failure that reached none is recorded against (the first one).
+        timeout: seconds for a call that gives none (``None``: no bound).
+        degrade: what a call with a timeout gives up rather than miss it, when it gives nothing.
+        clock: the latency clock.
+    """
+
+    def __init__(
+        self,
+        path: RequestPath,
+        planner: Planning,
+        *,
+        url: str,
+        timeout: float | None = None,
+        degrade: Degrade | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.path = path
+        self.backend = path.backend
+        self.planner = planner
+        self.url = url
+        self.timeout = timeout
+        self.degrade = degrade
+        self.clock = clock
+        #: Whom :meth:`record` tells about each finished call (empty: no record is built).
+        self.observers: list[Observer] = []
+        self._pace = Pace()
+        #: The calls' timeouts, on one timer (made on the first call).
+        self._deadlines: Deadlines | None = None
+
+    def timeout_of(self, timeout: float | UseDefault | None) -> float | None:
+        """A call's timeout in seconds: its own, checked, or the default (``USE_DEFAULT``)."""
+        if isinstance(timeout, UseDefault):
+            return self.timeout
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(
+                f"timeout must be a positive number of seconds or None, got {timeout!r}"
+            )
+        return float(timeout) if timeout is not None else None
+
+    # -- the request path --------------------------------------------------------------------
+    async def request(
+        self,
+        kind: Literal["completion", "chat"],
+        prompt: Prompt,
+        max_tokens: int | None,
+        urgency: int,
+        group: str | None,
+        timeout: Any,
+        sampling: dict[str, Any],
+        *,
+        index: int | None = None,
+        degrade: Degrade | UseDefault | None = USE_DEFAULT,
+    ) -> Result:
+        """One call (``generate``, ``chat``, ``map()``): plan, then attempts under the governor
+        (see :mod:`dsclient.client._pipeline`), within the timeout; degraded
+        (``dsclient.client._degrade``) rather than miss it, when the call says so."""
+        limit_s = self.timeout_of(timeout)
+        option = self.degrade if isinstance(degrade, UseDefault) else degrade
+        if option is not None and not isinstance(option, Degrade):
+            raise TypeError(f"degrade must be a Degrade or None, got {type(option).__name__}")
+        start = self.clock()
+        path = self.path
+        plan: Plan | None = None
+        call: Call | None = None
+        degraded: str | None = None
+        try:
+            try:
+                async with self.deadline(limit_s):
+                    plan = await self.planner.plan(kind, prompt, max_tokens, sampling)
+                    prefix = self.backend.prefix_of(prompt)
+                    miss_at = None
+                    if option is not None and limit_s is not None:
+                        pace = self._pace.per_token(plan.body.get("model"))
+                        need = predict_s(pace, plan.max_tokens, limit_s)
+                        left = limit_s - (self.clock() - start)
+                        if pace is not None and need > left:
+                            plan, degraded = self.degraded(
+                                plan, option, f"about {need:.1f} s needed, {left:.1f} s left"
+                            )
+                        else:
+                            miss_at = anyio.current_time() + max(0.0, left - need)
+                    call = path.new_call(plan.body.get("model"), prefix)
+                    try:
+                        data, attempts, queued, server = await path.send_json(
+                            plan.path,
+                            plan.body,
+                            lane=plan.lane,
+                            urgency=urgency,
+                            group=group,
+                            miss_at=miss_at,
+                            call=call,
+                        )
+                    except WouldMiss as late:
+                        assert option is not None and limit_s is not None
+                        left = limit_s - (self.clock() - start)
+                        plan, degraded = self.degraded(
+                            plan,
+                            option,
+                            f"waited {late.waited_s:.1f} s for a slot, {left:.1f} s left",
+                        )
+                        call = path.new_call(plan.body.get("model"), prefix)
+                        data, attempts, queued, server = await path.send_json(
+                            plan.path,
+                            plan.body,
+                            lane=plan.lane,
+                            urgency=urgency,
+                            group=group,
+                            call=call,
+                        )
+            except builtins.TimeoutError as exc:
+                expired = TimeoutError(f"call did not finish within its timeout of {limit_s} s")
+                if call is not None and call.cut is not None:
+                    expired.server = call.cut.url  # cut in flight there: its record names it
+                raise expired from exc
+            latency = self.clock() - start
+            result = build_result(
+                kind, data, latency, queued, attempts, plan, index, server, degraded
+            )
+            self._pace.observe(
+                plan.body.get("model"), latency - queued, result.usage.completion_tokens
+            )
+        except Exception as exc:
+            if self.observers:
+                self.record(
+                    kind,
+                    lane=plan.lane if plan is not None else None,
+                    group=group,
+                    error=exc,
+                    latency_s=self.clock() - start,
+                )
+            raise
+        if self.observers:
+            self.record(
+                kind,
+                server=server,
+                lane=result.lane,
+                group=group,
+                latency_s=result.latency_s,
+                queued_s=result.queued_s,
+                attempts=result.attempts,
+                prompt_tokens=result.usage.prompt_tokens,
+                completion_tokens=result.usage.completion_tokens,
+            )
+        return result
+
+    def deadline(self, seconds: float | None) -> contextlib.AbstractAsyncContextManager[Any]:
+        """A scope for one call of ``seconds`` (``None``: no bound) on the caller's
+        :class:`~dsclient.client._request.Deadlines`: the builtin ``TimeoutError`` after them."""
+        deadlines = self._deadlines
+        if deadlines is None:
+            deadlines = self._deadlines = Deadlines()
+        return deadlines.after(seconds)
+
+    def degraded(self, plan: Plan, option: Degrade, why: str) -> tuple[Plan, str]:
+        """``plan`` changed as ``option`` says, and the words the result carries about it."""
+        body = dict(plan.body)
+        changes: list[str] = []
+        max_tokens = plan.max_tokens
+        if option.model is not None and option.model != body.get("model"):
+            serving = self.backend.serving(option.model)
+            contexts = [e.info.max_model_len for e in serving if e.info and e.info.max_model_len]
+            if not serving:
+                raise NoServerError(
+                    f"cannot degrade to model {option.model!r}: no server of this client serves it"
+                )
+            if contexts:
+                max_tokens = self.planner.refit(plan, min(contexts))
+            changes.append(f"model {body.get('model')!r} -> {option.model!r}")
+            body["model"] = option.model
+        if option.max_tokens is not None and option.max_tokens < max_tokens:
+            max_tokens = option.max_tokens
+        if max_tokens != plan.max_tokens:
+            changes.append(f"max_tokens {plan.max_tokens} -> {max_tokens}")
+            body["max_tokens"] = max_tokens
+        if not changes:
+            changes.append("nothing left to give up")
+        degraded = Plan(plan.kind, body, plan.lane, max_tokens, plan.prompt_tokens)
+        text = ", ".join(changes) + ": " + why
+        logger.info("dsclient: call degraded: %s", text)
+        return degraded, text
+
+    async def open_stream(
+        self,
+        prompt: Prompt,
+        max_tokens: int | None,
+        urgency: int,
+        group: str | None,
+        sampling: dict[str, Any],
+    ) -> tuple[Plan, httpx.Response, Lease, int, str]:
+        """The entry point of a stream: plan, then open it under a slot the caller holds."""
+        kind: Literal["completion", "chat"] = "completion" if isinstance(prompt, str) else "chat"
+        plan = await self.planner.plan(kind, prompt, max_tokens, dict(sampling))
+        body = dict(plan.body, stream=True)
+        response, slot, attempts, _, server = await self.path.open_stream(
+            plan.path,
+            body,
+            lane=plan.lane,
+            urgency=urgency,
+            group=group,
+            prefix=self.backend.prefix_of(prompt),
+        )
+        return plan, response, slot, attempts, server
+
+    # -- observers ---------------------------------------------------------------------------
+    def record(
+        self,
+        kind: Literal["completion", "chat", "stream", "embedding"],
+        *,
+        lane: str | None,
+        group: str | None,
+        latency_s: float,
+        error: BaseException | str | None = None,
+        status: int | None = None,
+        server: str | None = None,
+        attempts: int | None = None,
+        queued_s: float | None = None,
+        prompt_tokens: int | None = None,
+        completion_tokens: int | None = None,
+    ) -> None:
+        """Tell every observer about one finished call: the one builder of a
+        :class:`~dsclient._observe.CallRecord`. Callers check :attr:`observers` first, so that
+        nobody listening costs nothing.
+
+        Parameters:
+            error: what the call failed with (``None``: it did not), or its name where there is
+                no exception (a refusal the client answered itself).
+            status: the failure's HTTP status; default the error's ``status`` (0: none).
+            server: the server that answered, or whose attempt failed; default the error's
+                ``server``, else :attr:`url` (a call that reached none: the client's own queue,
+                a timeout while waiting for a slot, discovery, the outage gate).
+            attempts: default the error's ``attempts``, else 1.
+        """
+        name: str | None = None
+        if error is not None:
+            if isinstance(error, str):
+                name = error
+            else:
+                name = type(error).__name__
+                if status is None:
+                    status = getattr(error, "status", None) or None
+            if server is None:
+                failed_at = getattr(error, "server", None)
+                server = failed_at if isinstance(failed_at, str) else None
+            if attempts is None:
+                tried = getattr(error, "attempts", 1)
+                attempts = tried if isinstance(tried, int) else 1
+        record = CallRecord(
+            kind=kind,
+            server=server or self.url,
+            lane=lane,
+            group=group,
+            error=name,
+            status=status,
+            latency_s=latency_s,
+            queued_s=queued_s,
+            attempts=attempts if attempts is not None else 1,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+        )
+        for observer in self.observers:
+            try:
+                observer(record)
+            except Exception:  # an observer's bug must not fail the call
+                logger.exception("dsclient: an observer raised; ignoring it")
