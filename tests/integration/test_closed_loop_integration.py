@@ -119,11 +119,11 @@ async def test_a_fresh_client_sends_a_long_prompt_down_the_long_lane(vllm_server
     target = vllm_server.url if how == "url" else vllm_server
     async with AsyncClient(target) as client:
         if how == "url":
-            assert client._tokens.backend.startswith("tiktoken")
-            assert client._tokens.samples == 1  # the calibration sample
-            assert client._tokens.correction > 1.5
+            assert client._planner.tokens.backend.startswith("tiktoken")
+            assert client._planner.tokens.samples == 1  # the calibration sample
+            assert client._planner.tokens.correction > 1.5
         else:
-            assert client._tokens.backend.startswith("tokenizers:")  # the model's own
+            assert client._planner.tokens.backend.startswith("tokenizers:")  # the model's own
         first = await client.generate(prompt, max_tokens=256, ignore_eos=True)
         short = await client.generate("hello there", max_tokens=16)
     assert first.lane == "long"
