@@ -353,11 +353,11 @@ class RequestPath:
             sent = with_priority(body, lane, urgency, order)
             data = await self._post_json(server, path, sent)
         except BaseException as exc:
-            await self._release_failed(slot, exc, call)
+            self._release_failed(slot, exc, call)
             raise
         slot.work = completion_tokens(data)
         self.backend.settle(slot, None, call.model)
-        await slot.__aexit__(None, None, None)
+        slot.release()
         return data
 
     async def open_stream(
@@ -373,8 +373,8 @@ class RequestPath:
         """Open a streaming response under a slot: ``(response, slot, attempts, queued_s,
         server)``.
 
-        Retried only while nothing has been received. The caller holds the returned slot (already
-        entered) while it reads, and must ``await slot.__aexit__(...)`` when done.
+        Retried only while nothing has been received. The caller holds the returned slot while
+        it reads, and must ``slot.release(...)`` when done.
         """
         call = Call(self._first, body.get("model"), prefix)
 
@@ -386,7 +386,7 @@ class RequestPath:
                 sent = with_priority(body, lane, urgency, order)
                 response = await self._open(server.url, path, sent)
             except BaseException as exc:
-                await self._release_failed(slot, exc, call)
+                self._release_failed(slot, exc, call)
                 raise
             self.backend.settle(slot, None, call.model)
             return response, slot
@@ -443,7 +443,7 @@ class RequestPath:
                     refused[:] = [(error, Answer(response, self._redact_bytes(body), None))]
                     raise error
             except BaseException as exc:
-                await self._release_failed(slot, exc, call)
+                self._release_failed(slot, exc, call)
                 raise
             if body is not None:
                 call.endpoint.observe_answer(response.headers.get(LOAD_HEADER))
@@ -452,7 +452,7 @@ class RequestPath:
             self.backend.settle(slot, None, call.model)
             if body is None:
                 return Answer(response, None, slot)
-            await slot.__aexit__(None, None, None)
+            slot.release()
             return Answer(response, body, None)
 
         self.backend.wake()
@@ -488,7 +488,7 @@ class RequestPath:
             extensions=request.extensions,
         )
 
-    async def _release_failed(self, slot: Lease, exc: BaseException, call: Call) -> None:
+    def _release_failed(self, slot: Lease, exc: BaseException, call: Call) -> None:
         """Give back the slot of an attempt that failed, with its outcome. The backend hears
         of it (a pool's breaker may take the server out of rotation). A connection that failed
         sends the call's next attempt to another server in rotation at once, or, where there is
@@ -498,7 +498,6 @@ class RequestPath:
         if isinstance(exc, DSClientError):
             endpoint = call.endpoint
             exc.server = endpoint.url  # the call's record names the server that failed
-            slot.set_outcome(outcome_of(exc))
             call.avoid = call.avoid | {endpoint.url}
             call.mode = endpoint.controller.mode
             others = self.backend.settle(slot, exc, call.model)
@@ -507,9 +506,10 @@ class RequestPath:
                     call.failover = True
                 else:
                     call.outage = self.reach.mark_down(str(exc))
+            slot.release(outcome_of(exc))
         else:  # cancelled in flight (the call's deadline): the caller may name this server
             call.cut = call.endpoint
-        await slot.__aexit__(type(exc), exc, exc.__traceback__)
+            slot.release(error=exc)
 
     def _post(
         self,
