@@ -859,3 +859,29 @@ async def test_long_calls_stop_borrowing_from_the_batch_once_the_shorts_slow_dow
         assert governor.stats().lanes["long"].in_flight == 5
         tg.cancel_scope.cancel()
     assert (governor.in_flight, governor.waiting) == (0, 0)
+
+
+async def test_acquire_gives_a_slot_that_release_gives_back_once_with_its_outcome():
+    released: list[str] = []
+    governor = Governor(2, on_release=lambda slot, outcome, service_s: released.append(outcome))
+    first = await governor.acquire(lane="short")
+    second = await governor.acquire(lane="long", urgency=1)
+    assert isinstance(first, Slot) and governor.in_flight == 2
+    first.release("overloaded")
+    first.release()  # a second release does nothing
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        try:
+            await anyio.sleep(1)
+        except anyio.get_cancelled_exc_class() as cancelled:
+            second.release(error=cancelled)
+            raise
+    third = await governor.acquire()
+    third.set_outcome("error")
+    third.release(error=RuntimeError("boom"))  # what was recorded wins over the error
+    fourth = await governor.acquire()
+    fourth.release()
+    assert released == ["overloaded", "cancelled", "error", "ok"]
+    assert governor.in_flight == 0
+    with pytest.raises(ValueError, match="outcome"):
+        fourth.release("fine")

@@ -288,3 +288,48 @@ def test_completion_tokens_from_usage_else_from_the_text() -> None:
     assert completion_tokens(chat) == 1.0
     assert completion_tokens({"usage": {"completion_tokens": True}}) is None
     assert completion_tokens([]) is None
+
+
+async def test_tenacity_is_built_only_after_a_first_failure(monkeypatch):
+    # A call that succeeds at once pays for no retry machinery; one that fails enters
+    # tenacity with its first attempt counted, and a cancellation inside it leaves as it came.
+    from dsclient.client import _pipeline
+
+    built: list[object] = []
+    real = _pipeline.AsyncRetrying
+
+    def spy(*args, **kwargs):
+        built.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_pipeline, "AsyncRetrying", spy)
+    fake = FakeServer(
+        script=[httpx.Response(500, text="boom"), httpx.Response(200, json=completion_body())]
+    )
+    sleep = SlotWatchingSleep()
+    async with make_client(fake, sleep) as client:
+        sleep.client = client
+        result = await client.generate("x", max_tokens=1)
+        assert result.attempts == 2 and len(built) == 1
+        assert sleep.held == [0]  # one backoff, outside any slot
+        result = await client.generate("x", max_tokens=1)
+        assert result.attempts == 1 and len(built) == 1
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_cancellation_in_a_retry_leaves_through_tenacity(anyio_backend):
+    # tenacity's attempt swallows what its block raises and re-raises it after asking
+    # ``retry``: a deadline that cuts the second attempt in flight still cancels the call,
+    # and its slot comes back.
+    async def hang(request: httpx.Request) -> httpx.Response:
+        await anyio.sleep(3600)
+        raise AssertionError("not reached")
+
+    fake = FakeServer(script=[httpx.Response(500, text="boom"), hang])
+    sleep = SlotWatchingSleep()
+    async with make_client(fake, sleep) as client:
+        sleep.client = client
+        with anyio.move_on_after(0.2) as scope:
+            await client.generate("x", max_tokens=1)
+        assert scope.cancelled_caught
+        assert client.in_flight == 0 and len(fake.requests) == 2

@@ -10,9 +10,9 @@ server's governor, or a pool's line and the server its router chose), sends once
 the slot with what happened (``ok``, ``overloaded``, ``error``, ``cancelled``); the governor
 passes that and the attempt's service time to the limit controller. A retry's backoff sleeps
 *outside* any slot, so a sleeping call holds no capacity and service times never include sleeps.
-Retries follow :class:`~dsclient.client._retry.Retry` (the loop is
-:meth:`RequestPath._retry_loop`); a retry spends one token of the retry budget, and only a retry
-that happens spends one.
+Retries follow :class:`~dsclient.client._retry.Retry` (after a first failure, tenacity's
+``AsyncRetrying`` drives the loop: :meth:`RequestPath._retry_loop`); a retry spends one token of
+the retry budget, and only a retry that happens spends one.
 
 One exception: under an adaptive limit, a refusal for load (429 / 503) is congestion, not a
 failure. It is retried without a token, up to ``Retry.overload_attempts`` tries rather than
@@ -45,6 +45,7 @@ from json import JSONEncoder
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
+from tenacity import AsyncRetrying, RetryCallState
 
 from .._exceptions import (
     ConnectionError,
@@ -352,11 +353,11 @@ class RequestPath:
             sent = with_priority(body, lane, urgency, order)
             data = await self._post_json(server, path, sent)
         except BaseException as exc:
-            await self._release_failed(slot, exc, call)
+            self._release_failed(slot, exc, call)
             raise
         slot.work = completion_tokens(data)
         self.backend.settle(slot, None, call.model)
-        await slot.__aexit__(None, None, None)
+        slot.release()
         return data
 
     async def open_stream(
@@ -372,8 +373,8 @@ class RequestPath:
         """Open a streaming response under a slot: ``(response, slot, attempts, queued_s,
         server)``.
 
-        Retried only while nothing has been received. The caller holds the returned slot (already
-        entered) while it reads, and must ``await slot.__aexit__(...)`` when done.
+        Retried only while nothing has been received. The caller holds the returned slot while
+        it reads, and must ``slot.release(...)`` when done.
         """
         call = Call(self._first, body.get("model"), prefix)
 
@@ -385,7 +386,7 @@ class RequestPath:
                 sent = with_priority(body, lane, urgency, order)
                 response = await self._open(server.url, path, sent)
             except BaseException as exc:
-                await self._release_failed(slot, exc, call)
+                self._release_failed(slot, exc, call)
                 raise
             self.backend.settle(slot, None, call.model)
             return response, slot
@@ -442,7 +443,7 @@ class RequestPath:
                     refused[:] = [(error, Answer(response, self._redact_bytes(body), None))]
                     raise error
             except BaseException as exc:
-                await self._release_failed(slot, exc, call)
+                self._release_failed(slot, exc, call)
                 raise
             if body is not None:
                 call.endpoint.observe_answer(response.headers.get(LOAD_HEADER))
@@ -451,7 +452,7 @@ class RequestPath:
             self.backend.settle(slot, None, call.model)
             if body is None:
                 return Answer(response, None, slot)
-            await slot.__aexit__(None, None, None)
+            slot.release()
             return Answer(response, body, None)
 
         self.backend.wake()
@@ -487,7 +488,7 @@ class RequestPath:
             extensions=request.extensions,
         )
 
-    async def _release_failed(self, slot: Lease, exc: BaseException, call: Call) -> None:
+    def _release_failed(self, slot: Lease, exc: BaseException, call: Call) -> None:
         """Give back the slot of an attempt that failed, with its outcome. The backend hears
         of it (a pool's breaker may take the server out of rotation). A connection that failed
         sends the call's next attempt to another server in rotation at once, or, where there is
@@ -497,7 +498,6 @@ class RequestPath:
         if isinstance(exc, DSClientError):
             endpoint = call.endpoint
             exc.server = endpoint.url  # the call's record names the server that failed
-            slot.set_outcome(outcome_of(exc))
             call.avoid = call.avoid | {endpoint.url}
             call.mode = endpoint.controller.mode
             others = self.backend.settle(slot, exc, call.model)
@@ -506,9 +506,10 @@ class RequestPath:
                     call.failover = True
                 else:
                     call.outage = self.reach.mark_down(str(exc))
+            slot.release(outcome_of(exc))
         else:  # cancelled in flight (the call's deadline): the caller may name this server
             call.cut = call.endpoint
-        await slot.__aexit__(type(exc), exc, exc.__traceback__)
+            slot.release(error=exc)
 
     def _post(
         self,
@@ -628,108 +629,171 @@ class RequestPath:
             failure: DSClientError = first
         return await self._retry_loop(op, failure, label, call)
 
-    def _is_congestion(self, exc: BaseException | None, call: Call) -> bool:
-        """A load refusal under an adaptive limit (see the module docstring)."""
-        mode = call.mode if call.mode is not None else call.endpoint.controller.mode
-        return exc is not None and outcome_of(exc) == "overloaded" and mode != "fixed"
+    async def _retry_loop(
+        self, op: Callable[[], Awaitable[T]], failure: DSClientError, label: str, call: Call
+    ) -> tuple[T, int]:
+        """Retry ``op`` after ``failure`` (retryable) until it succeeds or may not go on:
+        ``(result, attempts)``, ``attempts`` counting the first.
 
-    def _tries_allowed(self, exc: BaseException | None, call: Call) -> int:
-        """Total tries a call may take, given how its last attempt failed."""
-        congestion = self._is_congestion(exc, call)
-        return self._retry.load_attempts if congestion else self._retry.attempts
+        tenacity's ``AsyncRetrying`` drives the loop, with the rules of :class:`_RetryRules`
+        as its strategies. It is built here, after the first failure, so a call that succeeds
+        at once builds none of it; that first attempt enters tenacity as attempt 1, failed.
+        Every later attempt first passes the outage gate (a gate that gives up raises
+        ``ConnectionError``, which is not retried: no attempt was made, and the gate waited).
+        The last failure ends the call as it came, its ``attempts`` set (tenacity re-raises
+        the exception itself when ``retry`` says no; there is no ``RetryError``).
+        """
+        rules = _RetryRules(self, label, call)
+        retrying = AsyncRetrying(
+            retry=rules.retry, wait=rules.wait, before_sleep=rules.log, sleep=rules.sleep
+        )
+        async for attempt in retrying:
+            state = attempt.retry_state
+            attempts = state.attempt_number
+            if attempts == 1:  # made before tenacity was built
+                state.set_exception((type(failure), failure, failure.__traceback__))
+                continue
+            try:
+                await self._gate(call)
+            except DSClientError as gone:
+                gone.attempts = attempts - 1
+                raise
+            with attempt:
+                return await op(), attempts
+        raise AssertionError("unreachable: tenacity returns or re-raises")  # pragma: no cover
 
-    def _spend(self, exc: BaseException, call: Call) -> bool:
-        """Take one token for a retry that is about to happen (none for congestion)."""
-        if self._is_congestion(exc, call):
+
+class _RetryRules:
+    """The retry rules of one call, as the strategies of tenacity's ``AsyncRetrying``.
+
+    ``retry`` decides, per failed attempt, whether the call tries again:
+
+    1. A failure that is not retryable (or not a dsclient error: a cancellation) ends the call.
+    2. A connection that failed in an outage (the server went away, and a health probe
+       confirmed it) is not the call's fault: ``retry`` waits at the gate for the server
+       (bounded by the call's deadline and by ``outage_wait``; the gate then raises
+       ``ConnectionError``), and the call tries again at once, spending neither the budget nor
+       one of ``Retry.attempts`` (at most ``Retry.outage_retries`` times). With a pool, a
+       connection that failed while other servers are in rotation goes to one of them at once,
+       the same way.
+    3. Any other retryable failure is a try: at most ``Retry.attempts`` tries in all
+       (``overload_attempts`` for congestion, see the module docstring), each retry spending
+       one budget token (none for congestion).
+
+    ``wait`` is the full-jitter backoff of a try (:func:`~dsclient.client._retry.compute_backoff`,
+    a server's ``Retry-After`` first), ``log`` says so, and ``sleep`` sleeps it outside any
+    slot; an outage retry does not sleep. tenacity's ``stop`` is left at ``stop_never``: it asks
+    ``wait`` before ``stop``, and the limit on tries must be checked before a budget token is
+    spent and before the backoff draws its jitter from the client's random source, so the limit
+    lives in ``retry``, whose "no" re-raises the failure itself.
+    """
+
+    __slots__ = ("_allowed", "_call", "_failure", "_free", "_label", "_path", "_tries", "_victim")
+
+    def __init__(self, path: RequestPath, label: str, call: Call) -> None:
+        self._path = path
+        self._label = label
+        self._call = call
+        self._free = 0  # outage retries made
+        self._victim = False  # whether the retry decided last is an outage retry
+        self._tries = 0  # tries made, outage retries not counted (when the last one failed)
+        self._allowed = 0  # tries the call may take, given how its last one failed
+        self._failure: DSClientError | None = None  # the failure a try is retried after
+
+    async def retry(self, state: RetryCallState) -> bool:
+        """Whether the attempt that just failed (``state.outcome``) is tried again."""
+        exc = state.outcome.exception() if state.outcome is not None else None
+        if not isinstance(exc, DSClientError):  # cancelled in flight, or a bug: as it came
+            return False
+        attempts = state.attempt_number
+        if not is_retryable(exc):
+            exc.attempts = attempts
+            return False
+        path, call = self._path, self._call
+        outage_retries = path._retry.outage_retries
+        outage, call.outage = call.outage, None
+        failover, call.failover = call.failover, False
+        victim = False
+        if failover and self._free < outage_retries:
+            # Several servers: the one this attempt was on is out of rotation (its connection
+            # failed), others are in: go to one of them now, as a victim would.
+            victim = True
+            logger.info(
+                "dsclient: %s lost its connection to %s; trying another server now "
+                "(outside the retry budget)",
+                self._label,
+                call.endpoint.url,
+            )
+        elif outage is not None:
+            try:
+                await path._gate(call)
+            except DSClientError as gone:
+                gone.attempts = attempts
+                raise
+            victim = path.reach.confirmed(outage) and self._free < outage_retries
+            if victim:
+                logger.info(
+                    "dsclient: %s lost its connection in an outage of %s; trying again now "
+                    "that it answers (outside the retry budget)",
+                    self._label,
+                    path.reach.label,
+                )
+        self._victim = victim
+        if victim:
+            self._free += 1
             return True
-        if self._budget.try_spend():
+        self._failure = exc
+        tries = self._tries = attempts - self._free
+        congestion = self._is_congestion(exc)
+        allowed = self._allowed = path._retry.load_attempts if congestion else path._retry.attempts
+        if tries >= allowed or not (congestion or self._spend(exc)):
+            exc.attempts = attempts
+            return False
+        return True
+
+    def _is_congestion(self, exc: BaseException) -> bool:
+        """A load refusal under an adaptive limit (see the module docstring)."""
+        call = self._call
+        mode = call.mode if call.mode is not None else call.endpoint.controller.mode
+        return outcome_of(exc) == "overloaded" and mode != "fixed"
+
+    def _spend(self, exc: BaseException) -> bool:
+        """Take one token for a retry that is about to happen."""
+        if self._path._budget.try_spend():
             return True
         logger.warning("dsclient: retry budget spent; not retrying %s", describe(exc))
         return False
 
-    async def _retry_loop(
-        self, op: Callable[[], Awaitable[T]], failure: DSClientError, label: str, call: Call
-    ) -> tuple[T, int]:
-        """Retry ``op`` after ``failure`` (retryable) until it succeeds or may not go on.
+    def wait(self, state: RetryCallState) -> float:
+        """Seconds to back off before the next try (none before an outage retry)."""
+        if self._victim:
+            return 0.0
+        retry = self._path._retry
+        return compute_backoff(
+            self._tries,
+            base=retry.base,
+            cap=retry.cap,
+            retry_after=retry_after_of(self._failure) if self._failure is not None else None,
+            rng=self._path._rng,
+        )
 
-        The rule, per failed attempt:
+    def log(self, state: RetryCallState) -> None:
+        """Say which try failed and when the next one goes (not for an outage retry)."""
+        if self._victim or self._failure is None:
+            return
+        logger.info(
+            "dsclient: %s failed with %s; retry %d/%d in %.2fs",
+            self._label,
+            describe(self._failure),
+            self._tries + 1,
+            self._allowed,
+            state.upcoming_sleep,
+        )
 
-        1. A connection that failed in an outage (the server went away, and a health probe
-           confirmed it) is not the call's fault: the call waits at the gate for the server,
-           then tries again at once, spending neither the budget nor one of ``Retry.attempts``
-           (at most ``Retry.outage_retries`` times). The wait is bounded by the call's deadline
-           and by ``outage_wait`` (the gate then raises ``ConnectionError``).
-        2. Any other retryable failure is a try: at most ``Retry.attempts`` tries in all
-           (``overload_attempts`` for congestion, see the module docstring), each retry spending
-           one budget token (none for congestion), after a full-jitter backoff outside any slot.
-        """
-        retry = self._retry
-        attempts = 1  # tries made, outage retries included
-        free = 0  # outage retries among them
-        while True:
-            outage, call.outage = call.outage, None
-            failover, call.failover = call.failover, False
-            victim = False
-            if failover and free < retry.outage_retries:
-                # Several servers: the one this attempt was on is out of rotation (its
-                # connection failed), others are in: go to one of them now, as a victim would.
-                victim = True
-                logger.info(
-                    "dsclient: %s lost its connection to %s; trying another server now "
-                    "(outside the retry budget)",
-                    label,
-                    call.endpoint.url,
-                )
-            elif outage is not None:
-                try:
-                    await self._gate(call)
-                except DSClientError as gone:
-                    gone.attempts = attempts
-                    raise
-                victim = self.reach.confirmed(outage) and free < retry.outage_retries
-                if victim:
-                    logger.info(
-                        "dsclient: %s lost its connection in an outage of %s; trying again now "
-                        "that it answers (outside the retry budget)",
-                        label,
-                        self.reach.label,
-                    )
-            if victim:
-                free += 1
-            else:
-                tries = attempts - free
-                if tries >= self._tries_allowed(failure, call) or not self._spend(failure, call):
-                    failure.attempts = attempts
-                    raise failure
-                delay = compute_backoff(
-                    tries,
-                    base=retry.base,
-                    cap=retry.cap,
-                    retry_after=retry_after_of(failure),
-                    rng=self._rng,
-                )
-                logger.info(
-                    "dsclient: %s failed with %s; retry %d/%d in %.2fs",
-                    label,
-                    describe(failure),
-                    tries + 1,
-                    self._tries_allowed(failure, call),
-                    delay,
-                )
-                await self._sleep(delay)  # outside any slot
-            try:
-                await self._gate(call)
-            except DSClientError as gone:
-                gone.attempts = attempts
-                raise
-            attempts += 1
-            try:
-                return await op(), attempts
-            except DSClientError as exc:
-                if not is_retryable(exc):
-                    exc.attempts = attempts
-                    raise
-                failure = exc
+    async def sleep(self, seconds: float) -> None:
+        """The client's sleep, outside any slot; an outage retry goes at once."""
+        if not self._victim:
+            await self._path._sleep(float(seconds))
 
 
 _AVOID_NONE: frozenset[str] = frozenset()

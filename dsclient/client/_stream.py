@@ -140,12 +140,7 @@ class Stream:
             )
         if self._slot is not None:
             slot, self._slot = self._slot, None
-            if isinstance(exc, DSClientError):
-                slot.set_outcome(outcome_of(exc))
-            if exc is not None:
-                await slot.__aexit__(type(exc), exc, exc.__traceback__)
-            else:
-                await slot.__aexit__(None, None, None)
+            slot.release(outcome_of(exc) if isinstance(exc, DSClientError) else None, error=exc)
 
     async def __aexit__(self, et: Any, ev: Any, tb: Any) -> None:
         with anyio.CancelScope(shield=True):

@@ -550,10 +550,7 @@ class GovernedStream(httpx.AsyncByteStream):
                 error = None
             observe, self._observe = self._observe, None
             try:
-                if error is None:
-                    await slot.__aexit__(None, None, None)
-                else:
-                    await slot.__aexit__(type(error), error, error.__traceback__)
+                slot.release(error=error)
             finally:
                 if observe is not None:
                     observe(error, self._tail)

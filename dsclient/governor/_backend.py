@@ -6,7 +6,7 @@
     slot = await backend.acquire(model, lane="short", urgency=0, group=None)
     server = backend.server_of(slot)                  # send to server.url, then
     backend.settle(slot, None, model)                 # its health hears how it went,
-    await slot.__aexit__(None, None, None)            # and its limit controller
+    slot.release("ok")                                # and its limit controller
 
 The request path (:mod:`dsclient.client._pipeline`) and the client's discovery and views call
 only this interface, so a call follows one path whether the client has one server or several:
@@ -22,7 +22,6 @@ import math
 import random
 import time
 from collections.abc import Awaitable, Callable
-from types import TracebackType
 from typing import TYPE_CHECKING, Protocol
 
 import anyio
@@ -52,21 +51,16 @@ class Lease(Protocol):
     :class:`~dsclient.governor._governor.Slot` (one server), or a
     :class:`~dsclient.governor._pool.PoolSlot` (a place in a pool's line and a server's slot).
 
-    The request path sets ``work`` and the outcome before it releases the lease with
-    ``await lease.__aexit__(...)``; the release feeds the server's limit controller.
+    The request path sets ``work``, then releases the lease with the attempt's outcome
+    (``lease.release(outcome, error=exc)``); the release feeds the server's limit controller.
     """
 
     queued_s: float
     work: float | None
 
-    def set_outcome(self, outcome: str) -> None: ...
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None: ...
+    def release(self, outcome: str | None = None, *, error: BaseException | None = None) -> None:
+        """Give the lease back (see :meth:`~dsclient.governor._governor.Slot.release`)."""
+        ...
 
 
 class Backend(Protocol):
@@ -233,8 +227,7 @@ class SingleServer:
         avoid: frozenset[str] = frozenset(),
         prefix: str | None = None,
     ) -> Awaitable[Lease]:
-        # The slot's own entry, not a coroutine around it: one frame fewer on every call.
-        return self._governor.slot(lane=lane, urgency=urgency, group=group).__aenter__()
+        return self._governor.acquire(lane=lane, urgency=urgency, group=group)
 
     def server_of(self, lease: Lease) -> Endpoint:
         return self.endpoint

@@ -1,11 +1,13 @@
 """Admission control: how many requests may be in flight at once, and who goes next.
 
-The client wraps every attempt at a request in a slot::
+The client takes a slot for every attempt at a request, and gives it back with the outcome::
 
-    async with governor.slot(lane="short", urgency=0, group=None) as slot:
-        ...  # send once; slot.queued_s is the time it waited for admission
-        slot.set_outcome("overloaded")  # or "ok" (default), "error"; an exception is "error",
-                                        # a cancellation "cancelled"
+    slot = await governor.acquire(lane="short", urgency=0, group=None)
+    ...  # send once; slot.queued_s is the time it waited for admission
+    slot.release("overloaded")  # or "ok" (default), "error", "cancelled"
+
+``async with governor.slot(...) as slot:`` does the same around a block (an exception leaving
+it is ``"error"``, a cancellation ``"cancelled"``).
 
 On release the governor calls ``on_release(slot, outcome, service_s)`` (service time: admission
 to release), which is how the client's limit controller hears about every attempt.
@@ -70,7 +72,7 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Final, Literal
@@ -440,11 +442,25 @@ class Slot:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self.release(error=exc)
+
+    def release(self, outcome: str | None = None, *, error: BaseException | None = None) -> None:
+        """Give the slot back with the attempt's outcome; the governor passes it and the
+        service time to ``on_release``. Only the first release of an admitted slot counts.
+
+        Parameters:
+            outcome: how the attempt went (as :meth:`set_outcome`); default: what was
+                recorded, else ``"ok"``.
+            error: what ended the attempt, if anything: with no failure recorded, it counts as
+                ``"cancelled"`` (a cancellation) or ``"error"``.
+        """
+        if outcome is not None:
+            self.set_outcome(outcome)
         if self._state == _ACTIVE:
             self._state = _DONE
             outcome = self._outcome
-            if exc_type is not None and outcome in (None, "ok"):
-                cancelled = issubclass(exc_type, anyio.get_cancelled_exc_class())
+            if error is not None and outcome in (None, "ok"):
+                cancelled = isinstance(error, anyio.get_cancelled_exc_class())
                 outcome = "cancelled" if cancelled else "error"
             self._governor._release(self, outcome or "ok")
 
@@ -625,6 +641,20 @@ class Governor:
             raise TypeError(f"urgency must be an int, got {type(urgency).__name__}")
         group_state = self._groups.get(group) if group is not None else None
         return Slot(self, lane, urgency, group, lane_state, group_state)
+
+    def acquire(
+        self, *, lane: Lane = "short", urgency: int = 0, group: str | None = None
+    ) -> Awaitable[Slot]:
+        """A slot, once admitted (it waits until then); give it back with :meth:`Slot.release`.
+
+            slot = await governor.acquire(lane="long", urgency=1)
+            ...
+            slot.release("ok")
+
+        Parameters are those of :meth:`slot`.
+        """
+        # The slot's own entry, not a coroutine around it: one frame fewer on every call.
+        return self.slot(lane=lane, urgency=urgency, group=group).__aenter__()
 
     def admits(self, *, lane: Lane = "short", group: str | None = None) -> bool:
         """Whether a slot of ``lane`` and ``group`` would be admitted now, without waiting

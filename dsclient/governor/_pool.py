@@ -8,7 +8,7 @@ which servers are in rotation.
                               avoid=frozenset(), prefix=prompt)
     ...                                           # send to slot.endpoint.url, then
     pool.settle(slot, error_or_None)              # the breaker hears how it went
-    await slot.__aexit__(None, None, None)
+    slot.release("ok")                            # and the server's limit controller
 
 How an attempt gets a server:
 
@@ -116,10 +116,15 @@ class PoolSlot:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self.release(error=exc)
+
+    def release(self, outcome: str | None = None, *, error: BaseException | None = None) -> None:
+        """Give back the server's slot and the place in the front queue, as
+        :meth:`Slot.release <dsclient.governor._governor.Slot.release>` does."""
         try:
-            await self._server.__aexit__(exc_type, exc, tb)
+            self._server.release(outcome, error=error)
         finally:
-            await self._front.__aexit__(exc_type, exc, tb)
+            self._front.release(outcome, error=error)
             self._pool.notify()
 
 
@@ -442,7 +447,7 @@ class ServerPool:
                         event = self._changed = anyio.Event()
                     await event.wait()
         except BaseException as exc:
-            await front.__aexit__(type(exc), exc, exc.__traceback__)
+            front.release(error=exc)
             raise
 
     def server_of(self, lease: Lease) -> Endpoint:
