@@ -35,7 +35,6 @@ every other key override the call's own for that item. Resume matching and id ru
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from collections import deque
@@ -57,6 +56,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._models import Failure, Result
+from .._percentile import nearest_rank
 from ..client._request import (
     USE_DEFAULT,
     UseDefault,
@@ -138,8 +138,8 @@ class BatchResults(list[Outcome]):
             "resumed": self.resumed,
             "elapsed_s": self.elapsed_s,
             "items_per_s": (len(self) - self.resumed) / self.elapsed_s if self.elapsed_s else None,
-            "p50_latency_s": _nearest_rank(latencies, 50),
-            "p99_latency_s": _nearest_rank(latencies, 99),
+            "p50_latency_s": nearest_rank(latencies, 50) if latencies else None,
+            "p99_latency_s": nearest_rank(latencies, 99) if latencies else None,
         }
 
     def __repr__(self) -> str:
@@ -157,12 +157,6 @@ class BatchResults(list[Outcome]):
         from .._display import batch_html
 
         return batch_html(self.summary(), self.failures)
-
-
-def _nearest_rank(ordered: Sequence[float], percent: int) -> float | None:
-    if not ordered:
-        return None
-    return ordered[max(1, math.ceil(percent * len(ordered) / 100)) - 1]
 
 
 # -- reading the input -------------------------------------------------------------------------

@@ -64,7 +64,7 @@ from ._retry import Retry, RetryBudget, compute_backoff, describe, is_retryable,
 from ._streaming import MAX_BODY_BYTES, json_object, read_body, read_json, read_prefix
 
 if TYPE_CHECKING:
-    from ..governor._governor import Lane
+    from ..governor._lanes import Lane
 
 __all__ = ["Answer", "Call", "RequestPath", "WouldMiss", "completion_tokens", "outcome_of"]
 

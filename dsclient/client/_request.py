@@ -21,11 +21,11 @@ import sniffio
 
 from .._exceptions import MalformedResponse
 from .._models import ChatResult, CompletionResult, Result, Usage
+from ..governor._lanes import Lane
 
 __all__ = [
     "USE_DEFAULT",
     "Deadlines",
-    "Lane",
     "Messages",
     "Plan",
     "Prompt",
@@ -39,7 +39,6 @@ __all__ = [
 
 Messages = Sequence[Mapping[str, Any]]
 Prompt = str | Messages
-Lane = Literal["short", "long"]
 
 
 class UseDefault:

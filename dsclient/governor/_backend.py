@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
-from ._governor import Governor, GovernorStats, Lane
+from ._governor import Governor, GovernorStats
 from ._health import Reachability
+from ._lanes import Lane
 
 if TYPE_CHECKING:
     from .._http import httpx

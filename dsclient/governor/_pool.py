@@ -52,8 +52,9 @@ import anyio
 from .._exceptions import ConnectionError, DSClientError, Overloaded, ServerError
 from .._exceptions import TimeoutError as DSTimeoutError
 from ..client._discovery import ServerInfo
-from ._governor import Governor, GovernorStats, Lane, Slot
+from ._governor import Governor, GovernorStats, Slot
 from ._health import Reachability
+from ._lanes import Lane
 from ._routing import (
     CircuitBreaker,
     NoServer,
