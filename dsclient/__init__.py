@@ -20,10 +20,10 @@ from ._exceptions import (
 )
 from ._models import ChatResult, CompletionResult, Failure, Result, Usage
 from ._observe import CallRecord
+from ._server_info import ServerInfo
 from .batch._batch import BatchResults
 from .client._client import USE_DEFAULT, AsyncClient, Stream
 from .client._degrade import Degrade
-from .client._discovery import ServerInfo
 from .client._retry import Retry, compute_backoff
 from .client._sync import Client, SyncStream
 from .governor._control import ControlStats

@@ -48,7 +48,7 @@ from .._exceptions import (
     parse_json,
 )
 from .._http import httpx
-from ._streaming import MAX_BODY_BYTES, read_body, read_prefix
+from .._streaming import MAX_BODY_BYTES, read_body, read_prefix
 
 __all__ = [
     "BYTES_PER_TOKEN",

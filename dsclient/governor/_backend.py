@@ -33,7 +33,7 @@ from ._lanes import Lane
 
 if TYPE_CHECKING:
     from .._http import httpx
-    from ..client._discovery import ServerInfo
+    from .._server_info import ServerInfo
     from ._endpoint import Endpoint
 
 __all__ = ["Backend", "Lease", "SingleServer", "rediscover_backoff"]
