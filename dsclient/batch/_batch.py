@@ -55,15 +55,16 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, TypeVar
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._models import Failure, Result
-from .._percentile import nearest_rank
-from ..client._request import (
+from .._arguments import (
     USE_DEFAULT,
     UseDefault,
     check_max_tokens,
     check_messages,
     check_prompt,
 )
+from .._models import Failure, Result
+from .._percentile import nearest_rank
+from ._caller import Caller
 from ._jsonl import JsonlStore, derive_id, explicit_id
 from ._order import ORDERS, WINDOW, ItemShape, Lineup, Order, predicted_tokens, prefix_of
 from ._progress import Progress, open_progress
@@ -71,8 +72,6 @@ from ._progress import Progress, open_progress
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
     from anyio.from_thread import BlockingPortal
-
-    from ..client._client import AsyncClient
 
 __all__ = ["BatchResults", "InvalidItem", "iter_map", "iter_map_blocking", "run_map"]
 
@@ -447,7 +446,7 @@ class _Shaped:
 class _Run:
     def __init__(
         self,
-        client: AsyncClient,
+        client: Caller,
         store: JsonlStore | None,
         done_ids: dict[str, int],
         options: _Options,
@@ -574,7 +573,7 @@ def _total_of(items: Any) -> int | None:
 
 
 async def iter_map(
-    client: AsyncClient,
+    client: Caller,
     items: Iterable[Any] | AsyncIterable[Any],
     *,
     on_error: OnError = "return",
@@ -615,7 +614,7 @@ async def iter_map(
 
 
 async def _open_batch(
-    client: AsyncClient, items: Iterable[Any] | AsyncIterable[Any], options: _Options
+    client: Caller, items: Iterable[Any] | AsyncIterable[Any], options: _Options
 ) -> tuple[_Feed, JsonlStore | None, _Run, Progress]:
     """Check the arguments, discover the server, open the output and the bar."""
     if options.on_error not in _ON_ERROR:
@@ -643,7 +642,7 @@ async def _open_batch(
 
 
 async def _run_direct(
-    client: AsyncClient,
+    client: Caller,
     items: Iterable[Any] | AsyncIterable[Any],
     sink: Callable[[int, Outcome, bool], None],
     options: _Options,
@@ -687,7 +686,7 @@ async def _run_direct(
 
 
 async def _run_batch(
-    client: AsyncClient, items: Iterable[Any] | AsyncIterable[Any], options: _Options
+    client: Caller, items: Iterable[Any] | AsyncIterable[Any], options: _Options
 ) -> AsyncGenerator[tuple[int, Outcome, bool], None]:
     """The run behind ``imap()``: yields ``(index, outcome, read back from the output file)``."""
     feed, store, run, bar = await _open_batch(client, items, options)
@@ -745,7 +744,7 @@ class _Pool:
 
     def __init__(
         self,
-        client: AsyncClient,
+        client: Caller,
         source: _Feed,
         start: Callable[[], object],
         on_close: Callable[[], None] | None = None,
@@ -826,7 +825,7 @@ def _settle(
 
 
 async def run_map(
-    client: AsyncClient,
+    client: Caller,
     items: Iterable[Any] | AsyncIterable[Any],
     *,
     ordered: bool = True,
@@ -898,7 +897,7 @@ async def run_map(
 
 
 def iter_map_blocking(
-    portal: BlockingPortal, client: AsyncClient, items: Any, **kwargs: Any
+    portal: BlockingPortal, client: Caller, items: Any, **kwargs: Any
 ) -> Iterator[tuple[int, Outcome]]:
     """:func:`iter_map` for synchronous code, run in one task on ``portal``'s loop.
 
