@@ -18,7 +18,7 @@ first (:data:`LAYERS`)::
     dsclient    the package's facade (``__init__``) and ``__main__``: nothing imports them
 
 A package imports only itself and the layers below its own: no two packages import each other.
-On that graph, too, no modules import each other, but within the client (see the test).
+Nor is there a cycle of modules on that graph, except one within the client (see its test).
 """
 
 from __future__ import annotations
