@@ -20,10 +20,11 @@ from ._exceptions import (
 )
 from ._models import ChatResult, CompletionResult, Failure, Result, Usage
 from ._observe import CallRecord
+from ._server_info import ServerInfo
+from ._version import __version__
 from .batch._batch import BatchResults
 from .client._client import USE_DEFAULT, AsyncClient, Stream
 from .client._degrade import Degrade
-from .client._discovery import ServerInfo
 from .client._retry import Retry, compute_backoff
 from .client._sync import Client, SyncStream
 from .governor._control import ControlStats
@@ -33,8 +34,6 @@ from .governor._health import Reachability
 from .governor._load import Load
 from .governor._pool import NoServerError
 from .governor._routing import RoutingPolicy
-
-__version__ = "0.1.0"
 
 __all__ = [
     "USE_DEFAULT",

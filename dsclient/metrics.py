@@ -547,7 +547,7 @@ def trace(client: AsyncClient | Client, tracer: Any = None) -> Callable[[], None
     """
     otel = _require("opentelemetry.trace", "dsclient.metrics.trace")
     if tracer is None:
-        from . import __version__
+        from ._version import __version__
 
         tracer = otel.get_tracer("dsclient", __version__)
     inner = _async_of(client)

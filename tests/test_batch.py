@@ -457,11 +457,14 @@ def test_iter_map_blocking_runs_in_one_task_and_stops_early():
     with dsclient.Client(URL, transport=EchoServer().transport, max_num_seqs=4) as client:
         portal = client._portal
         got = sorted(
-            i for i, _ in iter_map_blocking(portal, client.aclient, ["a", "b", "c"], progress=False)
+            i
+            for i, _ in iter_map_blocking(
+                portal, client.aclient.imap, ["a", "b", "c"], progress=False
+            )
         )
         assert got == [0, 1, 2]
         early = iter_map_blocking(
-            portal, client.aclient, (f"p{i}" for i in range(100)), progress=False
+            portal, client.aclient.imap, (f"p{i}" for i in range(100)), progress=False
         )
         next(early)
         early.close()

@@ -37,6 +37,7 @@ from dsclient._exceptions import (
 )
 from dsclient._http import httpx
 from dsclient._models import CompletionResult, Failure, Result, Usage
+from dsclient._streaming import delta_of, iter_sse_data
 from dsclient.batch._jsonl import MAP_RECORDS, JsonlStore, explicit_id, item_id, scan_records
 from dsclient.client._discovery import (
     ServerInfo,
@@ -52,7 +53,6 @@ from dsclient.client._discovery import (
     parse_vllm_server_info,
 )
 from dsclient.client._retry import compute_backoff, parse_retry_after
-from dsclient.client._streaming import delta_of, iter_sse_data
 from dsclient.governor._endpoint import ControlOptions, Endpoint
 from dsclient.governor._load import Load, parse_load, parse_prometheus
 

@@ -10,16 +10,8 @@ import anyio
 import pytest
 
 from dsclient._exceptions import Overloaded
-from dsclient.governor._governor import (
-    Governor,
-    GovernorStats,
-    Lane,
-    LaneStats,
-    Slot,
-    choose_lane,
-    compute_limit,
-    default_long_threshold,
-)
+from dsclient.governor._governor import Governor, GovernorStats, LaneStats, Slot, compute_limit
+from dsclient.governor._lanes import Lane, choose_lane, default_long_threshold
 
 pytestmark = pytest.mark.anyio
 

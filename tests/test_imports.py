@@ -1,14 +1,24 @@
-"""The package's import graph: no cycles among dsclient's modules, and every module imports first.
+"""The package's import graph: layers that point one way, no cycles, and every module imports first.
 
 A cycle at module level works only in the order the package happens to import in today; the
 first reorder (or a user importing a private module first) turns it into an ``ImportError`` on a
-half-built module. The graph is read from the source (``ast``): module-level imports only, since
-imports inside functions run later and ``if TYPE_CHECKING:`` blocks never run.
+half-built module. The graph is read from the source (``ast``). The module-level graph leaves
+out imports inside functions (they run later) and under ``if TYPE_CHECKING:`` (never run).
 
-The layers are held on a second graph that counts every import (under ``TYPE_CHECKING`` and
-inside functions too): a lazy import is still a dependency a reader has to follow. So far it
-holds the launcher: it imports only itself and the core (dsclient's top-level private modules),
-and its modules import each other one way.
+The layers are held on a second graph that counts every import, under ``TYPE_CHECKING`` and
+inside functions too: a lazy import is still a dependency a reader has to follow. Lowest
+first (:data:`LAYERS`)::
+
+    core        dsclient's top-level private modules (_exceptions, _models, _observe, _urls,
+                _records, _server_info, _streaming, ...): they import no package
+    governor    -> core                     launcher  -> core only
+    batch       -> governor, core           (the runner takes the client as protocols)
+    client      -> batch, governor, core
+    cli, ray, metrics -> the layers below
+    dsclient    the package's facade (``__init__``) and ``__main__``: nothing imports them
+
+A package imports only itself and the layers below its own: no two packages import each other.
+Nor is there a cycle of modules on that graph, not even within one package.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -75,8 +86,19 @@ def _module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]
     return found
 
 
-def _resolve(module: str, is_package: bool, node: ast.Import | ast.ImportFrom) -> set[str]:
-    """The dsclient modules an import statement names (a package's own ``__init__`` included)."""
+def _resolve(
+    module: str,
+    is_package: bool,
+    node: ast.Import | ast.ImportFrom,
+    modules: Collection[str] = (),
+) -> set[str]:
+    """The dsclient modules an import statement names (a package's own ``__init__`` included).
+
+    ``from pkg import sub`` names ``pkg.sub`` only when ``sub`` is one of ``modules``: the
+    package's ``__init__`` has run before any of its modules anyway, and a name that is a
+    module is found even while the package is half-built. Without ``modules`` (or for a name
+    that is not a module), ``pkg`` itself is named too.
+    """
     if isinstance(node, ast.Import):
         return {alias.name for alias in node.names if alias.name.split(".")[0] == "dsclient"}
     if node.level:
@@ -87,8 +109,11 @@ def _resolve(module: str, is_package: bool, node: ast.Import | ast.ImportFrom) -
         target = node.module or ""
     if target.split(".")[0] != "dsclient":
         return set()
+    submodules = {f"{target}.{alias.name}" for alias in node.names}
+    if modules and submodules <= set(modules):
+        return submodules
     # `from .pkg import name` imports pkg, and pkg.name too when name is a submodule.
-    return {target} | {f"{target}.{alias.name}" for alias in node.names}
+    return {target} | submodules
 
 
 def _every_import(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
@@ -107,7 +132,7 @@ def import_graph(*, every_import: bool = False) -> dict[str, set[str]]:
         edges: set[str] = set()
         found = _every_import(tree) if every_import else _module_level_imports(tree)
         for node in found:
-            edges |= {t for t in _resolve(name, is_package, node) if t in modules}
+            edges |= {t for t in _resolve(name, is_package, node, modules) if t in modules}
         edges.discard(name)
         graph[name] = edges
     return graph
@@ -174,9 +199,172 @@ def _in(package: str, module: str) -> bool:
 
 
 def _is_core(module: str) -> bool:
-    """dsclient's core: its top-level private modules (``dsclient._exceptions``, ...)."""
+    """dsclient's core: its top-level private modules (``dsclient._exceptions``, ...), not
+    ``__main__`` (the command line's entry point, at the top)."""
     parts = module.split(".")
-    return len(parts) == 2 and parts[0] == "dsclient" and parts[1].startswith("_")
+    return (
+        len(parts) == 2
+        and parts[0] == "dsclient"
+        and parts[1].startswith("_")
+        and not parts[1].startswith("__")
+    )
+
+
+#: dsclient's layers, lowest first. A module imports its own package and the layers below its
+#: package's, nothing else; a package in no layer fails the test (place it first).
+LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"core"}),
+    frozenset({"governor", "launcher"}),
+    frozenset({"batch"}),
+    frozenset({"client"}),
+    frozenset({"cli", "ray", "metrics"}),
+    frozenset({"dsclient"}),
+)
+
+
+def package_of(module: str) -> str:
+    """The part of :data:`LAYERS` a module is in: ``"core"``, ``"governor"``, ..., or
+    ``"dsclient"`` for the package's facade and ``__main__``."""
+    if _is_core(module):
+        return "core"
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] == "__main__":
+        return "dsclient"
+    return parts[1]
+
+
+def layer_of(package: str) -> int:
+    for rank, layer in enumerate(LAYERS):
+        if package in layer:
+            return rank
+    raise AssertionError(f"{package!r} is in no layer: place it in LAYERS")
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Package -> the other packages its modules import."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        source = package_of(module)
+        packages.setdefault(source, set()).update(package_of(t) for t in targets)
+        packages[source].discard(source)
+    return packages
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that does not point down a layer, as ``"module -> module"``."""
+    return sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if package_of(target) != package_of(module)
+        and layer_of(package_of(target)) >= layer_of(package_of(module))
+    )
+
+
+def test_layers_point_down_counting_every_import() -> None:
+    graph = import_graph(every_import=True)
+    assert {package_of(m) for m in graph} == set().union(*LAYERS)
+    assert layer_violations(graph) == []
+
+
+def test_no_two_packages_import_each_other() -> None:
+    # Implied by the layers; said apart because it is the rule a reader checks first.
+    assert strongly_connected(package_graph(import_graph(every_import=True))) == []
+
+
+def test_the_layers_are_those_of_the_design() -> None:
+    # The order itself, so that a change to LAYERS is a change a reviewer sees.
+    assert [sorted(layer) for layer in LAYERS] == [
+        ["core"],
+        ["governor", "launcher"],
+        ["batch"],
+        ["client"],
+        ["cli", "metrics", "ray"],
+        ["dsclient"],
+    ]
+    packages = package_graph(import_graph(every_import=True))
+    assert packages["core"] == set()
+    assert packages["launcher"] == {"core"}
+    assert packages["governor"] == {"core"}
+    assert packages["batch"] <= {"core", "governor"}
+    assert "batch" in packages["client"] and "governor" in packages["client"]
+    assert not any("dsclient" in targets for targets in packages.values())
+
+
+def test_no_import_cycles_counting_every_import() -> None:
+    # Not even within the client: Stream, the governed transport and the SDK planner take the
+    # client's Caller and Planner (issue 26's second item), not AsyncClient, so no lazy cycle
+    # is left anywhere.
+    assert strongly_connected(import_graph(every_import=True)) == []
+
+
+def test_the_layer_check_catches_an_import_up_or_across() -> None:
+    graph = {
+        "dsclient._exceptions": set(),
+        "dsclient.governor._endpoint": {"dsclient._exceptions", "dsclient.client._discovery"},
+        "dsclient.client._discovery": {"dsclient.governor._endpoint", "dsclient._exceptions"},
+        "dsclient.launcher._server": {"dsclient.governor._endpoint"},
+        "dsclient.batch._batch": {"dsclient.client._discovery"},
+        "dsclient.cli.map": {"dsclient.client._discovery", "dsclient.launcher._server"},
+        "dsclient.metrics": {"dsclient"},
+        "dsclient.__main__": {"dsclient.cli.map"},
+    }
+    assert layer_violations(graph) == [
+        "dsclient.batch._batch -> dsclient.client._discovery",
+        "dsclient.governor._endpoint -> dsclient.client._discovery",
+        "dsclient.launcher._server -> dsclient.governor._endpoint",
+        "dsclient.metrics -> dsclient",
+    ]
+    assert strongly_connected(package_graph(graph)) == [frozenset({"client", "governor"})]
+
+
+def test_the_graph_names_a_submodule_not_its_package() -> None:
+    # `from .. import launcher` inside dsclient.cli.serve is a dependency on the launcher, not
+    # on dsclient's facade; `from . import __version__` in dsclient.metrics is one on the facade.
+    modules = {"dsclient", "dsclient.launcher", "dsclient.metrics"}
+    submodule = ast.parse("from .. import launcher").body[0]
+    name = ast.parse("from . import __version__").body[0]
+    assert isinstance(submodule, ast.ImportFrom) and isinstance(name, ast.ImportFrom)
+    assert _resolve("dsclient.cli.serve", False, submodule, modules) == {"dsclient.launcher"}
+    assert _resolve("dsclient.metrics", False, name, modules) == {
+        "dsclient",
+        "dsclient.__version__",
+    }
+
+
+def _definitions(name: str) -> list[str]:
+    """The modules that define ``name`` at their top level (a function, class or assignment)."""
+    found = []
+    for module, path in _modules().items():
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names = [node.target.id]
+            else:
+                continue
+            if name in names:
+                found.append(module)
+    return sorted(found)
+
+
+@pytest.mark.parametrize(
+    ("name", "home"),
+    [
+        ("Lane", "dsclient.governor._lanes"),
+        ("choose_lane", "dsclient.governor._lanes"),
+        ("default_long_threshold", "dsclient.governor._lanes"),
+        ("nearest_rank", "dsclient._percentile"),
+        ("_nearest_rank", None),
+        ("ServerInfo", "dsclient._server_info"),
+        ("read_body", "dsclient._streaming"),
+        ("read_json", "dsclient._streaming"),
+    ],
+)
+def test_each_shared_concept_is_defined_once(name: str, home: str | None) -> None:
+    assert _definitions(name) == ([home] if home else [])
 
 
 def test_the_launcher_imports_only_itself_and_the_core() -> None:

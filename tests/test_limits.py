@@ -33,10 +33,10 @@ from dsclient import (
 from dsclient._exceptions import ERROR_BODY_BYTES, ResponseTooLarge
 from dsclient._http import httpx
 from dsclient._models import Failure
+from dsclient._streaming import MAX_BODY_BYTES, sse_events
 from dsclient.client._discovery import PROBE_BODY_BYTES, discover
 from dsclient.client._pipeline import RequestPath
 from dsclient.client._retry import RetryBudget
-from dsclient.client._streaming import MAX_BODY_BYTES, sse_events
 from dsclient.governor._endpoint import METRICS_BODY_BYTES, ControlOptions, Endpoint, fetch_load
 
 from .fakes import FakeServer, RecordedSleep, completion_body

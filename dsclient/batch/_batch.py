@@ -35,7 +35,6 @@ every other key override the call's own for that item. Resume matching and id ru
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from collections import deque
@@ -56,14 +55,16 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, TypeVar, ca
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._models import Failure, Result
-from ..client._request import (
+from .._arguments import (
     USE_DEFAULT,
     UseDefault,
     check_max_tokens,
     check_messages,
     check_prompt,
 )
+from .._models import Failure, Result
+from .._percentile import nearest_rank
+from ._caller import BatchCaller, BatchClient, BatchPlanner
 from ._jsonl import JsonlStore, derive_id, explicit_id
 from ._order import ORDERS, WINDOW, ItemShape, Lineup, Order, predicted_tokens, prefix_of
 from ._progress import Progress, open_progress
@@ -71,10 +72,6 @@ from ._progress import Progress, open_progress
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
     from anyio.from_thread import BlockingPortal
-
-    from ..client._caller import Caller
-    from ..client._client import AsyncClient
-    from ..client._planner import Planner
 
 __all__ = ["BatchResults", "InvalidItem", "iter_map", "iter_map_blocking", "run_map"]
 
@@ -140,8 +137,8 @@ class BatchResults(list[Outcome]):
             "resumed": self.resumed,
             "elapsed_s": self.elapsed_s,
             "items_per_s": (len(self) - self.resumed) / self.elapsed_s if self.elapsed_s else None,
-            "p50_latency_s": _nearest_rank(latencies, 50),
-            "p99_latency_s": _nearest_rank(latencies, 99),
+            "p50_latency_s": nearest_rank(latencies, 50) if latencies else None,
+            "p99_latency_s": nearest_rank(latencies, 99) if latencies else None,
         }
 
     def __repr__(self) -> str:
@@ -159,12 +156,6 @@ class BatchResults(list[Outcome]):
         from .._display import batch_html
 
         return batch_html(self.summary(), self.failures)
-
-
-def _nearest_rank(ordered: Sequence[float], percent: int) -> float | None:
-    if not ordered:
-        return None
-    return ordered[max(1, math.ceil(percent * len(ordered) / 100)) - 1]
 
 
 # -- reading the input -------------------------------------------------------------------------
@@ -457,8 +448,8 @@ class _Run:
 
     def __init__(
         self,
-        caller: Caller,
-        planner: Planner,
+        caller: BatchCaller,
+        planner: BatchPlanner,
         store: JsonlStore | None,
         done_ids: dict[str, int],
         options: _Options,
@@ -586,11 +577,11 @@ def _total_of(items: Any) -> int | None:
 
 
 async def iter_map(
-    client: AsyncClient,
+    client: BatchClient,
     items: Iterable[Any] | AsyncIterable[Any],
     *,
-    caller: Caller,
-    planner: Planner,
+    caller: BatchCaller,
+    planner: BatchPlanner,
     on_error: OnError = "return",
     progress: bool | Mapping[str, Any] | None = None,
     output: str | os.PathLike[str] | JsonlStore | None = None,
@@ -631,9 +622,9 @@ async def iter_map(
 
 
 async def _open_batch(
-    client: AsyncClient,
-    caller: Caller,
-    planner: Planner,
+    client: BatchClient,
+    caller: BatchCaller,
+    planner: BatchPlanner,
     items: Iterable[Any] | AsyncIterable[Any],
     options: _Options,
 ) -> tuple[_Feed, JsonlStore | None, _Run, Progress]:
@@ -663,9 +654,9 @@ async def _open_batch(
 
 
 async def _run_direct(
-    client: AsyncClient,
-    caller: Caller,
-    planner: Planner,
+    client: BatchClient,
+    caller: BatchCaller,
+    planner: BatchPlanner,
     items: Iterable[Any] | AsyncIterable[Any],
     sink: Callable[[int, Outcome, bool], None],
     options: _Options,
@@ -709,9 +700,9 @@ async def _run_direct(
 
 
 async def _run_batch(
-    client: AsyncClient,
-    caller: Caller,
-    planner: Planner,
+    client: BatchClient,
+    caller: BatchCaller,
+    planner: BatchPlanner,
     items: Iterable[Any] | AsyncIterable[Any],
     options: _Options,
 ) -> AsyncGenerator[tuple[int, Outcome, bool], None]:
@@ -771,7 +762,7 @@ class _Pool:
 
     def __init__(
         self,
-        client: AsyncClient,
+        client: BatchClient,
         source: _Feed,
         start: Callable[[], object],
         on_close: Callable[[], None] | None = None,
@@ -852,11 +843,11 @@ def _settle(
 
 
 async def run_map(
-    client: AsyncClient,
+    client: BatchClient,
     items: Iterable[Any] | AsyncIterable[Any],
     *,
-    caller: Caller,
-    planner: Planner,
+    caller: BatchCaller,
+    planner: BatchPlanner,
     ordered: bool = True,
     on_error: OnError = "return",
     progress: bool | Mapping[str, Any] | None = None,
@@ -931,10 +922,13 @@ async def run_map(
 
 
 def iter_map_blocking(
-    portal: BlockingPortal, client: AsyncClient, items: Any, **kwargs: Any
+    portal: BlockingPortal,
+    imap: Callable[..., AsyncIterator[tuple[int, Outcome]]],
+    items: Any,
+    **kwargs: Any,
 ) -> Iterator[tuple[int, Outcome]]:
-    """``client.imap(items, **kwargs)`` for synchronous code, run in one task on ``portal``'s
-    loop.
+    """``imap(items, **kwargs)`` (a client's ``imap``) for synchronous code, run in one task on
+    ``portal``'s loop.
 
     The async iterator runs a task group, so it must be advanced by a single task; this runs
     it in one and hands each outcome over a zero-buffer stream (no read-ahead beyond map's).
@@ -943,7 +937,7 @@ def iter_map_blocking(
 
     async def pump() -> None:
         # imap()'s iterator is iter_map's generator: closed here, in the task that ran it.
-        results = cast("AsyncGenerator[tuple[int, Outcome], None]", client.imap(items, **kwargs))
+        results = cast("AsyncGenerator[tuple[int, Outcome], None]", imap(items, **kwargs))
         async with send, aclosing(results):
             async for pair in results:
                 await send.send(pair)

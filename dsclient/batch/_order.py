@@ -41,14 +41,13 @@ delay the progress bar and ``on_error="raise"``.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
-from ..client._tokens import BYTES_PER_TOKEN, TokenCounter
 from ..governor._routing import RoutingPolicy, prefix_blocks, prefix_text
+from ._caller import TokenSizer
 
 __all__ = [
     "DEPTH",
@@ -118,20 +117,18 @@ def prefix_of(
 
 
 def predicted_tokens(
-    prompt: str | Iterable[Mapping[str, Any]], max_tokens: int, counter: TokenCounter
+    prompt: str | Iterable[Mapping[str, Any]], max_tokens: int, counter: TokenSizer
 ) -> int:
     """An item's predicted tokens: its prompt's plus ``max_tokens``.
 
     ``predicted_tokens("x" * 400, 64, TokenCounter())`` is ``100 + 64``.
 
-    The prompt is sized from its bytes (``counter.upper_bound / BYTES_PER_TOKEN``, the token
-    counter's own last-resort estimate), not by the tokenizer: the order needs ranks, not
-    exact counts, and the client itself never runs the tokenizer on a prompt whose bytes
-    already fit. A message with non-text parts (no byte bound) is counted.
+    The prompt is sized from its bytes (``counter.byte_estimate``: ``upper_bound /
+    BYTES_PER_TOKEN``, the token counter's own last-resort estimate), not by the tokenizer: the
+    order needs ranks, not exact counts, and the client itself never runs the tokenizer on a
+    prompt whose bytes already fit. A message with non-text parts (no byte bound) is counted.
     """
-    upper = counter.upper_bound(prompt)
-    tokens = math.ceil(upper / BYTES_PER_TOKEN) if upper is not None else counter.estimate(prompt)
-    return tokens + max_tokens
+    return counter.byte_estimate(prompt) + max_tokens
 
 
 class _Node:

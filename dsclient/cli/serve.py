@@ -12,7 +12,7 @@ from ._common import err as _err
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from ..launcher._profiles import DEFAULT_PROFILE, PROFILES
+    from ..launcher import DEFAULT_PROFILE, PROFILES
 
     p = sub.add_parser(
         "serve",
@@ -93,7 +93,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="JSON",
         help=(
             'plan for other hardware instead of this machine, e.g. \'{"gpu_count": 1,'
-            ' "gpu_mem_gib": 24}\' (fields of dsclient.launcher._profiles.Hardware;'
+            ' "gpu_mem_gib": 24}\' (fields of dsclient.launcher.Hardware;'
             " mostly with --dry-run)"
         ),
     )
@@ -101,7 +101,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _hardware_from_json(text: str) -> object:
-    from ..launcher._profiles import Hardware
+    from ..launcher import Hardware
 
     try:
         data = json.loads(text)
@@ -121,16 +121,15 @@ def _hardware_from_json(text: str) -> object:
 
 def _serve(args: argparse.Namespace) -> int:
     from .. import launcher
-    from ..launcher._profiles import Hardware, describe_profiles
 
     if args.list_profiles:
-        print(describe_profiles())
+        print(launcher.describe_profiles())
         return 0
     if not args.model:
         _err("dsclient serve: a MODEL is needed (or --list-profiles)")
         return 2
     hardware = _hardware_from_json(args.hardware) if args.hardware else None
-    assert hardware is None or isinstance(hardware, Hardware)
+    assert hardware is None or isinstance(hardware, launcher.Hardware)
     options: dict[str, Any] = dict(
         profile=args.profile,
         max_num_seqs=args.max_num_seqs,
@@ -201,7 +200,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _dry_run_replicas(args: argparse.Namespace, install: Any, options: dict[str, Any]) -> int:
-    from ..launcher._replicas import launch_replicas
+    from ..launcher import launch_replicas
 
     group = launch_replicas(args.model, args.replicas, vllm=install, **options)
     print(f"# {install.dist} {install.version} ({install.python})")

@@ -36,6 +36,7 @@ import sniffio
 from .._http import httpx, transport_for
 from .._models import ChatResult, CompletionResult, Failure, Result
 from .._observe import Observer
+from .._streaming import MAX_BODY_BYTES
 from ..batch._batch import BatchResults, OnError, iter_map, run_map
 from ..batch._jsonl import JsonlStore
 from ..governor._backend import Backend, SingleServer
@@ -62,7 +63,6 @@ from ._request import (
 )
 from ._retry import Retry, RetryBudget
 from ._stream import Stream
-from ._streaming import MAX_BODY_BYTES
 from ._tokens import (
     TokenCounter,
 )

@@ -57,15 +57,15 @@ from .._exceptions import (
     translate_request_error,
 )
 from .._http import AiohttpTransport, RawHeaders, Read, httpx
+from .._streaming import MAX_BODY_BYTES, json_object, read_body, read_json, read_prefix
 from ..governor._backend import Backend, Lease, SingleServer
 from ..governor._endpoint import Endpoint
 from ..governor._load import LOAD_HEADER, LOAD_HEADER_FORMAT
 from ._priority import with_priority
 from ._retry import Retry, RetryBudget, compute_backoff, describe, is_retryable, retry_after_of
-from ._streaming import MAX_BODY_BYTES, json_object, read_body, read_json, read_prefix
 
 if TYPE_CHECKING:
-    from ..governor._governor import Lane
+    from ..governor._lanes import Lane
 
 __all__ = ["Answer", "Call", "RequestPath", "WouldMiss", "completion_tokens", "outcome_of"]
 
@@ -132,7 +132,7 @@ class RequestPath:
         max_body_bytes: the most bytes of an answer read (default :data:`MAX_BODY_BYTES`,
             16 MiB); a longer one ends the call in ``ResponseTooLarge``, unread and not retried.
             Streams apply it to each line and event
-            (:func:`~dsclient.client._streaming.sse_events`).
+            (:func:`~dsclient._streaming.sse_events`).
         outage_wait: seconds calls wait for a server that stopped answering (see
             :class:`~dsclient.governor._health.Reachability`); ``None``: only their own timeouts.
             Used only where ``backend`` is an ``Endpoint`` (a backend has its own).

@@ -30,9 +30,9 @@ from .._exceptions import ConnectionError, DSClientError
 from .._http import httpx
 from ..governor._backend import Backend, rediscover_backoff
 from ..governor._endpoint import Endpoint, fetch_load
-from ..governor._governor import choose_lane, default_long_threshold
+from ..governor._lanes import Lane, choose_lane, default_long_threshold
 from ._discovery import ServerInfo, discover
-from ._request import Lane, Plan, Prompt
+from ._request import Plan, Prompt
 from ._retry import Retry
 from ._tokens import (
     CALIBRATION_TEXT,

@@ -25,12 +25,9 @@ A ``priority`` the caller puts in the request itself is sent as it is.
 
 from __future__ import annotations
 
-from typing import Literal
+from .._server_info import PriorityOrder
 
 __all__ = ["PriorityOrder", "server_priority", "with_priority"]
-
-#: Which values a server runs first: vLLM ``"lower-first"``, SGLang ``"higher-first"`` (default).
-PriorityOrder = Literal["lower-first", "higher-first"]
 
 
 def server_priority(lane: str, urgency: int, order: PriorityOrder) -> int:

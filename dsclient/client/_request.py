@@ -1,8 +1,10 @@
-"""A call before and after the wire: its arguments checked, what it will send (:class:`Plan`),
-and the server's answer made into a result (:func:`build_result`, the one place that does it).
+"""A call before and after the wire: what it will send (:class:`Plan`), its deadline, and the
+server's answer made into a result (:func:`build_result`, the one place that does it).
 
 No I/O here: the client plans (``dsclient.client._client``), the request path sends
-(``dsclient.client._pipeline``), and both use these.
+(``dsclient.client._pipeline``), and both use these. The checks of a call's arguments and
+:data:`USE_DEFAULT` are the core's (``dsclient._arguments``, shared with the batch runner) and
+are importable from here too.
 """
 
 from __future__ import annotations
@@ -13,19 +15,27 @@ import collections
 import contextlib
 import json
 import sys
-from collections.abc import Mapping, Sequence
-from typing import Any, Final, Literal
+from typing import Any, Literal
 
 import anyio
 import sniffio
 
+from .._arguments import (
+    USE_DEFAULT,
+    Messages,
+    Prompt,
+    UseDefault,
+    check_max_tokens,
+    check_messages,
+    check_prompt,
+)
 from .._exceptions import MalformedResponse
 from .._models import ChatResult, CompletionResult, Result, Usage
+from ..governor._lanes import Lane
 
 __all__ = [
     "USE_DEFAULT",
     "Deadlines",
-    "Lane",
     "Messages",
     "Plan",
     "Prompt",
@@ -36,30 +46,6 @@ __all__ = [
     "check_prompt",
     "deadline",
 ]
-
-Messages = Sequence[Mapping[str, Any]]
-Prompt = str | Messages
-Lane = Literal["short", "long"]
-
-
-class UseDefault:
-    """The type of :data:`USE_DEFAULT`: "use the client's default" (``None`` means "turn it
-    off"). Typed like httpx's ``UseClientDefault``: a parameter reads
-    ``timeout: float | None | UseDefault = USE_DEFAULT``, and code tells it apart with
-    ``isinstance(value, UseDefault)``."""
-
-    _instance: UseDefault | None = None
-
-    def __new__(cls) -> UseDefault:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "USE_DEFAULT"
-
-
-USE_DEFAULT: Final[UseDefault] = UseDefault()
 
 
 def deadline(seconds: float | None) -> contextlib.AbstractAsyncContextManager[Any]:
@@ -235,36 +221,6 @@ class _Scope:
             and exc_type is asyncio.CancelledError
         ):
             raise builtins.TimeoutError from exc
-
-
-def check_messages(messages: Any) -> None:
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise TypeError(
-            f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}"
-        )
-    if not messages:
-        raise ValueError("messages is empty; give at least one {'role': ..., 'content': ...}")
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or "role" not in m:
-            raise TypeError(
-                f"messages[{i}] must be a dict with 'role' and 'content', got {m!r:.80}"
-            )
-
-
-def check_prompt(prompt: Any) -> None:
-    if not isinstance(prompt, str):
-        raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
-    if not prompt:
-        raise ValueError("prompt is empty")
-
-
-def check_max_tokens(max_tokens: Any) -> None:
-    if max_tokens is None:
-        return
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-        raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__}")
-    if max_tokens <= 0:
-        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
 
 
 class Plan:

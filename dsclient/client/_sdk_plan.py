@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from .._exceptions import ContextOverflow, parse_json
 from .._http import httpx
-from ..governor._governor import choose_lane, default_long_threshold
+from ..governor._lanes import choose_lane, default_long_threshold
 
 if TYPE_CHECKING:
-    from ..governor._governor import Lane
+    from ..governor._lanes import Lane
     from ._planner import Planner
 
 __all__ = [

@@ -10,9 +10,10 @@ import anyio
 
 from .._exceptions import DSClientError, TimeoutError, translate_transport_error
 from .._http import httpx
+from .._streaming import delta_of, sse_events
+from ..governor._lanes import Lane
 from ._pipeline import outcome_of
-from ._request import Lane, Prompt, deadline
-from ._streaming import delta_of, sse_events
+from ._request import Prompt, deadline
 
 if TYPE_CHECKING:
     from ..governor._backend import Lease

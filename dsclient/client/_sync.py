@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .._models import ChatResult, CompletionResult, Failure, Result
+from .._streaming import MAX_BODY_BYTES
 from ..batch._batch import BatchResults
 from ..governor._endpoint import ServerView
 from ..governor._governor import GovernorStats
 from ._client import USE_DEFAULT, AsyncClient, Messages, Prompt, Stream
 from ._discovery import ServerInfo
-from ._streaming import MAX_BODY_BYTES
 
 if TYPE_CHECKING:
     import openai
@@ -281,7 +281,7 @@ class Client:
 
         return iter_map_blocking(
             self._portal,
-            self._async,
+            self._async.imap,
             items,
             on_error=on_error,
             progress=progress,

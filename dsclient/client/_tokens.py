@@ -48,7 +48,7 @@ from .._exceptions import (
     parse_json,
 )
 from .._http import httpx
-from ._streaming import MAX_BODY_BYTES, read_body, read_prefix
+from .._streaming import MAX_BODY_BYTES, read_body, read_prefix
 
 __all__ = [
     "BYTES_PER_TOKEN",
@@ -388,6 +388,19 @@ class TokenCounter:
     def estimate(self, prompt: str | Iterable[Mapping[str, Any]]) -> int:
         """The corrected token estimate of a prompt or message list."""
         return self.estimate_from(self.count_any(prompt))
+
+    def byte_estimate(self, prompt: str | Iterable[Mapping[str, Any]]) -> int:
+        """The prompt's tokens from its bytes, without the tokenizer: ``ceil(upper_bound /
+        BYTES_PER_TOKEN)``, the last-resort estimate; :meth:`estimate` where the bytes bound
+        nothing (a message with non-text parts).
+
+            TokenCounter().byte_estimate("x" * 400)   # 100
+
+        Cheap enough to rank a batch's items by (``dsclient.batch._order``), not to fit one to
+        the context: that is :meth:`measure`'s work.
+        """
+        upper = self.upper_bound(prompt)
+        return math.ceil(upper / BYTES_PER_TOKEN) if upper is not None else self.estimate(prompt)
 
     def measure(self, prompt: str | Iterable[Mapping[str, Any]]) -> TokenEstimate:
         """Local count, corrected estimate, its error bound and the hard upper bound at once."""

@@ -86,6 +86,7 @@ from .._exceptions import (
     TransportError,
 )
 from .._http import httpx
+from .._streaming import MAX_BODY_BYTES
 from ._request import deadline
 from ._sdk_plan import (
     GROUP,
@@ -98,7 +99,6 @@ from ._sdk_plan import (
     refusal,
     usage_of,
 )
-from ._streaming import MAX_BODY_BYTES
 
 if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal

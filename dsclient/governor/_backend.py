@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
-from ._governor import Governor, GovernorStats, Lane
+from ._governor import Governor, GovernorStats
 from ._health import Reachability
+from ._lanes import Lane
 
 if TYPE_CHECKING:
     from .._http import httpx
-    from ..client._discovery import ServerInfo
+    from .._server_info import ServerInfo
     from ._endpoint import Endpoint
 
 __all__ = ["Backend", "Lease", "SingleServer", "rediscover_backoff"]

@@ -69,6 +69,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from .._percentile import nearest_rank
 from ._knee import KneeFinder
 
 __all__ = [
@@ -310,11 +311,6 @@ class QueueOnlyBatch:
             self.value = bounds[0][1]
         self._queued_last = queued
         return seen if self.value is None else min(seen, self.value)
-
-
-def _nearest_rank(values: list[float], percent: int) -> float:
-    ordered = sorted(values)
-    return ordered[max(1, (percent * len(ordered) + 99) // 100) - 1]
 
 
 class LimitController:
@@ -772,7 +768,7 @@ class LimitController:
     # -- latency rule -------------------------------------------------------------------------
     def service_p99(self) -> float | None:
         """p99 of the recent attempts' service times, or ``None`` before any."""
-        return _nearest_rank(list(self._service), 99) if self._service else None
+        return nearest_rank(sorted(self._service), 99) if self._service else None
 
     def _latency_allows(self) -> bool:
         if self.latency_target is None or len(self._service) < 5:

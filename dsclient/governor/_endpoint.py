@@ -33,8 +33,8 @@ import anyio
 
 from .._exceptions import DSClientError, decode_text
 from .._http import httpx
-from ..client._discovery import ServerInfo
-from ..client._streaming import read_body
+from .._server_info import ServerInfo
+from .._streaming import read_body
 from ._control import SLOW_START, CapacityLearner, ControlStats, LimitController, Mode
 from ._governor import Governor, GovernorStats, Slot, compute_limit
 from ._load import (

@@ -20,8 +20,8 @@ the number comes from. A client cap does not make the server faster; it moves th
 server to the client, where it can be ordered. Raising the cap admits waiters at once, lowering
 it never cancels running work, it only admits nobody until in-flight drops below the new cap.
 
-**Lanes.** A request is ``"short"`` or ``"long"`` (:func:`choose_lane`). Long requests may hold
-at most ``max(1, floor(long_share * min(limit, batch)))`` slots (``batch``: the server's
+**Lanes.** A request is ``"short"`` or ``"long"`` (``dsclient.governor._lanes``). Long requests
+may hold at most ``max(1, floor(long_share * min(limit, batch)))`` slots (``batch``: the server's
 ``max_num_seqs`` when known; an adaptive limit can pass it, and half of 12 slots would be 6 of
 the server's 8 sequences: at 11 short requests a second the shorts then queued 3-4 s); short
 requests may use every slot, including those the long lane leaves idle. This is a ceiling on
@@ -75,11 +75,14 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final
 
 import anyio
 
 from .._exceptions import Overloaded
+from .._percentile import nearest_rank
+from ._checks import check_int, check_share, floor_share
+from ._lanes import Lane
 
 if TYPE_CHECKING:
     from ._control import ControlStats
@@ -89,16 +92,8 @@ __all__ = [
     "GovernorStats",
     "LaneStats",
     "Slot",
-    "choose_lane",
     "compute_limit",
-    "default_long_threshold",
 ]
-
-Lane = Literal["short", "long"]
-
-#: ``default_long_threshold`` as a share of the context, and its value when the context is unknown.
-LONG_THRESHOLD_SHARE: Final = 0.25
-LONG_THRESHOLD_FALLBACK: Final = 1024
 
 #: While short calls are about, long calls may borrow up to the batch less the shorts in flight
 #: and a reserve of a quarter of the batch (at least 1) for the next short arrivals.
@@ -109,26 +104,6 @@ _PACE_WINDOW: Final = 8
 #: Long calls borrow from a known batch only while the short calls' latest window takes less
 #: than this times their quickest window's time per unit of work.
 _PACE_SLOWED: Final = 2.0
-
-# floor(share * n) must not lose a slot to binary rounding: 0.57 * 100 is 56.99999999999999.
-_EPS: Final = 1e-9
-
-
-def _floor_share(share: float, n: int) -> int:
-    return max(1, math.floor(share * n + _EPS))
-
-
-def _check_share(name: str, share: float) -> None:
-    # `not (0 < x <= 1)` also rejects NaN.
-    if not 0 < share <= 1:
-        raise ValueError(f"{name} must be in (0, 1], got {share!r}")
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
 
 
 def compute_limit(max_num_seqs: int, headroom: float) -> int:
@@ -144,48 +119,10 @@ def compute_limit(max_num_seqs: int, headroom: float) -> int:
         max_num_seqs: the server's batch size (vLLM ``--max-num-seqs``), >= 1.
         headroom: the cap as a share of it, in (0, 2]; above 1 oversubscribes the server.
     """
-    _check_int("max_num_seqs", max_num_seqs, 1)
+    check_int("max_num_seqs", max_num_seqs, 1)
     if not 0 < headroom <= 2:
         raise ValueError(f"headroom must be in (0, 2], got {headroom!r}")
-    return _floor_share(headroom, max_num_seqs)
-
-
-def default_long_threshold(max_model_len: int | None) -> int:
-    """Total tokens (prompt + output) above which a request takes the long lane.
-
-    A quarter of the context, or 1024 tokens when the context is unknown::
-
-        default_long_threshold(2048)  # 512
-        default_long_threshold(None)  # 1024
-
-    Why a quarter: on the reference server (2048-token context) short requests were small
-    prompts + 64 tokens out (~100-200 tokens) and long ones ~1000-token prompts + 256 out
-    (~1250). 512 sits near their geometric mean (~450), far from both, and a request using a
-    quarter of the context costs several short ones. 1024 is that rule for a 4096 context, the
-    smallest common one, so an unknown context errs towards the short lane.
-
-    Parameters:
-        max_model_len: the model's context length in tokens (>= 1), or ``None`` if unknown.
-    """
-    if max_model_len is None:
-        return LONG_THRESHOLD_FALLBACK
-    _check_int("max_model_len", max_model_len, 1)
-    return _floor_share(LONG_THRESHOLD_SHARE, max_model_len)
-
-
-def choose_lane(*, estimated_total_tokens: int, threshold: int) -> Lane:
-    """The lane for a request: ``"long"`` when its tokens exceed ``threshold``, else ``"short"``.
-
-        choose_lane(estimated_total_tokens=1256, threshold=512)  # "long"
-        choose_lane(estimated_total_tokens=512, threshold=512)   # "short"
-
-    Parameters:
-        estimated_total_tokens: prompt tokens plus ``max_tokens`` (an estimate is fine), >= 0.
-        threshold: see :func:`default_long_threshold`, >= 1.
-    """
-    _check_int("estimated_total_tokens", estimated_total_tokens, 0)
-    _check_int("threshold", threshold, 1)
-    return "long" if estimated_total_tokens > threshold else "short"
+    return floor_share(headroom, max_num_seqs)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,13 +165,6 @@ class GovernorStats:
         from .._display import stats_html
 
         return stats_html(self)
-
-
-def _nearest_rank(ordered: list[float], percent: int) -> float:
-    # Nearest rank: the smallest sample with at least `percent`% of samples <= it. Integer
-    # arithmetic so that 95% of 100 samples is rank 95, not 96 through float error.
-    rank = max(1, (percent * len(ordered) + 99) // 100)
-    return ordered[rank - 1]
 
 
 class _Pace:
@@ -284,9 +214,9 @@ class _LaneState:
         ordered = sorted(self.samples)
         p50 = p95 = p99 = None
         if ordered:
-            p50 = _nearest_rank(ordered, 50)
-            p95 = _nearest_rank(ordered, 95)
-            p99 = _nearest_rank(ordered, 99)
+            p50 = nearest_rank(ordered, 50)
+            p95 = nearest_rank(ordered, 95)
+            p99 = nearest_rank(ordered, 99)
         return LaneStats(
             in_flight=self.in_flight,
             waiting=self.waiting,
@@ -543,9 +473,9 @@ class Governor:
         pick: Callable[[Sequence[Slot]], int] | None = None,
         pick_window: int = 32,
     ) -> None:
-        _check_int("limit", limit, 1)
-        _check_int("pick_window", pick_window, 1)
-        _check_share("long_share", long_share)
+        check_int("limit", limit, 1)
+        check_int("pick_window", pick_window, 1)
+        check_share("long_share", long_share)
         if long_idle_borrow is not None and not (
             isinstance(long_idle_borrow, (int, float)) and long_idle_borrow >= 0
         ):
@@ -553,12 +483,12 @@ class Governor:
                 f"long_idle_borrow must be >= 0 seconds or None, got {long_idle_borrow!r}"
             )
         if max_queue is not None:
-            _check_int("max_queue", max_queue, 0)
-        _check_int("latency_window", latency_window, 100)
+            check_int("max_queue", max_queue, 0)
+        check_int("latency_window", latency_window, 100)
         groups: dict[str, _GroupState] = {}
         for name, share in (group_caps or {}).items():
-            _check_share(f"group_caps[{name!r}]", share)
-            groups[name] = _GroupState(share, _floor_share(share, limit))
+            check_share(f"group_caps[{name!r}]", share)
+            groups[name] = _GroupState(share, floor_share(share, limit))
         self._limit = limit
         self._batch: int | None = None
         self._long_share = long_share
@@ -570,7 +500,7 @@ class Governor:
         self._groups = groups
         self._lanes: dict[str, _LaneState] = {
             "short": _LaneState("short", limit, latency_window),
-            "long": _LaneState("long", _floor_share(long_share, limit), latency_window),
+            "long": _LaneState("long", floor_share(long_share, limit), latency_window),
         }
         self._short = self._lanes["short"]
         self._long = self._lanes["long"]
@@ -674,15 +604,15 @@ class Governor:
         so that a limit above the batch (requests in transit, a short server queue) does not
         hand long requests more than their share of the sequences the server runs.
         """
-        _check_int("limit", limit, 1)
+        check_int("limit", limit, 1)
         if batch is not None:
-            _check_int("batch", batch, 1)
+            check_int("batch", batch, 1)
         self._limit = limit
         self._batch = batch
         self._lanes["short"].cap = limit
-        self._lanes["long"].cap = _floor_share(self._long_share, min(limit, batch or limit))
+        self._lanes["long"].cap = floor_share(self._long_share, min(limit, batch or limit))
         for group in self._groups.values():
-            group.cap = _floor_share(group.share, limit)
+            group.cap = floor_share(group.share, limit)
         self._dispatch()
 
     def stats(self, control: ControlStats | None = None) -> GovernorStats:

@@ -51,9 +51,10 @@ import anyio
 
 from .._exceptions import ConnectionError, DSClientError, Overloaded, ServerError
 from .._exceptions import TimeoutError as DSTimeoutError
-from ..client._discovery import ServerInfo
-from ._governor import Governor, GovernorStats, Lane, Slot
+from .._server_info import ServerInfo
+from ._governor import Governor, GovernorStats, Slot
 from ._health import Reachability
+from ._lanes import Lane
 from ._routing import (
     CircuitBreaker,
     NoServer,

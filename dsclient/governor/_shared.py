@@ -51,12 +51,14 @@ from urllib.parse import urlsplit
 import anyio
 
 if TYPE_CHECKING:
-    from ._endpoint import Endpoint
+    from ._control import LimitController
+    from ._governor import Governor
 
 __all__ = [
     "LEASE_S",
     "SYNC_INTERVAL_S",
     "SYNC_SCRIPT",
+    "Member",
     "Peer",
     "SharedBudget",
     "SharedState",
@@ -350,6 +352,37 @@ def _load_redis() -> Any:
     return aioredis
 
 
+class Member(Protocol):
+    """What a budget needs of the server it leases for (an ``Endpoint`` is one): named here,
+    so that this module and ``dsclient.governor._endpoint``, which holds a budget, do not import
+    each other."""
+
+    @property
+    def url(self) -> str:
+        """The server's URL, for the logs."""
+        ...
+
+    @property
+    def governor(self) -> Governor:
+        """Its governor: the demand (in flight, waiting) published at each sync."""
+        ...
+
+    @property
+    def controller(self) -> LimitController:
+        """Its limit controller: the limit and capacity published at each sync."""
+        ...
+
+    def apply_shared(
+        self, result: SyncResult, *, became_leader: bool, allowed: int | None = None
+    ) -> None:
+        """A sync answered: take its limit."""
+        ...
+
+    def leave_shared(self) -> None:
+        """Redis does not answer: run on the server's own limit."""
+        ...
+
+
 class SharedBudget:
     """The process's side of one shared budget: a block of leases, synced in the background.
 
@@ -427,7 +460,7 @@ class SharedBudget:
         secret = urlsplit(self._url.reveal()).password
         return text.replace(secret, "***") if secret else text
 
-    async def sync(self, endpoint: Endpoint) -> SyncResult:
+    async def sync(self, endpoint: Member) -> SyncResult:
         """One round trip: publish this client's state, renew and resize its block."""
         governor = endpoint.governor
         in_flight, waiting = governor.in_flight, governor.waiting
@@ -459,7 +492,7 @@ class SharedBudget:
         self.allowed = max(0, min(result.granted, target))
         return result
 
-    async def step(self, endpoint: Endpoint) -> None:
+    async def step(self, endpoint: Member) -> None:
         """One sync, applied to ``endpoint``; on failure the endpoint falls back to its own
         loop (logged once per outage)."""
         state = self.state
@@ -492,7 +525,7 @@ class SharedBudget:
         self.terms += became_leader
         endpoint.apply_shared(result, became_leader=became_leader, allowed=self.allowed)
 
-    async def first_lease(self, endpoint: Endpoint) -> None:
+    async def first_lease(self, endpoint: Member) -> None:
         """Sync until this client holds a lease (or Redis does not answer): the others give
         room back as their requests end (at ``async with``, before the first call)."""
         await self.step(endpoint)
@@ -500,7 +533,7 @@ class SharedBudget:
             await anyio.sleep(self.state.interval)
             await self.step(endpoint)
 
-    async def run(self, endpoint: Endpoint) -> None:
+    async def run(self, endpoint: Member) -> None:
         """Sync until cancelled (or closed), applying each answer to ``endpoint``."""
         while not self._closed:
             await self.step(endpoint)

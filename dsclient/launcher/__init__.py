@@ -51,6 +51,7 @@ from ._install import (
 from ._launch import launch
 from ._plan import plan_launch
 from ._ports import DEFAULT_PORT
+from ._profiles import DEFAULT_PROFILE, PROFILES, Hardware, describe_profiles
 from ._replicas import ServerGroup, launch_replicas
 from ._server import Server
 from ._tiny import DEFAULT_MODEL_DIR, make_tiny_model, tiny_model_script
@@ -58,7 +59,10 @@ from ._tiny import DEFAULT_MODEL_DIR, make_tiny_model, tiny_model_script
 __all__ = [
     "DEFAULT_MODEL_DIR",
     "DEFAULT_PORT",
+    "DEFAULT_PROFILE",
     "DEFAULT_VLLM_CPU_VERSION",
+    "PROFILES",
+    "Hardware",
     "LaunchError",
     "Server",
     "ServerGroup",
@@ -66,6 +70,7 @@ __all__ = [
     "VllmFlagsError",
     "VllmInstall",
     "default_server_venv",
+    "describe_profiles",
     "detect_vllm",
     "install_server",
     "launch",

@@ -74,7 +74,7 @@ class Bench:
     async def request(self, request: BenchRequest) -> RequestSample:
         """Send one streamed request and time it."""
         from ..._exceptions import MalformedResponse
-        from ...client._streaming import delta_of, sse_events
+        from ..._streaming import delta_of, sse_events
 
         body = {
             **request.body,

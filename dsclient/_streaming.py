@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from json import JSONDecoder
 from typing import Any
 
-from .._exceptions import (
+from ._exceptions import (
     ERROR_BODY_BYTES,
     MalformedResponse,
     ResponseTooLarge,
@@ -27,7 +27,7 @@ from .._exceptions import (
     parse_json,
     translate_request_error,
 )
-from .._http import httpx
+from ._http import httpx
 
 #: One decoder for every answer (``json.loads`` makes one per call).
 _DECODE = JSONDecoder().decode
