@@ -87,8 +87,8 @@ async def load(url: str, requests: int, concurrency: int) -> dict[str, float]:
 
 
 def bench(url: str, pgid: int | None, args: argparse.Namespace) -> dict[str, Any]:
+    from dsclient.launcher._command import format_cpu_list
     from dsclient.launcher._placement import pin_process
-    from dsclient.launcher._profiles import format_cpu_list
 
     everything = sorted(os.sched_getaffinity(0))
     if len(everything) < 2:

@@ -10,6 +10,7 @@ import pytest
 
 from dsclient._exceptions import ConnectionError
 from dsclient.client._discovery import ServerInfo
+from dsclient.governor._admission import Admission
 from dsclient.governor._backend import Backend, SingleServer, rediscover_backoff
 from dsclient.governor._endpoint import ControlOptions, Endpoint
 from dsclient.governor._pool import ServerPool
@@ -58,7 +59,7 @@ def test_both_implementations_are_backends() -> None:
 async def test_one_server_acquires_its_governors_slot_and_names_itself() -> None:
     e = endpoint()
     backend = single(e)
-    slot = await backend.acquire("tiny", lane="short", urgency=0, group=None)
+    slot = await backend.acquire(Admission("short", model="tiny"))
     assert backend.server_of(slot) is e and backend.in_flight == 1 == e.governor.in_flight
     assert backend.limit_for("tiny") == e.governor.limit == 5  # 0.7 x the default 8
     assert backend.settle(slot, None, "tiny") is False  # no other server to fail over to
@@ -76,7 +77,7 @@ async def test_one_servers_gate_is_its_reachability_and_its_health() -> None:
     with anyio.fail_after(5):
         await backend.gate("tiny")  # the probe answers: open again
     assert backend.gate_is_open("tiny")
-    slot = await backend.acquire("tiny", lane="short", urgency=0, group=None)
+    slot = await backend.acquire(Admission("short", model="tiny"))
     backend.reach.mark_down("a dropped connection")
     backend.settle(slot, None, "tiny")  # an answer opens the gate
     assert not backend.reach.down
@@ -131,8 +132,8 @@ async def test_a_pool_names_the_server_its_router_chose() -> None:
 
     pool = ServerPool([a, b], Router(None), {}, probe=probe)
     assert pool.gate_is_open("tiny") and pool.rediscover_due()
-    slot = await pool.acquire("big", lane="short", urgency=0, group=None)
+    slot = await pool.acquire(Admission("short", model="big"))
     assert pool.server_of(slot) is b
     await slot.__aexit__(None, None, None)
     with pytest.raises(TypeError):
-        pool.server_of(await single(a).acquire("tiny", lane="short", urgency=0, group=None))
+        pool.server_of(await single(a).acquire(Admission("short", model="tiny")))

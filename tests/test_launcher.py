@@ -45,7 +45,8 @@ from dsclient.launcher._argcheck import (
     read_check_output,
     vllm_arguments,
 )
-from dsclient.launcher._profiles import OWNED_DESTS, Hardware, LaunchPlan, build_command
+from dsclient.launcher._command import OWNED_DESTS, LaunchPlan, build_command
+from dsclient.launcher._profiles import Hardware
 
 FAKE = textwrap.dedent(
     r"""
@@ -305,7 +306,8 @@ def test_interpreter_exit_stops_the_server(fake_script, tmp_path):
         f"""
         import sys
         from pathlib import Path
-        from dsclient.launcher._profiles import Hardware, LaunchPlan
+        from dsclient.launcher._profiles import Hardware
+        from dsclient.launcher._command import LaunchPlan
         from dsclient.launcher import Server
         argv = (sys.executable, {str(fake_script)!r}, "--served-model-name", "tiny",
                 "--model", "m", "--host", "127.0.0.1", "--port", "{port}",

@@ -37,6 +37,7 @@ from dsclient._streaming import MAX_BODY_BYTES, sse_events
 from dsclient.client._discovery import PROBE_BODY_BYTES, discover
 from dsclient.client._pipeline import RequestPath
 from dsclient.client._retry import RetryBudget
+from dsclient.governor._admission import Admission
 from dsclient.governor._endpoint import METRICS_BODY_BYTES, ControlOptions, Endpoint, fetch_load
 
 from .fakes import FakeServer, RecordedSleep, completion_body
@@ -109,6 +110,9 @@ async def test_the_request_path_takes_its_cap_as_a_parameter():
     endpoint = Endpoint("http://s", ControlOptions(adaptive=False), {}, start=2)
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
 
+        def send(path: RequestPath) -> Any:
+            return path.send_json("/v1/completions", {}, path.new_call(Admission("short")))
+
         def path(cap: int) -> RequestPath:
             return RequestPath(
                 http,
@@ -122,12 +126,11 @@ async def test_the_request_path_takes_its_cap_as_a_parameter():
 
         assert path(MAX_BODY_BYTES).max_body_bytes == 16 * MiB
         with pytest.raises(ResponseTooLarge, match="over 2 KiB") as info:
-            await path(2048).send_json("/v1/completions", {}, lane="short", urgency=0, group=None)
+            await send(path(2048))
         assert info.value.limit == 2048
-        data, attempts, _, _ = await path(len(answer)).send_json(
-            "/v1/completions", {}, lane="short", urgency=0, group=None
-        )
-        assert data["choices"][0]["text"] == "x" * 3000 and attempts == 1
+        sent = await send(path(len(answer)))
+        assert sent.data is not None and sent.data["choices"][0]["text"] == "x" * 3000
+        assert sent.attempts == 1
     for bad in (0, -1):
         with pytest.raises(ValueError, match="max_body_bytes"):
             path(bad)

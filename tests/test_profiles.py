@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from dsclient.launcher._command import build_command, format_cpu_list, is_loopback
 from dsclient.launcher._hardware import parse_meminfo, parse_nvidia_smi
 from dsclient.launcher._profiles import (
     PROFILES,
     Hardware,
     ModelFacts,
-    build_command,
     caps_for_version,
     describe_profiles,
-    format_cpu_list,
-    is_loopback,
 )
 
 CPU2 = Hardware(cpu_ids=(0, 1), mem_gib=24)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsclient.launcher._profiles import LaunchPlan
+from dsclient.launcher._command import LaunchPlan
 from dsclient.launcher._redact import is_secret_name, redact_argv, scrub, secrets_in
 
 

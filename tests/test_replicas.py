@@ -18,8 +18,9 @@ from dsclient._http import httpx
 from dsclient._records import read_record
 from dsclient.cli import main
 from dsclient.launcher import LaunchError, Server, ServerGroup, ServerStartError, _install, launch
+from dsclient.launcher._command import LaunchPlan
 from dsclient.launcher._ports import choose_ports
-from dsclient.launcher._profiles import Hardware, LaunchPlan
+from dsclient.launcher._profiles import Hardware
 from dsclient.launcher._replicas import split_hardware
 from tests.test_launcher import FAKE, engine_pid, free_port, wait_dead
 

@@ -21,21 +21,18 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import anyio
 
 from .._exceptions import TimeoutError
-from .._http import httpx
 from .._models import Result
 from .._observe import CallRecord, Observer
+from ..governor._admission import Admission
 from ..governor._pool import NoServerError
 from ._degrade import Degrade, Pace, predict_s
-from ._pipeline import Call, RequestPath, WouldMiss
+from ._pipeline import Answer, Call, RequestPath, WouldMiss
 from ._request import USE_DEFAULT, Deadlines, Plan, Prompt, UseDefault, build_result
-
-if TYPE_CHECKING:
-    from ..governor._backend import Lease
 
 __all__ = ["Caller", "Planning"]
 
@@ -147,17 +144,11 @@ class Caller:
                             )
                         else:
                             miss_at = anyio.current_time() + max(0.0, left - need)
-                    call = path.new_call(plan.body.get("model"), prefix)
+                    call = path.new_call(
+                        Admission(plan.lane, urgency, group, plan.body.get("model"), prefix)
+                    )
                     try:
-                        data, attempts, queued, server = await path.send_json(
-                            plan.path,
-                            plan.body,
-                            lane=plan.lane,
-                            urgency=urgency,
-                            group=group,
-                            miss_at=miss_at,
-                            call=call,
-                        )
+                        answer = await path.send_json(plan.path, plan.body, call, miss_at=miss_at)
                     except WouldMiss as late:
                         assert option is not None and limit_s is not None
                         left = limit_s - (self.clock() - start)
@@ -166,26 +157,32 @@ class Caller:
                             option,
                             f"waited {late.waited_s:.1f} s for a slot, {left:.1f} s left",
                         )
-                        call = path.new_call(plan.body.get("model"), prefix)
-                        data, attempts, queued, server = await path.send_json(
-                            plan.path,
-                            plan.body,
-                            lane=plan.lane,
-                            urgency=urgency,
-                            group=group,
-                            call=call,
+                        call = path.new_call(
+                            Admission(plan.lane, urgency, group, plan.body.get("model"), prefix)
                         )
+                        answer = await path.send_json(plan.path, plan.body, call)
             except builtins.TimeoutError as exc:
                 expired = TimeoutError(f"call did not finish within its timeout of {limit_s} s")
                 if call is not None and call.cut is not None:
                     expired.server = call.cut.url  # cut in flight there: its record names it
                 raise expired from exc
             latency = self.clock() - start
+            server = answer.server
+            data = answer.data
+            assert data is not None  # send_json's answer
             result = build_result(
-                kind, data, latency, queued, attempts, plan, index, server, degraded
+                kind,
+                data,
+                latency,
+                answer.queued_s,
+                answer.attempts,
+                plan,
+                index,
+                server,
+                degraded,
             )
             self._pace.observe(
-                plan.body.get("model"), latency - queued, result.usage.completion_tokens
+                plan.body.get("model"), latency - answer.queued_s, result.usage.completion_tokens
             )
         except Exception as exc:
             if self.observers:
@@ -254,20 +251,17 @@ class Caller:
         urgency: int,
         group: str | None,
         sampling: dict[str, Any],
-    ) -> tuple[Plan, httpx.Response, Lease, int, str]:
-        """The entry point of a stream: plan, then open it under a slot the caller holds."""
+    ) -> tuple[Plan, Answer]:
+        """The entry point of a stream: plan, then open it under a slot the caller holds
+        (``Answer.slot``; ``Answer.response`` is open)."""
         kind: Literal["completion", "chat"] = "completion" if isinstance(prompt, str) else "chat"
         plan = await self.planner.plan(kind, prompt, max_tokens, dict(sampling))
         body = dict(plan.body, stream=True)
-        response, slot, attempts, _, server = await self.path.open_stream(
-            plan.path,
-            body,
-            lane=plan.lane,
-            urgency=urgency,
-            group=group,
-            prefix=self.backend.prefix_of(prompt),
+        prefix = self.backend.prefix_of(prompt)
+        call = self.path.new_call(
+            Admission(plan.lane, urgency, group, plan.body.get("model"), prefix)
         )
-        return plan, response, slot, attempts, server
+        return plan, await self.path.open_stream(plan.path, body, call)
 
     # -- observers ---------------------------------------------------------------------------
     def record(

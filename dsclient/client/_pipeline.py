@@ -1,9 +1,9 @@
 """The request path, one attempt at a time: a slot, one send, the slot back with its outcome.
 
     path = RequestPath(http, backend, retry, budget, sleep=anyio.sleep, rng=random.Random())
-    data, attempts, queued_s, server = await path.send_json(
-        "/v1/completions", body, lane="short", urgency=0, group=None
-    )
+    call = path.new_call(Admission("short", model="tiny"))
+    answer = await path.send_json("/v1/completions", body, call)
+    answer.data, answer.attempts, answer.queued_s, answer.server
 
 Each attempt takes its own slot from the backend (:mod:`dsclient.governor._backend`: one
 server's governor, or a pool's line and the server its router chose), sends once, and releases
@@ -42,7 +42,7 @@ import random
 import re
 from collections.abc import Awaitable, Callable
 from json import JSONEncoder
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 from tenacity import AsyncRetrying, RetryCallState
@@ -58,14 +58,12 @@ from .._exceptions import (
 )
 from .._http import AiohttpTransport, RawHeaders, Read, httpx
 from .._streaming import MAX_BODY_BYTES, json_object, read_body, read_json, read_prefix
+from ..governor._admission import Admission
 from ..governor._backend import Backend, Lease, SingleServer
 from ..governor._endpoint import Endpoint
 from ..governor._load import LOAD_HEADER, LOAD_HEADER_FORMAT
 from ._priority import with_priority
 from ._retry import Retry, RetryBudget, compute_backoff, describe, is_retryable, retry_after_of
-
-if TYPE_CHECKING:
-    from ..governor._lanes import Lane
 
 __all__ = ["Answer", "Call", "RequestPath", "WouldMiss", "completion_tokens", "outcome_of"]
 
@@ -181,10 +179,11 @@ class RequestPath:
         #: its gate while it does not.
         self.reach = self.backend.reach
 
-    def new_call(self, model: Any = None, prefix: str | None = None) -> Call:
-        """The state the attempts of one call share, for a caller that wants to read it after
-        the call ends another way than by returning (its deadline: ``Call.cut``)."""
-        return Call(self._first, model, prefix)
+    def new_call(self, admission: Admission) -> Call:
+        """The state the attempts of one call share (its admission, the time it queued, the
+        servers it failed on), for a caller that reads it after the call ends another way than
+        by returning (its deadline: ``Call.cut``)."""
+        return Call(self._first, admission)
 
     async def probe_url(self, root: str) -> bool:
         """Whether the server at ``root`` answers: any answer to ``GET /health`` but a 5xx (a
@@ -256,7 +255,7 @@ class RequestPath:
             redact(exc, secret)
 
     # -- where an attempt goes ------------------------------------------------------------------
-    async def _take(self, lane: Lane, urgency: int, group: str | None, call: Call) -> Lease:
+    async def _take(self, call: Call) -> Lease:
         """A slot for one attempt from the backend, and the server it goes to (``call.endpoint``).
         The first attempt of a call that may degrade waits for it only until ``call.miss_at``."""
         miss_at, call.miss_at = call.miss_at, None
@@ -264,13 +263,10 @@ class RequestPath:
             # The first attempt of a call that may degrade waits for its slot only until then.
             began = anyio.current_time()
             with anyio.move_on_after(max(0.0, miss_at - began)):
-                return await self._take(lane, urgency, group, call)
+                return await self._take(call)
             raise WouldMiss(anyio.current_time() - began)
         backend = self.backend
-        slot = await backend.acquire(
-            call.model, lane=lane, urgency=urgency, group=group, avoid=call.avoid,
-            prefix=call.prefix,
-        )  # fmt: skip
+        slot = await backend.acquire(call.admission, avoid=call.avoid)
         call.endpoint = backend.server_of(slot)
         call.queued_s += slot.queued_s
         return slot
@@ -279,193 +275,162 @@ class RequestPath:
         """Wait, on the client, while the server (with a pool: every server for the call's
         model) does not answer."""
         backend = self.backend
-        if not backend.gate_is_open(call.model):
-            await backend.gate(call.model)
+        model = call.admission.model
+        if not backend.gate_is_open(model):
+            await backend.gate(model)
 
     # -- attempts ------------------------------------------------------------------------------
     async def send_json(
-        self,
-        path: str,
-        body: dict[str, Any],
-        *,
-        lane: Lane,
-        urgency: int,
-        group: str | None,
-        prefix: str | None = None,
-        miss_at: float | None = None,
-        call: Call | None = None,
-    ) -> tuple[dict[str, Any], int, float, str]:
-        """POST ``body`` until it succeeds or may not be retried:
-        ``(json, attempts, queued_s, server)``.
-
-        ``queued_s`` sums the waits for a slot over the attempts; ``server`` is the root URL
-        that answered; ``prefix`` (the prompt's text) is what a pool's router matches against
-        the prefixes each server probably holds in its cache. With ``miss_at`` (on
-        ``anyio.current_time()``), a first attempt still waiting for a slot then raises
-        :class:`WouldMiss` instead (nothing was sent). ``call`` (from :meth:`new_call`, with the
-        body's model and ``prefix``) is the caller's, to read after the call; default: a new one.
-        """
-        backend = self.backend
-        if call is None:
-            call = Call(self._first, body.get("model"), prefix)
-        call.miss_at = miss_at
-        backend.wake()
-        # What _with_retries does, written out: the first attempt is awaited directly, and
-        # the retry loop (with its closure) is built only after a failure. A call that
-        # succeeds at once, nearly every call, then makes a few objects fewer: at hundreds
-        # in flight their allocation and garbage collection were a tenth of the call's CPU.
-        self._budget.record_request()
-        if not backend.gate_is_open(call.model):
-            await backend.gate(call.model)
-        try:
-            data = await self._attempt_json(call, path, body, lane, urgency, group)
-            attempts = 1
-        except DSClientError as first:
-            if self._retry.attempts <= 1 or not is_retryable(first):
-                raise
-            retry = functools.partial(self._attempt_json, call, path, body, lane, urgency, group)
-            data, attempts = await self._retry_loop(retry, first, path, call)
-        return data, attempts, call.queued_s, call.endpoint.url
-
-    async def _attempt_json(
-        self,
-        call: Call,
-        path: str,
-        body: dict[str, Any],
-        lane: Lane,
-        urgency: int,
-        group: str | None,
-    ) -> dict[str, Any]:
-        """One attempt of :meth:`send_json`: a slot, one POST, the slot back with its outcome."""
-        if call.miss_at is None:  # _take's common case, inline
-            backend = self.backend
-            slot = await backend.acquire(
-                call.model, lane=lane, urgency=urgency, group=group, avoid=call.avoid,
-                prefix=call.prefix,
-            )  # fmt: skip
-            server = call.endpoint = backend.server_of(slot)
-            call.queued_s += slot.queued_s
-        else:
-            slot = await self._take(lane, urgency, group, call)
-            server = call.endpoint
-        try:
-            order = server.info.priority if server.info is not None else None
-            sent = with_priority(body, lane, urgency, order)
-            data = await self._post_json(server, path, sent)
-        except BaseException as exc:
-            self._release_failed(slot, exc, call)
-            raise
-        slot.work = completion_tokens(data)
-        self.backend.settle(slot, None, call.model)
-        slot.release()
-        return data
-
-    async def open_stream(
-        self,
-        path: str,
-        body: dict[str, Any],
-        *,
-        lane: Lane,
-        urgency: int,
-        group: str | None,
-        prefix: str | None = None,
-    ) -> tuple[httpx.Response, Lease, int, float, str]:
-        """Open a streaming response under a slot: ``(response, slot, attempts, queued_s,
-        server)``.
-
-        Retried only while nothing has been received. The caller holds the returned slot while
-        it reads, and must ``slot.release(...)`` when done.
-        """
-        call = Call(self._first, body.get("model"), prefix)
-
-        async def attempt() -> tuple[httpx.Response, Lease]:
-            slot = await self._take(lane, urgency, group, call)
-            try:
-                server = call.endpoint
-                order = server.info.priority if server.info is not None else None
-                sent = with_priority(body, lane, urgency, order)
-                response = await self._open(server.url, path, sent)
-            except BaseException as exc:
-                self._release_failed(slot, exc, call)
-                raise
-            self.backend.settle(slot, None, call.model)
-            return response, slot
-
-        self.backend.wake()
-        (response, slot), attempts = await self._with_retries(attempt, path, call)
-        return response, slot, attempts, call.queued_s, call.endpoint.url
-
-    async def send_raw(
-        self,
-        request: httpx.Request,
-        *,
-        lane: Lane,
-        urgency: int,
-        group: str | None,
-        stream: bool,
-        model: str | None = None,
-        prefix: str | None = None,
-        call: Call | None = None,
+        self, path: str, body: dict[str, Any], call: Call, *, miss_at: float | None = None
     ) -> Answer:
+        """POST ``body`` until it succeeds or may not be retried; the answer's JSON is
+        ``Answer.data``.
+
+        ``call`` comes from :meth:`new_call`, with the call's admission (the body's model,
+        and the prompt's text as the prefix a pool's router matches against the prefixes each
+        server probably holds in its cache). With ``miss_at`` (on ``anyio.current_time()``), a
+        first attempt still waiting for a slot then raises :class:`WouldMiss` instead (nothing
+        was sent).
+        """
+        call.miss_at = miss_at
+        return await self._attempts(call, path, self._json_once, path, body)
+
+    async def open_stream(self, path: str, body: dict[str, Any], call: Call) -> Answer:
+        """Open a streaming response under a slot: ``Answer.response`` open, ``Answer.slot``
+        held.
+
+        Retried only while nothing has been received. The caller holds the slot while it
+        reads, and must ``answer.slot.release(...)`` when done.
+        """
+        return await self._attempts(call, path, self._stream_once, path, body)
+
+    async def send_raw(self, request: httpx.Request, call: Call, *, stream: bool) -> Answer:
         """Send a caller's request attempt by attempt, as :meth:`send_json` does, and give back
         the server's answer instead of raising for its status (``dsclient/client/_transport.py``
-        hands
-        it to another SDK, which maps statuses to its own errors).
+        hands it to another SDK, which maps statuses to its own errors).
 
         ``request`` is built once by the caller (URL, headers, body: see
-        :meth:`GovernedTransport <dsclient.client._transport.GovernedTransport>`) and sent as it is
-        by
-        every attempt, straight to the shared client's transport (:meth:`_exchange`); with a
-        pool, an attempt the router sends to another server gets a copy aimed at that server. A
-        2xx body is read under the cap and its slot released; with ``stream`` the response comes
-        back open and the caller holds ``Answer.slot`` until it is done. A refusal that may not
-        be retried (or whose retries are spent) comes back as the last answer, its body read (at
-        most ``ERROR_BODY_BYTES``, the API key blanked out) and ``Answer.error`` set.
+        :meth:`GovernedTransport <dsclient.client._transport.GovernedTransport>`) and sent as it
+        is by every attempt, straight to the shared client's transport (:meth:`_exchange`); with
+        a pool, an attempt the router sends to another server gets a copy aimed at that server.
+        A 2xx body is read under the cap and its slot released; with ``stream`` the response
+        comes back open and the caller holds ``Answer.slot`` until it is done. A refusal that
+        may not be retried (or whose retries are spent) comes back as the last answer, its body
+        read (at most ``ERROR_BODY_BYTES``, the API key blanked out) and ``Answer.error`` set.
 
         Raises:
             DSClientError: what has no answer: a transport failure, the outage gate giving up,
                 a body over the cap, the client's own full queue (``Overloaded(0)``).
-
-        ``call`` is as in :meth:`send_json` (made with ``model`` and ``prefix``).
         """
-        if call is None:
-            call = Call(self._first, model, prefix)
         refused: list[tuple[DSClientError, Answer]] = []
-        label = request.url.path
-
-        async def attempt() -> Answer:
-            slot = await self._take(lane, urgency, group, call)
-            try:
-                response, body = await self._exchange(self._aim(request, call), stream)
-                if body is not None and response.status_code >= 400:
-                    error = error_from_response(response, body)
-                    self.redact_error(error)
-                    refused[:] = [(error, Answer(response, self._redact_bytes(body), None))]
-                    raise error
-            except BaseException as exc:
-                self._release_failed(slot, exc, call)
-                raise
-            if body is not None:
-                call.endpoint.observe_answer(response.headers.get(LOAD_HEADER))
-                found = _COMPLETION_TOKENS.search(body, max(0, len(body) - 512))
-                slot.work = float(found[1]) if found is not None else None
-            self.backend.settle(slot, None, call.model)
-            if body is None:
-                return Answer(response, None, slot)
-            slot.release()
-            return Answer(response, body, None)
-
-        self.backend.wake()
         try:
-            answer, attempts = await self._with_retries(attempt, label, call)
+            return await self._attempts(
+                call, request.url.path, self._raw_once, request, stream, refused
+            )
         except RequestRefused as exc:
             if not refused or refused[0][0] is not exc:
                 raise
-            answer, attempts = refused[0][1], exc.attempts
+            answer = refused[0][1]
+            answer.attempts, answer.queued_s = exc.attempts, call.queued_s
+            answer.server = call.endpoint.url
             answer.error = exc
+            return answer
+
+    # -- the attempt skeleton, and the three kinds of send -------------------------------------
+    async def _attempts(self, call: Call, label: str, once: Send, *args: Any) -> Answer:
+        """Attempts of ``once`` until one succeeds or the call may not go on; the answer, with
+        the call's ``attempts``, ``queued_s`` and ``server``.
+
+        Every attempt first passes the outage gate (:attr:`reach`): at once while the server
+        answers; a gate that gave up on the server raises ``ConnectionError``, which is not
+        retried (no attempt was made, and the gate already waited). The first attempt is
+        awaited directly, and the retry loop (:meth:`_retry_loop`, with its partial) is built
+        only after a failure: a call that succeeds at once, nearly every call, makes a few
+        objects fewer (at hundreds in flight their allocation and garbage collection were a
+        tenth of the call's CPU).
+        """
+        backend = self.backend
+        backend.wake()
+        self._budget.record_request()
+        model = call.admission.model
+        if not backend.gate_is_open(model):
+            await backend.gate(model)
+        try:
+            answer = await self._attempt(call, once, args)
+            attempts = 1
+        except DSClientError as first:
+            if self._retry.attempts <= 1 or not is_retryable(first):
+                raise
+            retry = functools.partial(self._attempt, call, once, args)
+            answer, attempts = await self._retry_loop(retry, first, label, call)
         answer.attempts, answer.queued_s = attempts, call.queued_s
         answer.server = call.endpoint.url
         return answer
+
+    async def _attempt(self, call: Call, once: Send, args: tuple[Any, ...]) -> Answer:
+        """One attempt: a slot from the backend, one send (``once``), the slot back with its
+        outcome; a send that hands its slot on (``Answer.slot``: an open stream) keeps it."""
+        if call.miss_at is None:  # _take's common case, inline
+            backend = self.backend
+            slot = await backend.acquire(call.admission, avoid=call.avoid)
+            server = call.endpoint = backend.server_of(slot)
+            call.queued_s += slot.queued_s
+        else:
+            slot = await self._take(call)
+            server = call.endpoint
+        try:
+            answer = await once(server, slot, call, *args)
+        except BaseException as exc:
+            self._release_failed(slot, exc, call)
+            raise
+        self.backend.settle(slot, None, call.admission.model)
+        if answer.slot is None:
+            slot.release()
+        return answer
+
+    async def _json_once(
+        self, server: Endpoint, slot: Lease, call: Call, path: str, body: dict[str, Any]
+    ) -> Answer:
+        """One POST of a JSON body; the answer's JSON, its completion tokens as the slot's work."""
+        admission = call.admission
+        order = server.info.priority if server.info is not None else None
+        sent = with_priority(body, admission.lane, admission.urgency, order)
+        data = await self._post_json(server, path, sent)
+        slot.work = completion_tokens(data)
+        return Answer(None, None, None, data)
+
+    async def _stream_once(
+        self, server: Endpoint, slot: Lease, call: Call, path: str, body: dict[str, Any]
+    ) -> Answer:
+        """One streaming POST, open once its status is known to be fine; its slot handed on."""
+        admission = call.admission
+        order = server.info.priority if server.info is not None else None
+        sent = with_priority(body, admission.lane, admission.urgency, order)
+        return Answer(await self._open(server.url, path, sent), None, slot)
+
+    async def _raw_once(
+        self,
+        server: Endpoint,
+        slot: Lease,
+        call: Call,
+        request: httpx.Request,
+        stream: bool,
+        refused: list[tuple[DSClientError, Answer]],
+    ) -> Answer:
+        """One send of a caller's request; a refusal is kept in ``refused`` (the last one comes
+        back as the answer when it may not be retried) and raised."""
+        response, body = await self._exchange(self._aim(request, call), stream)
+        if body is None:  # an open stream: its slot handed on
+            return Answer(response, None, slot)
+        if response.status_code >= 400:
+            error = error_from_response(response, body)
+            self.redact_error(error)
+            refused[:] = [(error, Answer(response, self._redact_bytes(body), None))]
+            raise error
+        server.observe_answer(response.headers.get(LOAD_HEADER))
+        found = _COMPLETION_TOKENS.search(body, max(0, len(body) - 512))
+        slot.work = float(found[1]) if found is not None else None
+        return Answer(response, body, None)
 
     def _aim(self, request: httpx.Request, call: Call) -> httpx.Request:
         """``request`` as built (for the first server), or a copy aimed at the server the router
@@ -500,7 +465,7 @@ class RequestPath:
             exc.server = endpoint.url  # the call's record names the server that failed
             call.avoid = call.avoid | {endpoint.url}
             call.mode = endpoint.controller.mode
-            others = self.backend.settle(slot, exc, call.model)
+            others = self.backend.settle(slot, exc, call.admission.model)
             if isinstance(exc, ConnectionError):
                 if others:
                     call.failover = True
@@ -608,26 +573,6 @@ class RequestPath:
         scheme, _, token = self._http.headers.get("authorization", "").partition(" ")
         secret = (token.strip() or scheme.strip()).encode()
         return body.replace(secret, b"***") if len(secret) >= 6 else body
-
-    async def _with_retries(
-        self, op: Callable[[], Awaitable[T]], label: str, call: Call
-    ) -> tuple[T, int]:
-        """Run ``op`` once; only if that fails, hand over to :meth:`_retry_loop`.
-
-        Every attempt first passes the outage gate (:attr:`reach`): at once while the server
-        answers; a gate that gave up on the server raises ``ConnectionError``, which is not
-        retried (no attempt was made, and the gate already waited). The common path (success at
-        once) builds no retry machinery.
-        """
-        self._budget.record_request()
-        await self._gate(call)
-        try:
-            return await op(), 1
-        except DSClientError as first:
-            if self._retry.attempts <= 1 or not is_retryable(first):
-                raise
-            failure: DSClientError = first
-        return await self._retry_loop(op, failure, label, call)
 
     async def _retry_loop(
         self, op: Callable[[], Awaitable[T]], failure: DSClientError, label: str, call: Call
@@ -800,30 +745,29 @@ _AVOID_NONE: frozenset[str] = frozenset()
 
 
 class Call:
-    """What the attempts of one call share: the time queued for slots, the outage its last
-    connection failed in, its model and prefix (for the backend's router), the server of its
-    last attempt (before the first: the backend's first server), the servers it failed on,
-    whether it may fail over at once, and ``cut``: the server of the attempt in flight when the
-    call was cancelled (by its deadline), ``None`` if none was."""
+    """What the attempts of one call share: its :class:`~dsclient.governor._admission.Admission`
+    (lane, urgency, group; model and prefix for the backend's router), the time queued for
+    slots, the outage its last connection failed in, the server of its last attempt (before the
+    first: the backend's first server), the servers it failed on, whether it may fail over at
+    once, and ``cut``: the server of the attempt in flight when the call was cancelled (by its
+    deadline), ``None`` if none was."""
 
     __slots__ = (
+        "admission",
         "avoid",
         "cut",
         "endpoint",
         "failover",
         "miss_at",
         "mode",
-        "model",
         "outage",
-        "prefix",
         "queued_s",
     )
 
-    def __init__(self, endpoint: Endpoint, model: Any = None, prefix: str | None = None) -> None:
+    def __init__(self, endpoint: Endpoint, admission: Admission) -> None:
+        self.admission = admission
         self.queued_s = 0.0
         self.outage: int | None = None
-        self.model: str | None = model if isinstance(model, str) else None
-        self.prefix = prefix
         self.endpoint = endpoint
         self.cut: Endpoint | None = None
         self.avoid: frozenset[str] = _AVOID_NONE
@@ -833,18 +777,31 @@ class Call:
 
 
 class Answer:
-    """What :meth:`RequestPath.send_raw` gives back: the server's ``response``, its ``content``
-    (``None`` for an open stream, whose ``slot`` the caller then holds), the ``attempts`` made,
-    the seconds ``queued_s`` waiting for slots, and for a refusal handed back the ``error``
-    dsclient would have raised (observers count it)."""
+    """What one call's attempts give back, whichever kind of send made them: the JSON ``data``
+    (:meth:`RequestPath.send_json`), or the server's ``response`` with its ``content``
+    (``None`` for an open stream, whose ``slot`` the caller then holds); the ``attempts`` made,
+    the seconds ``queued_s`` waiting for slots, the ``server`` that answered, and for a refusal
+    :meth:`RequestPath.send_raw` hands back the ``error`` dsclient would have raised (observers
+    count it)."""
 
-    __slots__ = ("attempts", "content", "error", "queued_s", "response", "server", "slot")
+    __slots__ = ("attempts", "content", "data", "error", "queued_s", "response", "server", "slot")
 
-    def __init__(self, response: httpx.Response, content: bytes | None, slot: Lease | None) -> None:
+    def __init__(
+        self,
+        response: httpx.Response | None,
+        content: bytes | None,
+        slot: Lease | None,
+        data: dict[str, Any] | None = None,
+    ) -> None:
         self.response = response
         self.content = content
         self.slot = slot
+        self.data = data
         self.attempts = 1
         self.queued_s = 0.0
         self.server = ""
         self.error: RequestRefused | None = None
+
+
+#: One kind of send, as :meth:`RequestPath._attempt` runs it: ``once(server, slot, call, *args)``.
+Send = Callable[..., Awaitable[Answer]]

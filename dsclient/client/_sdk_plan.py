@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from .._exceptions import ContextOverflow, parse_json
 from .._http import httpx
+from ..governor._admission import Admission
 from ..governor._lanes import choose_lane, default_long_threshold
 
 if TYPE_CHECKING:
@@ -184,27 +185,16 @@ def usage_of(body: bytes) -> tuple[int | None, int | None]:
 
 # -- planning ---------------------------------------------------------------------------------
 class Governed:
-    """What one inference request will send: the body's bytes, its lane and options."""
+    """What one inference request will send: the body's bytes, whether it streams, and its
+    :class:`~dsclient.governor._admission.Admission` (lane, urgency, group; the body's model and
+    the prompt's text, for a pool's router)."""
 
-    __slots__ = ("content", "group", "lane", "model", "prefix", "stream", "urgency")
+    __slots__ = ("admission", "content", "stream")
 
-    def __init__(
-        self,
-        content: bytes,
-        lane: Lane,
-        urgency: int,
-        group: str | None,
-        stream: bool,
-        model: str | None = None,
-        prefix: str | None = None,
-    ) -> None:
+    def __init__(self, content: bytes, admission: Admission, stream: bool) -> None:
         self.content = content
-        self.lane = lane
-        self.urgency = urgency
-        self.group = group
+        self.admission = admission
         self.stream = stream
-        self.model = model  # the body's, for a pool's router
-        self.prefix = prefix  # the prompt's text, for a pool's prefix affinity
 
 
 async def plan_request(
@@ -223,7 +213,7 @@ async def plan_request(
         urgency, group, _ = parse_options(
             headers, None, urgency=defaults[0], group=defaults[1], overflow=defaults[2]
         )
-        return Governed(content, "short", urgency, group, False)
+        return Governed(content, Admission("short", urgency, group), False)
     changed = "dsclient" in body
     field = body.pop("dsclient", None)
     urgency, group, overflow = parse_options(
@@ -259,9 +249,8 @@ async def plan_request(
         content = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
     model = body.get("model")
     prefix = planner.backend.prefix_of(prompt) if prompt is not None else None
-    return Governed(
-        content, lane, urgency, group, stream, model if isinstance(model, str) else None, prefix
-    )
+    named = model if isinstance(model, str) else None
+    return Governed(content, Admission(lane, urgency, group, named, prefix), stream)
 
 
 async def _check_fit(

@@ -73,16 +73,18 @@ class Stream:
             self._ends_at = anyio.current_time() + self._timeout
         try:
             async with deadline(self._timeout):
-                plan, response, slot, attempts, server = await caller.open_stream(
+                plan, opened = await caller.open_stream(
                     self._prompt, self._max_tokens, self._urgency, self._group, self._sampling
                 )
         except builtins.TimeoutError as exc:
             raise TimeoutError(
                 f"stream did not open within its timeout of {self._timeout} s"
             ) from exc
-        self.lane, self.max_tokens, self.attempts = plan.lane, plan.max_tokens, attempts
-        self.server = server
-        self._response, self._slot = response, slot
+        response = opened.response
+        assert response is not None  # an open stream
+        self.lane, self.max_tokens, self.attempts = plan.lane, plan.max_tokens, opened.attempts
+        self.server = opened.server
+        self._response, self._slot = response, opened.slot
         self._events = sse_events(response, limit=caller.path.max_body_bytes)
         return self
 

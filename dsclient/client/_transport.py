@@ -230,15 +230,8 @@ class GovernedTransport(httpx.AsyncBaseTransport):
                     return plan
                 planned = plan
                 outgoing = self._outgoing(path, query, forwarded, planned.content)
-                call = caller.path.new_call(planned.model, planned.prefix)
-                sent = await caller.path.send_raw(
-                    outgoing,
-                    lane=planned.lane,
-                    urgency=planned.urgency,
-                    group=planned.group,
-                    stream=planned.stream,
-                    call=call,
-                )
+                call = caller.path.new_call(planned.admission)
+                sent = await caller.path.send_raw(outgoing, call, stream=planned.stream)
         except Exception as exc:
             failure: Exception = exc
             if isinstance(exc, builtins.TimeoutError):
@@ -258,8 +251,9 @@ class GovernedTransport(httpx.AsyncBaseTransport):
                 raise _as_httpx(exc, request) from exc
             raise
         response, body = sent.response, sent.content
+        assert response is not None  # send_raw's answers carry the server's response
         extra = [
-            (b"x-dsclient-lane", planned.lane.encode()),
+            (b"x-dsclient-lane", planned.admission.lane.encode()),
             (b"x-dsclient-attempts", str(sent.attempts).encode()),
             (b"x-dsclient-queued-s", f"{sent.queued_s:.4f}".encode()),
         ]
@@ -376,7 +370,7 @@ class GovernedTransport(httpx.AsyncBaseTransport):
         elif sent is not None:
             attempts = sent.attempts
             if sent.error is not None:  # the server's refusal, handed back as it came
-                failed, status = sent.error, sent.response.status_code
+                failed, status = sent.error, sent.error.status
             else:
                 body = sent.content if tail is None else tail
                 if body is not None:
@@ -389,8 +383,8 @@ class GovernedTransport(httpx.AsyncBaseTransport):
         caller.record(
             record_kind,
             server=getattr(sent, "server", None) or None,
-            lane=planned.lane if planned is not None else None,
-            group=planned.group if planned is not None else None,
+            lane=planned.admission.lane if planned is not None else None,
+            group=planned.admission.group if planned is not None else None,
             error=failed,
             status=status,
             latency_s=caller.clock() - start,

@@ -3,7 +3,7 @@
     backend = SingleServer(endpoint, probe=probe_url, sleep=anyio.sleep, rng=rng)
     if not backend.gate_is_open(model):
         await backend.gate(model)                     # wait while no server for it answers
-    slot = await backend.acquire(model, lane="short", urgency=0, group=None)
+    slot = await backend.acquire(Admission("short", model=model))
     server = backend.server_of(slot)                  # send to server.url, then
     backend.settle(slot, None, model)                 # its health hears how it went,
     slot.release("ok")                                # and its limit controller
@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
+from ._admission import Admission
 from ._governor import Governor, GovernorStats
 from ._health import Reachability
-from ._lanes import Lane
 
 if TYPE_CHECKING:
     from .._http import httpx
@@ -86,17 +86,10 @@ class Backend(Protocol):
         ...
 
     def acquire(
-        self,
-        model: str | None,
-        *,
-        lane: Lane,
-        urgency: int,
-        group: str | None,
-        avoid: frozenset[str] = frozenset(),
-        prefix: str | None = None,
+        self, admission: Admission, *, avoid: frozenset[str] = frozenset()
     ) -> Awaitable[Lease]:
-        """A slot for one attempt of a call for ``model`` (``avoid``: servers it failed on;
-        ``prefix``: what a router matches against cached prefixes)."""
+        """A slot for one attempt of the call ``admission`` describes (``avoid``: servers it
+        failed on)."""
         ...
 
     def server_of(self, lease: Lease) -> Endpoint:
@@ -219,16 +212,11 @@ class SingleServer:
         return self.reach.wait_up()
 
     def acquire(
-        self,
-        model: str | None,
-        *,
-        lane: Lane,
-        urgency: int,
-        group: str | None,
-        avoid: frozenset[str] = frozenset(),
-        prefix: str | None = None,
+        self, admission: Admission, *, avoid: frozenset[str] = frozenset()
     ) -> Awaitable[Lease]:
-        return self._governor.acquire(lane=lane, urgency=urgency, group=group)
+        return self._governor.acquire(
+            lane=admission.lane, urgency=admission.urgency, group=admission.group
+        )
 
     def server_of(self, lease: Lease) -> Endpoint:
         return self.endpoint

@@ -4,8 +4,7 @@ which servers are in rotation.
     pool = ServerPool(endpoints, Router(), governor_options, probe=probe_url, sleep=anyio.sleep,
                       rng=random.Random(), clock=time.monotonic, outage_wait=300.0)
     await pool.gate("tiny")                       # at once while a server for it is in rotation
-    slot = await pool.acquire("tiny", lane="short", urgency=0, group=None,
-                              avoid=frozenset(), prefix=prompt)
+    slot = await pool.acquire(Admission("short", model="tiny", prefix=prompt))
     ...                                           # send to slot.endpoint.url, then
     pool.settle(slot, error_or_None)              # the breaker hears how it went
     slot.release("ok")                            # and the server's limit controller
@@ -52,6 +51,7 @@ import anyio
 from .._exceptions import ConnectionError, DSClientError, Overloaded, ServerError
 from .._exceptions import TimeoutError as DSTimeoutError
 from .._server_info import ServerInfo
+from ._admission import Admission
 from ._governor import Governor, GovernorStats, Slot
 from ._health import Reachability
 from ._lanes import Lane
@@ -412,16 +412,10 @@ class ServerPool:
         )
 
     async def acquire(
-        self,
-        model: str | None,
-        *,
-        lane: Lane,
-        urgency: int,
-        group: str | None,
-        avoid: frozenset[str] = frozenset(),
-        prefix: str | None = None,
+        self, admission: Admission, *, avoid: frozenset[str] = frozenset()
     ) -> PoolSlot:
-        """A place in the front queue of ``model``, then a server with room for the call."""
+        """A place in the front queue of the call's model, then a server with room for it."""
+        lane, urgency, group, model, prefix = admission
         front = self.front(model).slot(lane=lane, urgency=urgency, group=group)
         request = RouteRequest(model=model, prefix=prefix, avoid=avoid)
         blocks = request.block_keys(self.router.policy.block_chars)

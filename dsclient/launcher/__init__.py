@@ -28,10 +28,11 @@ creates one. While it runs, a launch record (``dsclient._records``) tells discov
 
 The package is the server side of the house, one concept per module: ``_launch``
 (:func:`launch`, the entry point), ``_plan`` (one launch's command, and vLLM's own parser on
-it), ``_profiles`` (pure launch planning: profiles, :class:`Hardware`, the command builder),
-``_redact`` (secrets kept out of printed commands and logs), ``_ports``, ``_server`` (the
-:class:`Server` handle and the steps of a start), ``_process`` (spawning and stopping the
-process group, the log), ``_replicas`` (N servers of one model: the CPU split, the
+it), ``_profiles`` (the named profiles and the facts a launch is decided from:
+:class:`Hardware`, the model's, the vLLM version's), ``_command`` (the pure command builder, one
+part per setting), ``_redact`` (secrets kept out of printed commands and logs), ``_ports``,
+``_server`` (the :class:`Server` handle and the steps of a start), ``_process`` (spawning and
+stopping the process group, the log), ``_replicas`` (N servers of one model: the CPU split, the
 :class:`ServerGroup`), ``_install`` (which vLLM, in which venv), ``_argcheck`` (the installed
 vLLM's own parser on a planned command), ``_hardware``, ``_placement`` (CPU pinning of vLLM's
 EngineCore) and ``_tiny`` (the tiny test model). It depends only on dsclient's core

@@ -1,7 +1,8 @@
 """Detect the machine's facts for the launcher (GPUs, CPUs, memory): the I/O half of sizing.
 
-The policy that uses them lives in ``_profiles`` and takes a :class:`~dsclient._profiles.Hardware`,
-so tests inject facts instead of needing a GPU. The parsers here are pure and tested on samples.
+The policy that uses them lives in ``_command`` and takes a
+:class:`~dsclient.launcher._profiles.Hardware`, so tests inject facts instead of needing a GPU.
+The parsers here are pure and tested on samples.
 """
 
 from __future__ import annotations

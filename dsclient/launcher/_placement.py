@@ -1,9 +1,9 @@
 """The processes of a running vLLM (Linux ``/proc``), and moving its EngineCore onto given CPUs.
 
-The policy, which CPUs, is :attr:`dsclient._profiles.LaunchPlan.engine_core_cpus`; this module
-finds the process and applies it. vLLM names that process ``VLLM::EngineCore`` (its ``comm``,
-cut to 15 characters by the kernel, reads ``VLLM::EngineCor``). Affinity is per thread on
-Linux, so every thread of the process is moved; threads it starts later inherit the mask.
+The policy, which CPUs, is :attr:`dsclient.launcher._command.LaunchPlan.engine_core_cpus`; this
+module finds the process and applies it. vLLM names that process ``VLLM::EngineCore`` (its
+``comm``, cut to 15 characters by the kernel, reads ``VLLM::EngineCor``). Affinity is per thread
+on Linux, so every thread of the process is moved; threads it starts later inherit the mask.
 """
 
 from __future__ import annotations

@@ -13,18 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ._argcheck import check_vllm_flags, vllm_arguments
+from ._command import OWNED_DESTS, LaunchPlan, build_command
 from ._errors import VllmFlagsError
 from ._hardware import detect_hardware
 from ._install import VllmInstall, resolve_server_python
 from ._ports import choose_port
-from ._profiles import (
-    DEFAULT_PROFILE,
-    OWNED_DESTS,
-    Hardware,
-    LaunchPlan,
-    ModelFacts,
-    build_command,
-)
+from ._profiles import DEFAULT_PROFILE, Hardware, ModelFacts
 from ._redact import redact_argv, scrub, secrets_in
 
 __all__ = ["plan_launch", "verify_flags", "wants_flag_check"]
@@ -75,7 +69,7 @@ def plan_launch(
 
     Looks at the machine (unless ``hardware`` is given), the installed vLLM (unless ``vllm`` is
     given) and the model's ``config.json``, then asks
-    :func:`dsclient.launcher._profiles.build_command`.
+    :func:`dsclient.launcher._command.build_command`.
     Without ``port`` it takes :data:`DEFAULT_PORT` (8000, as ``vllm serve`` does) when nothing
     holds it on ``host``, else a free port, and says so in the plan's notes.
 
@@ -84,7 +78,7 @@ def plan_launch(
     ``extra_args`` are given, since dsclient checks its own flags itself. Raises
     :class:`VllmFlagsError` with vLLM's message when vLLM refuses them; when the check cannot
     run (no vLLM here), the plan gets a warning note instead. ``dev_mode``: see
-    :func:`dsclient.launcher._profiles.build_command`. Warnings in the notes (a host beyond
+    :func:`dsclient.launcher._command.build_command`. Warnings in the notes (a host beyond
     loopback, ...) are also logged.
     """
     install = vllm or resolve_server_python(python)

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 from .._records import state_dir
+from ._command import LaunchPlan
 from ._errors import LaunchError
 from ._placement import group_members
 from ._ports import port_is_free
-from ._profiles import LaunchPlan
 
 __all__ = ["group_alive", "last_line", "log_dir", "spawn_process", "stop_group", "tail"]
 

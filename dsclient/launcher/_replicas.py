@@ -20,13 +20,14 @@ from pathlib import Path
 import anyio
 import anyio.to_thread
 
+from ._command import LaunchPlan, format_cpu_list
 from ._errors import LaunchError
 from ._hardware import detect_hardware
 from ._install import VllmInstall, resolve_server_python
 from ._plan import plan_launch, wants_flag_check
 from ._ports import choose_ports, free_ports, port_is_free
 from ._process import log_dir
-from ._profiles import Hardware, LaunchPlan, format_cpu_list
+from ._profiles import Hardware
 from ._server import (
     STARTING_GRACE,
     Progress,
@@ -73,7 +74,7 @@ def split_hardware(hardware: Hardware, replicas: int) -> ReplicaLayout:
     """Split ``hardware`` between ``replicas`` vLLM servers of one model.
 
     CPU backend, with ``P`` CPUs (each vLLM computes on its engine CPUs and keeps one for its
-    API server, see :func:`dsclient.launcher._profiles.build_command`):
+    API server, see :func:`dsclient.launcher._command.build_command`):
 
     * ``P >= 2N``: each replica gets ``P // N`` CPUs of its own (its engine on all but the
       last, its API server on the last).

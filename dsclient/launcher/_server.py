@@ -30,11 +30,11 @@ import anyio.to_thread
 
 from .._http import httpx
 from .._records import LaunchRecord, remove_record, write_record
+from ._command import LaunchPlan, format_cpu_list
 from ._errors import ServerStartError
 from ._placement import engine_core_pids, pin_process
 from ._plan import verify_flags
 from ._process import last_line, spawn_process, stop_group, tail
-from ._profiles import LaunchPlan, format_cpu_list
 from ._redact import scrub, secrets_in
 
 __all__ = [

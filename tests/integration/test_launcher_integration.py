@@ -29,7 +29,7 @@ from dsclient.launcher import (
     plan_launch,
     resolve_server_python,
 )
-from dsclient.launcher._profiles import OWNED_DESTS, _owned_flags
+from dsclient.launcher._command import OWNED_DESTS, _owned_flags
 
 pytestmark = pytest.mark.integration
 

@@ -1,0 +1,39 @@
+"""Admission: who a call is, as a backend admits its attempts. One value from the client down.
+
+    admission = Admission("short", urgency=0, group="tenant-a", model="tiny", prefix=prompt)
+    slot = await backend.acquire(admission)           # every attempt of the call, the same
+
+The governor orders its queue by ``lane``, ``urgency`` and ``group``; a pool of servers also
+routes by ``model`` (which servers serve it) and ``prefix`` (what their caches probably hold).
+The client builds one per call (:mod:`dsclient.client._caller`, and the SDK transport); the
+request path (:mod:`dsclient.client._pipeline`) hands it to the backend unchanged, attempt after
+attempt.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ._lanes import Lane
+
+__all__ = ["Admission"]
+
+
+class Admission(NamedTuple):
+    """One call's place in the governor's queue and, with a pool, in its router.
+
+    Attributes:
+        lane: ``"short"`` or ``"long"`` (:func:`~dsclient.governor._lanes.choose_lane`).
+        urgency: higher goes first within the lane (the caller's ``urgency=``).
+        group: the fairness group (the caller's ``group=``); ``None``: the default group.
+        model: the model the call names (a pool routes to a server that serves it); ``None``:
+            the server's only model.
+        prefix: the text a pool's router matches against the prefixes each server probably
+            holds in its cache (``None``: no affinity).
+    """
+
+    lane: Lane
+    urgency: int = 0
+    group: str | None = None
+    model: str | None = None
+    prefix: str | None = None
