@@ -11,7 +11,13 @@ import pytest
 
 from dsclient._exceptions import Overloaded
 from dsclient.governor._governor import Governor, GovernorStats, LaneStats, Slot, compute_limit
-from dsclient.governor._lanes import Lane, choose_lane, default_long_threshold
+from dsclient.governor._lanes import (
+    LONG_THRESHOLD_FALLBACK,
+    Lane,
+    RecentSizes,
+    choose_lane,
+    default_long_threshold,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -851,6 +857,73 @@ async def test_long_calls_stop_borrowing_from_the_batch_once_the_shorts_slow_dow
         assert governor.stats().lanes["long"].in_flight == 5
         tg.cancel_scope.cancel()
     assert (governor.in_flight, governor.waiting) == (0, 0)
+
+
+async def test_without_a_known_batch_long_calls_beside_shorts_grow_with_the_shorts_pace() -> None:
+    # No batch known (a server that says nothing), limit 40: the long share is 20. Beside
+    # short calls the long lane starts at 1 and takes one more for each window of 8 shorts that
+    # kept their pace while it was full; a window that took more than twice the quickest's time
+    # per token halves it. Longs already running are never touched, and with no short call
+    # about the longs borrow every slot but one, as before.
+    now = [100.0]
+    governor = Governor(40, clock=lambda: now[0], long_pacing=True)
+
+    async def shorts(n: int, seconds: float, tokens: int = 16) -> None:
+        for _ in range(n):
+            async with governor.slot(lane="short") as slot:
+                now[0] += seconds
+                slot.work = tokens
+
+    def longs_in() -> int:
+        return governor.stats().lanes["long"].in_flight
+
+    await shorts(8, 0.1)  # the quickest window; no long waited, so no growth
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        await crowd.add("S0")  # shorts are about
+        for i in range(24):
+            await crowd.add(f"L{i}", lane="long")
+        assert longs_in() == 1
+        for expected in (2, 3, 4, 5):
+            await shorts(8, 0.1)  # at their pace, the long lane full: one more
+            assert longs_in() == expected
+        await shorts(8, 0.25)  # 2.5x the quickest: halved, 5 -> 2
+        await crowd.release("L0", "L1", "L2")
+        assert longs_in() == 2  # none admitted: 2 is the cap now
+        await shorts(8, 0.3)  # 2 -> 1
+        await shorts(8, 0.1)  # 1 -> 2 (2 in flight: full)
+        await shorts(8, 0.1)  # 2 -> 3
+        assert longs_in() == 3
+        await crowd.release("S0")
+        now[0] += 1.5  # no short for 1.5 s: idle borrowing, up to limit - 1
+        await crowd.release("L3")
+        assert longs_in() == 20  # the 20 left, all admitted
+        tg.cancel_scope.cancel()
+    # A known batch: borrowing follows the shorts' pace instead, and the long lane's own pace
+    # is gone.
+    governor.set_limit(40, batch=32)
+    assert governor._long_paced is None
+    assert (governor.in_flight, governor.waiting) == (0, 0)
+
+
+def test_recent_sizes_set_the_long_threshold_where_the_context_is_unknown() -> None:
+    sizes = RecentSizes()
+    assert sizes.threshold == LONG_THRESHOLD_FALLBACK
+    assert [sizes.lane_of(900) for _ in range(2)] == ["short"] * 2  # the fallback: 1024
+    for _ in range(2):
+        sizes.lane_of(60)
+    # 4 short calls: the first quartile is 60, and 4 x 60 = 240 is raised to the floor, 256.
+    assert sizes.threshold == 256
+    assert [sizes.lane_of(900) for _ in range(40)] == ["long"] * 40  # a burst: not usual
+    assert sizes.threshold == 256
+    assert sizes.lane_of(257) == "long" and sizes.lane_of(256) == "short"
+    for _ in range(256):
+        sizes.lane_of(200)  # calls that grow slowly move the usual size with them
+    assert sizes.threshold == 800
+    assert sizes.lane_of(801) == "long"
+    for size in range(200, 4000, 100):
+        sizes.lane_of(size)  # never above the fallback, however large the usual call
+    assert sizes.threshold <= LONG_THRESHOLD_FALLBACK
 
 
 async def test_acquire_gives_a_slot_that_release_gives_back_once_with_its_outcome():

@@ -89,3 +89,33 @@ async def test_a_planners_readiness_is_injected_and_awaited_before_each_plan() -
         await planner.plan("completion", "Hi", 4, {})
         await planner.count_tokens("Hi", exact=False)
     assert calls == ["ready", "ready"]
+
+
+async def test_without_a_context_a_call_is_long_beside_the_calls_sent_before_it() -> None:
+    # A server that does not say its context (transformers' server): the quarter-of-context
+    # rule has nothing to take a quarter of, and its fallback (1024 tokens) let 900-token
+    # prompts run in the short lane beside 60-token questions. Long is relative there.
+    server = FakeServer(max_model_len=None)
+    planner, http = planner_over(server)
+    question = "What is the capital of the country north of here, and why? " * 2
+    document = "word " * 600  # ~3000 bytes: ~750 tokens by its bytes, far below 1024 + 16
+    async with http:
+        first = await planner.plan("completion", document, 16, {})
+        assert first.lane == "short"  # nothing seen yet: the fallback
+        for _ in range(4):
+            assert (await planner.plan("completion", question, 16, {})).lane == "short"
+        assert planner.sizes.threshold == 256  # 4 x ~47, raised to the floor
+        assert (await planner.plan("completion", document, 16, {})).lane == "long"
+    # Said by the caller, the threshold is the caller's.
+    planner, http = planner_over(FakeServer(max_model_len=None), long_threshold=1024)
+    async with http:
+        for _ in range(8):
+            await planner.plan("completion", question, 16, {})
+        assert (await planner.plan("completion", document, 16, {})).lane == "short"
+    # A known context keeps its quarter (512 of 2048): the same document is long there anyway,
+    # and a 400-token one is not, however small the calls before it.
+    planner, http = planner_over(FakeServer(max_model_len=2048))
+    async with http:
+        for _ in range(8):
+            await planner.plan("completion", question, 16, {})
+        assert (await planner.plan("completion", "word " * 300, 16, {})).lane == "short"

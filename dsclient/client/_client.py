@@ -145,7 +145,8 @@ class AsyncClient:
         max_queue: bound on calls waiting in the client; beyond it calls fail with
             :class:`dsclient.Overloaded` at once. ``None`` (default) waits.
         long_threshold: estimated prompt + max_tokens above which a call takes the long lane;
-            default a quarter of the context.
+            default a quarter of the context, or where the server does not say its context,
+            4x the usual recent call (256 to 1024 tokens; see ``docs/governor.md#lanes``).
         long_share: the share of the limit the long lane may hold (default 0.5).
         long_idle_borrow: seconds without short traffic after which long calls may borrow
             idle short slots (short calls reclaim them); ``None`` makes the long share a hard
@@ -261,6 +262,7 @@ class AsyncClient:
         governor_options = {
             "long_share": long_share,
             "long_idle_borrow": long_idle_borrow,
+            "long_pacing": True,
             "short_first": short_first,
             "max_queue": max_queue,
             "group_caps": group_caps,

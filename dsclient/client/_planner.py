@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
@@ -30,11 +31,12 @@ from .._exceptions import ConnectionError, DSClientError
 from .._http import httpx
 from ..governor._backend import Backend, rediscover_backoff
 from ..governor._endpoint import Endpoint, fetch_load
-from ..governor._lanes import Lane, choose_lane, default_long_threshold
+from ..governor._lanes import Lane, RecentSizes, choose_lane, default_long_threshold
 from ._discovery import ServerInfo, discover
 from ._request import Plan, Prompt
 from ._retry import Retry
 from ._tokens import (
+    BYTES_PER_TOKEN,
     CALIBRATION_TEXT,
     TokenCounter,
     count_exact,
@@ -60,7 +62,8 @@ class Planner:
         max_num_seqs, max_model_len, server_priority: what the caller knows better than
             discovery (see :class:`~dsclient.AsyncClient`).
         long_threshold: estimated tokens above which a call takes the long lane; default a
-            quarter of the context.
+            quarter of the context, or where it is unknown, relative to the calls sent
+            (:attr:`sizes`).
         default_max_tokens: ``max_tokens`` planned when a call gives none.
         handle_facts: per server root URL, limits a launched ``Server`` handle knows.
         retry: its ``attempts`` bound the tries for a ``/v1/models`` that does not answer.
@@ -91,6 +94,9 @@ class Planner:
         self.tokens = tokens
         self.model = model
         self.long_threshold = long_threshold
+        #: Where the context is unknown (and no ``long_threshold`` given): what is long,
+        #: relative to the calls sent (:class:`~dsclient.governor._lanes.RecentSizes`).
+        self.sizes = RecentSizes()
         self.default_max_tokens = default_max_tokens
         self.ready: Callable[[], Awaitable[ServerInfo]] = ready or self.discovered
         self._http = http
@@ -418,6 +424,10 @@ class Planner:
             else:
                 send = wanted
             lane = choose_lane(estimated_total_tokens=prompt_tokens + send, threshold=threshold)
+        if ctx is None and self.long_threshold is None:
+            # No context to take a quarter of: long is what is large beside the other calls.
+            size = math.ceil(upper / BYTES_PER_TOKEN) if upper is not None else prompt_tokens
+            lane = self.sizes.lane_of(size + send)
         body: dict[str, Any] = {"model": self.model} if self.model is not None else {}
         if kind == "completion":
             body["prompt"] = prompt
