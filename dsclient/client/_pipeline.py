@@ -392,10 +392,7 @@ class RequestPath:
         self, server: Endpoint, slot: Lease, call: Call, path: str, body: dict[str, Any]
     ) -> Answer:
         """One POST of a JSON body; the answer's JSON, its completion tokens as the slot's work."""
-        admission = call.admission
-        order = server.info.priority if server.info is not None else None
-        sent = with_priority(body, admission.lane, admission.urgency, order)
-        data = await self._post_json(server, path, sent)
+        data = await self._post_json(server, path, _prioritised(body, server, call.admission))
         slot.work = completion_tokens(data)
         return Answer(None, None, None, data)
 
@@ -403,9 +400,7 @@ class RequestPath:
         self, server: Endpoint, slot: Lease, call: Call, path: str, body: dict[str, Any]
     ) -> Answer:
         """One streaming POST, open once its status is known to be fine; its slot handed on."""
-        admission = call.admission
-        order = server.info.priority if server.info is not None else None
-        sent = with_priority(body, admission.lane, admission.urgency, order)
+        sent = _prioritised(body, server, call.admission)
         return Answer(await self._open(server.url, path, sent), None, slot)
 
     async def _raw_once(
@@ -801,6 +796,13 @@ class Answer:
         self.queued_s = 0.0
         self.server = ""
         self.error: RequestRefused | None = None
+
+
+def _prioritised(body: dict[str, Any], server: Endpoint, admission: Admission) -> dict[str, Any]:
+    """``body`` with the server's own ``priority`` for the call's lane and urgency, in the
+    order that server takes (:func:`~dsclient.client._priority.with_priority`)."""
+    order = server.info.priority if server.info is not None else None
+    return with_priority(body, admission.lane, admission.urgency, order)
 
 
 #: One kind of send, as :meth:`RequestPath._attempt` runs it: ``once(server, slot, call, *args)``.
