@@ -203,7 +203,7 @@ class RequestPath:
         """One POST: check the status, read the body under the cap, parse JSON. Raises dsclient
         errors only. Where the server publishes no queue, the request asks for its load on the
         answer (vLLM's ``endpoint-load-metrics``), and the endpoint reads it."""
-        wants = endpoint.wants_load_header
+        wants = endpoint.ask_load_header()
         limit = self.max_body_bytes
         try:
             response = await self._post(endpoint.url + path, body, ask_load=wants, read_up_to=limit)

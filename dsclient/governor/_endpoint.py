@@ -269,6 +269,8 @@ class Endpoint:
         self._answer_load: Load | None = None
         self._answer_at: float | None = None
         self._fed_at: float | None = None
+        #: When a request last asked for the header (:meth:`ask_load_header`).
+        self._load_asked_at = -math.inf
         #: When the last answer came back well (the knee finder's signal).
         self._completed_at: float | None = None
 
@@ -279,6 +281,23 @@ class Endpoint:
         costs other servers nothing; vLLM computes it per answer (and logs it at INFO), so it
         is not asked for where ``/metrics`` already tells."""
         return self.route is None and self.controller.mode != "fixed"
+
+    def ask_load_header(self) -> bool:
+        """Whether the request about to go asks for the load on its answer: while
+        :attr:`wants_load_header`, one request every half scrape period (the controller reads
+        one a period; the answers' lag spreads them).
+
+        Not every request: vLLM builds the header by collecting its whole Prometheus registry
+        and logs it at INFO, in its API server, per answer. Asked on every request, a batch of
+        1000 short completions through nginx at a fixed 40 in flight took 13.9 s and 11.6 s,
+        against 9.6 s and 7.2 s without the header (vLLM 0.32 on this machine's CPU)."""
+        if not self.wants_load_header:
+            return False
+        now = self._clock()
+        if now - self._load_asked_at < self.options.scrape_interval / 2:
+            return False
+        self._load_asked_at = now
+        return True
 
     def _own_traffic(self) -> bool:
         return bool(self.governor.in_flight or self.governor.waiting)
