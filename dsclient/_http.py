@@ -35,7 +35,7 @@ import contextlib
 import ssl
 import sys
 import urllib.request
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import httpx2 as httpx
@@ -120,7 +120,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         self._timeouts: dict[tuple[float | None, float | None], Any] = {}
         #: What :meth:`post` has turned into aiohttp's types: URLs, header sets (a few each).
         self._urls: dict[str, Any] = {}
-        self._headers: dict[RawHeaders, Any] = {}
+        self._headers: dict[RawHeaders, tuple[Any, tuple[str, ...] | None]] = {}
         self._fallback: httpx.AsyncBaseTransport | None = None
         self._closed = False
 
@@ -141,7 +141,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         self._session = aiohttp.ClientSession(
             connector=connector,
             auto_decompress=False,  # httpx decodes, under dsclient's byte cap
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
+            # No skip_auto_headers here: aiohttp would rebuild that set for every request. A
+            # request that lacks one of _AUTO's headers names it instead (_skipped).
             cookie_jar=aiohttp.DummyCookieJar(),
             timeout=aiohttp.ClientTimeout(total=None),
             # Proxies from the environment (HTTP_PROXY, NO_PROXY), as httpx's own pool takes
@@ -163,14 +164,16 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         body = request.content if isinstance(request.stream, httpx.ByteStream) else None
         if body is None:
             body = await request.aread()
+        headers = request.headers.multi_items()
         try:
             response = await session.request(
                 request.method,
                 URL(str(request.url), encoded=True),
-                headers=request.headers.multi_items(),
+                headers=headers,
                 data=body or None,
                 timeout=self._timeout(request.extensions.get("timeout")),
                 allow_redirects=False,
+                skip_auto_headers=_skipped(name for name, _ in headers),
             )
         except Exception as exc:
             error = _as_httpx(exc, request)
@@ -223,15 +226,15 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             if len(self._urls) >= 256:  # a few per server; bound it anyway
                 self._urls.clear()
             target = self._urls[url] = URL(url)
-        prepared = self._headers.get(headers)
-        if prepared is None:
+        known = self._headers.get(headers)
+        if known is None:
             from multidict import CIMultiDict
 
             if len(self._headers) >= 64:
                 self._headers.clear()
-            prepared = self._headers[headers] = CIMultiDict(
-                (k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
-            )
+            prepared = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)
+            known = self._headers[headers] = (prepared, _skipped(prepared))
+        prepared, skipped = known
         try:
             response = await session.request(
                 "POST",
@@ -240,6 +243,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 data=content,
                 timeout=self._timeout(timeout),
                 allow_redirects=False,
+                skip_auto_headers=skipped,
             )
             if read_up_to is not None and response.status < 400:
                 answer = response.headers
@@ -325,6 +329,20 @@ class _AiohttpStream(httpx.AsyncByteStream):
         # An answer read to its end gives its connection back to the pool; one that was not
         # (over the cap, cancelled) closes it.
         self._response.release()
+
+
+#: The headers aiohttp adds to a request that lacks them (its own ``User-Agent``, ``Accept:
+#: */*``, ``Accept-Encoding: gzip, deflate``); a request through this transport carries what
+#: httpx's does, and none of aiohttp's.
+_AUTO = ("user-agent", "accept", "accept-encoding")
+
+
+def _skipped(names: Iterable[str]) -> tuple[str, ...] | None:
+    """What a request with headers ``names`` must tell aiohttp not to add: those of
+    :data:`_AUTO` it lacks (``None``: it has them all, as httpx's requests do)."""
+    have = {name.lower() for name in names}
+    missing = tuple(name for name in _AUTO if name not in have)
+    return missing or None
 
 
 def _in_asyncio() -> bool:

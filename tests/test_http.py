@@ -77,13 +77,16 @@ class _Server(asyncio.Protocol):
             if len(rest) < length:
                 return
             body, self.buffer = rest[:length], rest[length:]
-            task = asyncio.ensure_future(self.answer(head.split(b" ")[1].decode(), body))
+            task = asyncio.ensure_future(self.answer(head.split(b" ")[1].decode(), body, head))
             _ANSWERING.add(task)  # a strong reference until it is done
             task.add_done_callback(_ANSWERING.discard)
 
-    async def answer(self, path: str, body: bytes) -> None:
+    async def answer(self, path: str, body: bytes, head: bytes = b"") -> None:
         prompt = json.loads(body).get("prompt", "") if body else ""
-        if path.startswith("/v1/models"):
+        if path == "/v1/headers":  # the request's header lines, as they came
+            lines = head.decode("latin-1").split("\r\n")[1:]
+            self.transport.write(_answer(json.dumps(lines).encode()))
+        elif path.startswith("/v1/models"):
             self.transport.write(_answer(MODELS))
         elif path != "/v1/completions":
             self.transport.write(_answer(b"{}", status="404 Not Found"))
@@ -258,6 +261,40 @@ async def test_generate_hands_the_transport_its_parts_and_gets_the_answer_read(u
         assert (await client.generate("gzip", max_tokens=1)).text == " the sea"
     # read whole by the transport; the chunked and the gzip answers come back open
     assert answers == ["Read", "Response", "Response"]
+
+
+@pytest.mark.anyio
+async def test_a_request_carries_its_own_headers_and_none_that_aiohttp_would_add(url):
+    transport = AiohttpTransport()
+    full = (
+        (b"Accept", b"*/*"),
+        (b"Accept-Encoding", b"gzip, deflate"),
+        (b"User-Agent", b"dsclient/0.1"),
+        (b"Content-Type", b"application/json"),
+    )
+    bare = ((b"Content-Type", b"application/json"),)
+
+    async def sent(headers: tuple[tuple[bytes, bytes], ...]) -> list[str]:
+        answer = await transport.post(url + "/v1/headers", headers, b"{}", None, read_up_to=2**20)
+        return sorted(line.split(":")[0].lower() for line in json.loads(answer.content))
+
+    try:
+        for _ in range(2):  # the second time from the transport's own cache of header sets
+            assert await sent(full) == [
+                "accept",
+                "accept-encoding",
+                "content-length",
+                "content-type",
+                "host",
+                "user-agent",
+            ]
+            assert await sent(bare) == ["content-length", "content-type", "host"]
+        request = httpx2.Request("GET", url + "/v1/headers", headers={"X-Probe": "1"})
+        response = await transport.handle_async_request(request)
+        lines = json.loads(await response.aread())
+        assert sorted(line.split(":")[0].lower() for line in lines) == ["host", "x-probe"]
+    finally:
+        await transport.aclose()
 
 
 @pytest.mark.anyio

@@ -89,8 +89,8 @@ class Caller:
         #: Whom :meth:`record` tells about each finished call (empty: no record is built).
         self.observers: list[Observer] = []
         self._pace = Pace()
-        #: The calls' timeouts, on one timer (made on the first call).
-        self._deadlines: Deadlines | None = None
+        #: The calls' timeouts, on one timer (it finds its loop on the first call).
+        self._deadlines = Deadlines()
 
     def timeout_of(self, timeout: float | UseDefault | None) -> float | None:
         """A call's timeout in seconds: its own, checked, or the default (``USE_DEFAULT``)."""
@@ -130,7 +130,7 @@ class Caller:
         degraded: str | None = None
         try:
             try:
-                async with self.deadline(limit_s):
+                async with self._deadlines.after(limit_s):  # self.deadline(), one call less
                     plan = await self.planner.plan(kind, prompt, max_tokens, sampling)
                     prefix = self.backend.prefix_of(prompt)
                     miss_at = None
@@ -211,10 +211,7 @@ class Caller:
     def deadline(self, seconds: float | None) -> contextlib.AbstractAsyncContextManager[Any]:
         """A scope for one call of ``seconds`` (``None``: no bound) on the caller's
         :class:`~dsclient.client._request.Deadlines`: the builtin ``TimeoutError`` after them."""
-        deadlines = self._deadlines
-        if deadlines is None:
-            deadlines = self._deadlines = Deadlines()
-        return deadlines.after(seconds)
+        return self._deadlines.after(seconds)
 
     def degraded(self, plan: Plan, option: Degrade, why: str) -> tuple[Plan, str]:
         """``plan`` changed as ``option`` says, and the words the result carries about it."""

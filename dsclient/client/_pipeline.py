@@ -40,7 +40,7 @@ import functools
 import logging
 import random
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from json import JSONEncoder
 from typing import Any, TypeVar
 
@@ -280,9 +280,9 @@ class RequestPath:
             await backend.gate(model)
 
     # -- attempts ------------------------------------------------------------------------------
-    async def send_json(
+    def send_json(
         self, path: str, body: dict[str, Any], call: Call, *, miss_at: float | None = None
-    ) -> Answer:
+    ) -> Coroutine[Any, Any, Answer]:
         """POST ``body`` until it succeeds or may not be retried; the answer's JSON is
         ``Answer.data``.
 
@@ -291,9 +291,12 @@ class RequestPath:
         server probably holds in its cache). With ``miss_at`` (on ``anyio.current_time()``), a
         first attempt still waiting for a slot then raises :class:`WouldMiss` instead (nothing
         was sent).
+
+        What it gives is the attempts' own coroutine, to await: a coroutine around it was one
+        more object that each call held while it waited for its slot.
         """
         call.miss_at = miss_at
-        return await self._attempts(call, path, self._json_once, path, body)
+        return self._attempts(call, path, RequestPath._json_once, path, body)
 
     async def open_stream(self, path: str, body: dict[str, Any], call: Call) -> Answer:
         """Open a streaming response under a slot: ``Answer.response`` open, ``Answer.slot``
@@ -302,7 +305,7 @@ class RequestPath:
         Retried only while nothing has been received. The caller holds the slot while it
         reads, and must ``answer.slot.release(...)`` when done.
         """
-        return await self._attempts(call, path, self._stream_once, path, body)
+        return await self._attempts(call, path, RequestPath._stream_once, path, body)
 
     async def send_raw(self, request: httpx.Request, call: Call, *, stream: bool) -> Answer:
         """Send a caller's request attempt by attempt, as :meth:`send_json` does, and give back
@@ -325,7 +328,7 @@ class RequestPath:
         refused: list[tuple[DSClientError, Answer]] = []
         try:
             return await self._attempts(
-                call, request.url.path, self._raw_once, request, stream, refused
+                call, request.url.path, RequestPath._raw_once, request, stream, refused
             )
         except RequestRefused as exc:
             if not refused or refused[0][0] is not exc:
@@ -343,11 +346,12 @@ class RequestPath:
 
         Every attempt first passes the outage gate (:attr:`reach`): at once while the server
         answers; a gate that gave up on the server raises ``ConnectionError``, which is not
-        retried (no attempt was made, and the gate already waited). The first attempt is
-        awaited directly, and the retry loop (:meth:`_retry_loop`, with its partial) is built
-        only after a failure: a call that succeeds at once, nearly every call, makes a few
-        objects fewer (at hundreds in flight their allocation and garbage collection were a
-        tenth of the call's CPU).
+        retried (no attempt was made, and the gate already waited). The first attempt runs
+        here (:meth:`_attempt`'s steps, inline), and the retry loop (:meth:`_retry_loop`, with
+        its partial) is built only after a failure: a call that succeeds at once, nearly every
+        call, makes a few objects fewer (at hundreds in flight their allocation and garbage
+        collection were a tenth of the call's CPU). Inline, the first attempt's coroutine is
+        not one more object that each call holds while it waits for its slot.
         """
         backend = self.backend
         backend.wake()
@@ -356,7 +360,21 @@ class RequestPath:
         if not backend.gate_is_open(model):
             await backend.gate(model)
         try:
-            answer = await self._attempt(call, once, args)
+            if call.miss_at is None:
+                slot = await backend.acquire(call.admission, avoid=call.avoid)
+                server = call.endpoint = backend.server_of(slot)
+                call.queued_s += slot.queued_s
+            else:
+                slot = await self._take(call)
+                server = call.endpoint
+            try:
+                answer = await once(self, server, slot, call, *args)
+            except BaseException as exc:
+                self._release_failed(slot, exc, call)
+                raise
+            backend.settle(slot, None, model)
+            if answer.slot is None:
+                slot.release()
             attempts = 1
         except DSClientError as first:
             if self._retry.attempts <= 1 or not is_retryable(first):
@@ -369,7 +387,8 @@ class RequestPath:
 
     async def _attempt(self, call: Call, once: Send, args: tuple[Any, ...]) -> Answer:
         """One attempt: a slot from the backend, one send (``once``), the slot back with its
-        outcome; a send that hands its slot on (``Answer.slot``: an open stream) keeps it."""
+        outcome; a send that hands its slot on (``Answer.slot``: an open stream) keeps it.
+        (:meth:`_attempts` runs the first attempt's steps itself; this is every retry.)"""
         if call.miss_at is None:  # _take's common case, inline
             backend = self.backend
             slot = await backend.acquire(call.admission, avoid=call.avoid)
@@ -379,7 +398,7 @@ class RequestPath:
             slot = await self._take(call)
             server = call.endpoint
         try:
-            answer = await once(server, slot, call, *args)
+            answer = await once(self, server, slot, call, *args)
         except BaseException as exc:
             self._release_failed(slot, exc, call)
             raise
@@ -801,9 +820,14 @@ class Answer:
 def _prioritised(body: dict[str, Any], server: Endpoint, admission: Admission) -> dict[str, Any]:
     """``body`` with the server's own ``priority`` for the call's lane and urgency, in the
     order that server takes (:func:`~dsclient.client._priority.with_priority`)."""
-    order = server.info.priority if server.info is not None else None
+    info = server.info
+    order = info.priority if info is not None else None
+    if order is None:  # the common case, without the call: the body as it is
+        return body
     return with_priority(body, admission.lane, admission.urgency, order)
 
 
-#: One kind of send, as :meth:`RequestPath._attempt` runs it: ``once(server, slot, call, *args)``.
+#: One kind of send, as :meth:`RequestPath._attempt` runs it:
+#: ``once(path, server, slot, call, *args)``, the method of the class (``RequestPath._json_once``)
+#: rather than of the path: a bound method made per call was one more object each call held.
 Send = Callable[..., Awaitable[Answer]]

@@ -97,6 +97,8 @@ class Planner:
         #: Where the context is unknown (and no ``long_threshold`` given): what is long,
         #: relative to the calls sent (:class:`~dsclient.governor._lanes.RecentSizes`).
         self.sizes = RecentSizes()
+        #: The default threshold of the context last planned for: ``(max_model_len, tokens)``.
+        self._threshold_for: tuple[int | None, int] = (None, default_long_threshold(None))
         self.default_max_tokens = default_max_tokens
         self.ready: Callable[[], Awaitable[ServerInfo]] = ready or self.discovered
         self._http = http
@@ -356,6 +358,16 @@ class Planner:
             margin=self.tokens.margin,
         )
 
+    def _default_threshold(self, ctx: int | None) -> int:
+        """:func:`~dsclient.governor._lanes.default_long_threshold` of ``ctx``, kept for the
+        context last asked about (checking it and taking its share on every call cost more
+        than the rest of choosing the lane)."""
+        known, threshold = self._threshold_for
+        if ctx != known:
+            threshold = default_long_threshold(ctx)
+            self._threshold_for = (ctx, threshold)
+        return threshold
+
     async def plan(
         self,
         kind: Literal["completion", "chat"],
@@ -371,7 +383,7 @@ class Planner:
         tokens = self.tokens
         wanted = max_tokens if max_tokens is not None else self.default_max_tokens
         margin = tokens.margin
-        threshold = self.long_threshold or default_long_threshold(ctx)
+        threshold = self.long_threshold or self._default_threshold(ctx)
         # Cheapest first: a byte bound (no tokenizer). When even that fits the context and the
         # short lane, counting cannot change what is sent or where, so a short prompt never pays
         # for tiktoken or /tokenize.
