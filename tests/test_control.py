@@ -1162,15 +1162,44 @@ def test_queue_only_holds_the_limit_where_an_api_server_is_the_bottleneck() -> N
     """An API server that passes 3 requests a period in front of a batch of 32 (that could do
     8): the engine's queue never stands, so only the answers' latency can stop the growth.
     Growing on the estimated batch (everything in flight), every period, took the limit past
-    a thousand; it now stops once answers take twice the quickest time."""
+    a thousand. A step whose answers slow down as much as it adds calls is undone; growth
+    rests 30 s, then probes one step again (and undoes it again)."""
     server = FrontedServer(32, rate=3)
     control = LimitController(start=5, mode="metrics", capacity=None)
     limits, _, waiting, answered = simulate_queue_only(server, control, PERIODS)
-    settled = slice(WARM_UP, None)
+    settled = limits[WARM_UP:]
     assert max(waiting) <= 1
     assert max(limits) <= 160
-    assert limits[-1] == limits[WARM_UP]  # it stopped
-    assert statistics.mean(answered[settled]) >= 0.9 * 3
+    held = statistics.median(settled)
+    assert held <= 40  # 3 a period x at most 6 periods each is all the API server lets through
+    assert sum(limit > held for limit in settled) <= 0.35 * len(settled)  # the probes
+    assert limits[-1] <= 2 * held  # a probe at most: it never walks on
+    assert statistics.mean(answered[WARM_UP:]) >= 0.9 * 3
+
+
+def test_queue_only_growth_follows_throughput_not_latency() -> None:
+    """A batching server's answers slow down while its throughput still rises: a batch of 256
+    with an API server that passes everything. Growth held where answers took twice the
+    quickest time stopped at a fraction of the batch (through nginx, a CPU vLLM with a batch
+    of 32 held at 20); judged by throughput, the batch is full."""
+    server = FrontedServer(256, rate=1000)
+    control = LimitController(start=5, mode="metrics", capacity=None)
+    _, running, _, _ = simulate_queue_only(server, control, PERIODS)
+    assert statistics.mean(running[WARM_UP:]) >= 0.95 * 256
+
+
+def test_a_step_that_bought_no_throughput_is_undone() -> None:
+    control = LimitController(start=20, mode="metrics", capacity=None)
+    for k in range(16):  # 20 in flight, 1 s a call
+        control.on_outcome(0.1 * k, "ok", 1.0)
+    assert control.on_load(2.0, running=None, waiting=0, in_flight=20, demand=True)
+    stepped = control.limit
+    assert stepped > 20
+    for k in range(stepped):  # admitted after the step, each as much slower as the step added
+        control.on_outcome(5.0 + 0.01 * k, "ok", stepped / 20)
+    assert control.on_load(6.0, running=None, waiting=0, in_flight=stepped, demand=True)
+    assert control.limit == 20 and "bought no throughput" in control.reason
+    assert not control.on_load(10.0, running=None, waiting=0, in_flight=20, demand=True)  # rests
 
 
 def test_queue_only_growth_waits_for_an_answer_admitted_after_the_last_step() -> None:

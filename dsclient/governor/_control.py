@@ -38,8 +38,8 @@ metrics     the server reports running and waiting. Grow while the client has ca
             whatever ``max_num_seqs`` says. Bounds: 1 .. ``max(64, 4 x capacity)``.
             A server that reports its queue but not its batch (vLLM's load header on each
             answer) runs the same rules on an estimated batch (:class:`QueueOnlyBatch`); it
-            grows only once an answer admitted after the last step came back, and not while
-            answers take twice as long per token as the quickest seen.
+            grows only once an answer admitted after the last step came back, and only while
+            the last step bought throughput (:meth:`LimitController._step_bought`).
 throughput  no queue signal (a gateway that passes only ``/v1/*``, transformers' server, Ollama,
             any OpenAI-compatible endpoint): the limit finds the knee from the answers alone,
             rising while more in flight still buys throughput and holding where it only buys
@@ -70,7 +70,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from .._percentile import nearest_rank
-from ._knee import KneeFinder
+from ._knee import ELASTICITY, KneeFinder
 
 __all__ = [
     "CEILING_FLOOR",
@@ -144,11 +144,14 @@ _OVER_MEMORY_S: Final = 30.0
 #: server the trough of every wave of equal-length answers shows an empty queue for a scrape or
 #: two, and forgetting there let the loop climb back over the target at once.
 _DRY_SCRAPES: Final = 4
-#: With a queue but no running count, no growth while recent answers take this many times the
-#: quickest window's service time per unit of work: with no queue at the engine, what is sent
-#: beyond it waits in front of it (an API server, a gateway), where no gauge shows it.
-_INFLATION: Final = 2.0
-_INFLATION_WINDOW: Final = 16
+#: With a queue but no running count, a growth step is judged by the answers to this many calls
+#: admitted after it, against the last :data:`_PER_WORK_WINDOW` answers before it (service time
+#: per unit of work): see :meth:`LimitController._step_bought`.
+_STEP_ANSWERS: Final = 4
+_PER_WORK_WINDOW: Final = 16
+#: A step that bought no throughput is undone, and growth rests this long; then it may probe
+#: again.
+_STEP_MEMORY_S: Final = 30.0
 #: Seconds over which :class:`QueueOnlyBatch` takes the smallest bound on the batch.
 _QUEUE_ONLY_WINDOW_S: Final = 30.0
 #: Latency rule (the tuning literature's baseline): halve above 120% of the target.
@@ -336,7 +339,6 @@ class LimitController:
     __slots__ = (
         "_aim_deficit",
         "_batch_seen",
-        "_best_per_work",
         "_capacity",
         "_ceiling_fixed",
         "_dry_scrapes",
@@ -351,6 +353,8 @@ class LimitController:
         "_over_at",
         "_over_limit",
         "_per_work",
+        "_per_work_after",
+        "_answers_after",
         "_preemptions",
         "_queue_cap",
         "_queue_only",
@@ -360,6 +364,8 @@ class LimitController:
         "_refused_at_limit",
         "_saturated",
         "_service",
+        "_step_from",
+        "_step_undone_at",
         "_unseen_seen",
         "aim",
         "changes",
@@ -446,9 +452,14 @@ class LimitController:
         self._queue_only: QueueOnlyBatch | None = None
         #: When the most recently admitted answered call was admitted (``now - service_s``).
         self._newest_admitted = -math.inf
-        #: Recent service times per unit of work, and the quickest window's median.
-        self._per_work: deque[float] = deque(maxlen=_INFLATION_WINDOW)
-        self._best_per_work: float | None = None
+        #: Recent service times per unit of work; where the server reports no running count,
+        #: the last growth step (the limit and the median time per unit of work before it) and
+        #: the times of the calls admitted after it (see :meth:`_step_bought`).
+        self._per_work: deque[float] = deque(maxlen=_PER_WORK_WINDOW)
+        self._step_from: tuple[int, float] | None = None
+        self._per_work_after: deque[float] = deque(maxlen=_PER_WORK_WINDOW)
+        self._answers_after = 0
+        self._step_undone_at = -math.inf
         #: The knee finder that moves the limit in throughput mode (``None`` in the others).
         self._knee = KneeFinder(start=start, ceiling=self.ceiling) if mode == "throughput" else None
 
@@ -557,12 +568,19 @@ class LimitController:
                     wanted, f"server queue {waiting} > target {target} (running {running})"
                 )
             return False
-        if queue_only and self._latency_inflated():
+        if queue_only:
             # No running count: what is in flight beyond the queue may be running or piling up
             # in an API server that fell behind, where no gauge shows it (growing on it doubled
-            # the limit past a thousand). Answers taking twice as long per token as the
-            # quickest seen, with no queue at the engine, say it piles up there.
-            return False
+            # the limit past a thousand). A step whose answers slowed as much as it added calls
+            # bought no throughput: what it sent waits in front of the engine. It is undone,
+            # and growth rests for a while.
+            verdict = self._step_verdict(now)
+            if verdict == "undo" and self._step_from is not None:
+                back = self._step_from[0]
+                self._step_from, self._step_undone_at = None, now
+                return self._set(back, "the last step bought no throughput (answers as slow)")
+            if verdict == "wait" or now - self._step_undone_at < _STEP_MEMORY_S:
+                return False
         if not demand or now - self._last_grow < self.period or not self._latency_allows():
             return False
         if now - self._last_cut_any < self.cooldown:
@@ -618,7 +636,47 @@ class LimitController:
                 return False
             grown = self.limit + max(1, math.ceil(_GAIN * room))
             why = f"server queue {waiting} <= aim {aim} (target {target}, running {running})"
-        return self._set(min(grown, self._growth_cap(now)), why)
+        before = self.limit
+        changed = self._set(min(grown, self._growth_cap(now)), why)
+        if changed and queue_only:
+            # The step is judged against the calls admitted under the limit it leaves (those
+            # admitted after the step before), not the last answers: on a fast ramp those came
+            # from the limit before that, and a doubling judged against them counted half.
+            window = self._per_work_after or self._per_work
+            self._step_from = (before, statistics.median(window)) if window else None
+            self._per_work_after.clear()
+            self._answers_after = 0
+        return changed
+
+    def _step_verdict(self, now: float) -> Literal["grow", "wait", "undo"]:
+        """Whether the last growth step (queue-only) bought throughput, by Little's law: the
+        limit rose by ``L2 / L1`` and the time per unit of work of the calls admitted after it
+        by ``T2 / T1``, so throughput by ``(L2 / L1) / (T2 / T1)``; the step bought it
+        (``"grow"``) if the elasticity ``ln(X2 / X1) / ln(L2 / L1)`` is at least the knee's
+        (:data:`~dsclient.governor._knee.ELASTICITY`), else ``"undo"``. Until as many calls
+        admitted after it as the new limit (at least :data:`_STEP_ANSWERS`) have answered,
+        ``"wait"``: the first of them queued behind the calls sent before the step, and answered
+        about as fast as those (judged on the first ones added, a step past an API server's
+        rate passed as often as not in simulation).
+        With no step to judge, ``"grow"``.
+
+        Why not latency against the quickest seen: a batching server's answers slow down long
+        before its throughput stops rising. Through nginx, a CPU vLLM with a batch of 32 took
+        twice as long per token at 20 in flight as at 5; holding growth there (answers twice the
+        quickest) kept the limit at 20 for 8 s of a 10 s batch."""
+        step = self._step_from
+        if step is None:
+            return "grow"
+        before_limit, before_per_work = step
+        if self._answers_after < max(_STEP_ANSWERS, self.limit):
+            return "wait"
+        grew = self.limit / before_limit
+        after = statistics.median(self._per_work_after)
+        slowed = after / before_per_work if before_per_work > 0 else 1.0
+        if grew <= 1.0 or slowed <= 0:
+            return "grow"
+        bought = math.log(grew / slowed) / math.log(grew) >= ELASTICITY
+        return "grow" if bought else "undo"
 
     def _remember_overs(self, now: float, *, running: int, waiting: int, target: int) -> None:
         """Where the queue stood above the target: growth stays under that limit for
@@ -665,7 +723,11 @@ class LimitController:
         if outcome == "ok" and service_s is not None and service_s >= 0:
             self._service.append(service_s)
             self._newest_admitted = max(self._newest_admitted, now - service_s)
-            self._note_per_work(service_s / (work or 1.0))
+            per_work = service_s / (work or 1.0)
+            self._per_work.append(per_work)
+            if now - service_s >= self._last_grow:
+                self._per_work_after.append(per_work)
+                self._answers_after += 1
             if self._knee is not None:
                 self._knee.on_completion(now, service_s=service_s, work=work or 1.0)
         if self.mode == "fixed":
@@ -680,23 +742,6 @@ class LimitController:
                 return True
             return False
         return self._check_latency(now)
-
-    def _note_per_work(self, per_work: float) -> None:
-        """Keep the recent service times per unit of work, and the quickest window's median."""
-        window = self._per_work
-        window.append(per_work)
-        if len(window) == window.maxlen:
-            median = statistics.median(window)
-            if self._best_per_work is None or median < self._best_per_work:
-                self._best_per_work = median
-
-    def _latency_inflated(self) -> bool:
-        """Whether recent answers take :data:`_INFLATION` times the quickest window's time per
-        unit of work (``False`` until a window is full)."""
-        best = self._best_per_work
-        if best is None or best <= 0:
-            return False
-        return statistics.median(self._per_work) > _INFLATION * best
 
     def _learn_queue_cap(self, now: float) -> None:
         """A refusal for load while the server showed a queue: that queue was about as long as
