@@ -1215,3 +1215,16 @@ def test_queue_only_growth_waits_for_an_answer_admitted_after_the_last_step() ->
     control.on_outcome(2.0, "ok", 0.5)  # admitted at 1.5, after the step at 0
     assert control.on_load(2.0, running=None, waiting=0, in_flight=grown, demand=True)
     assert control.limit > grown
+
+
+def test_small_steps_are_judged_once_they_add_up() -> None:
+    """A step of a few calls changes the answers' times less than their noise: growth is judged
+    once it adds up to 1.25x the last judged limit, against the answers under that limit."""
+    control = LimitController(start=40, mode="metrics", capacity=None)
+    control._step_from = (40, 1.0)  # as after a judged step to 40: 1 s a unit of work
+    control.limit = 44
+    for k in range(60):  # slower answers, but 44 / 40 is not worth judging
+        control.on_outcome(1.0 + 0.01 * k, "ok", 1.5)
+    assert control._step_verdict(2.0) == "grow"
+    control.limit = 52  # 1.3x: judged, and 1.5x slower for 1.3x the calls bought nothing
+    assert control._step_verdict(2.0) == "undo"

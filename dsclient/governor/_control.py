@@ -149,6 +149,10 @@ _DRY_SCRAPES: Final = 4
 #: per unit of work): see :meth:`LimitController._step_bought`.
 _STEP_ANSWERS: Final = 4
 _PER_WORK_WINDOW: Final = 16
+#: Growth is judged once it adds up to this factor since the last judged limit: a step of a
+#: few calls changes the answers' times less than their noise (in simulation, steps of one
+#: or two calls near a full batch were undone as often as kept).
+_JUDGED_GROWTH: Final = 1.25
 #: A step that bought no throughput is undone, and growth rests this long; then it may probe
 #: again.
 _STEP_MEMORY_S: Final = 30.0
@@ -338,6 +342,7 @@ class LimitController:
 
     __slots__ = (
         "_aim_deficit",
+        "_answers_after",
         "_batch_seen",
         "_capacity",
         "_ceiling_fixed",
@@ -354,7 +359,6 @@ class LimitController:
         "_over_limit",
         "_per_work",
         "_per_work_after",
-        "_answers_after",
         "_preemptions",
         "_queue_cap",
         "_queue_only",
@@ -638,10 +642,12 @@ class LimitController:
             why = f"server queue {waiting} <= aim {aim} (target {target}, running {running})"
         before = self.limit
         changed = self._set(min(grown, self._growth_cap(now)), why)
-        if changed and queue_only:
+        step = self._step_from
+        if changed and queue_only and (step is None or before >= _JUDGED_GROWTH * step[0]):
             # The step is judged against the calls admitted under the limit it leaves (those
             # admitted after the step before), not the last answers: on a fast ramp those came
             # from the limit before that, and a doubling judged against them counted half.
+            # Small steps add up until they are worth judging (see _JUDGED_GROWTH).
             window = self._per_work_after or self._per_work
             self._step_from = (before, statistics.median(window)) if window else None
             self._per_work_after.clear()
@@ -668,12 +674,14 @@ class LimitController:
         if step is None:
             return "grow"
         before_limit, before_per_work = step
+        grew = self.limit / before_limit
+        if grew < _JUDGED_GROWTH:
+            return "grow"  # within the noise of the answers' times: judged once they add up
         if self._answers_after < max(_STEP_ANSWERS, self.limit):
             return "wait"
-        grew = self.limit / before_limit
         after = statistics.median(self._per_work_after)
         slowed = after / before_per_work if before_per_work > 0 else 1.0
-        if grew <= 1.0 or slowed <= 0:
+        if slowed <= 0:
             return "grow"
         bought = math.log(grew / slowed) / math.log(grew) >= ELASTICITY
         return "grow" if bought else "undo"
