@@ -119,7 +119,7 @@ class Caller:
         """One call (``generate``, ``chat``, ``map()``): plan, then attempts under the governor
         (see :mod:`dsclient.client._pipeline`), within the timeout; degraded
         (``dsclient.client._degrade``) rather than miss it, when the call says so."""
-        limit_s = self.timeout_of(timeout)
+        limit_s = self.timeout if isinstance(timeout, UseDefault) else self.timeout_of(timeout)
         option = self.degrade if isinstance(degrade, UseDefault) else degrade
         if option is not None and not isinstance(option, Degrade):
             raise TypeError(f"degrade must be a Degrade or None, got {type(option).__name__}")

@@ -222,7 +222,7 @@ class SingleServer:
         return self.endpoint
 
     def settle(self, lease: Lease, exc: BaseException | None, model: str | None) -> bool:
-        if exc is None:
+        if exc is None and self.reach.down:
             self.reach.mark_up()  # any answer opens the gate
         return False  # no other server
 
