@@ -26,6 +26,9 @@ def tests(session: nox.Session) -> None:
     args = session.posargs or ["-m", "not integration", "-q"]
     session.run("pytest", *args)
     if not session.posargs:
+        # llama-cpp-python, a black box of the integration tests, is built from source (cmake),
+        # once a machine; here rather than in the first test that uses it.
+        session.run("python", "-m", "tests.integration.blackbox", "build-llama-cpp")
         session.run("pytest", "-m", "integration", "-v", "--timeout=1200")
 
 

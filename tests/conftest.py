@@ -202,6 +202,22 @@ def transformers_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llama_cpp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """llama-cpp-python's server on the tiny model, converted to GGUF by llama.cpp's converter
+    (the package is built once a machine: ``.ci/run`` builds it first). Yields its URL."""
+    from tests.integration.blackbox import ensure_llama_cpp, llama_cpp_server, tiny_gguf
+
+    converter = _transformers_python()  # the vLLM venv: torch, transformers, numpy
+    try:
+        python = ensure_llama_cpp()
+        tiny = make_tiny_model(python=converter)
+        gguf = tiny_gguf(tiny, tmp_path_factory.mktemp("gguf") / "tiny.gguf", converter)
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    yield from _serve(llama_cpp_server(python, gguf))
+
+
+@pytest.fixture(scope="session")
 def transformers_server(
     transformers_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:

@@ -4,6 +4,8 @@
         ...
     with transformers_server(python, hub=hub) as url:     # `transformers serve`, no /metrics
         ...
+    with llama_cpp_server(ensure_llama_cpp(), gguf) as url:  # llama-cpp-python's server
+        ...
 
 * :func:`nginx_gateway`: Debian's ``nginx`` (``.ci/run`` installs it) in front of a server,
   passing ``/v1/*`` and nothing else, as the usual gateway does: behind it a vLLM has no
@@ -15,6 +17,9 @@
   fastapi and uvicorn; :func:`ensure_accelerate` adds ``accelerate``, without which it refuses to
   load a model). It lists on ``/v1/models`` only the models in its Hugging Face cache, so
   :func:`hub_cache` lays a model folder out as that cache does.
+* :func:`llama_cpp_server`: llama-cpp-python's OpenAI-compatible server on llama.cpp, the tiny
+  model converted to GGUF by llama.cpp's own converter (:func:`tiny_gguf`); pip builds it from
+  source (:func:`ensure_llama_cpp`).
 
 Every server gets a free loopback port, and its whole process group is stopped on the way out,
 whatever happened. Starting one that cannot start raises :class:`RuntimeError` with its log's
@@ -47,6 +52,143 @@ HUB_MODEL = "local/m"
 #: OOM killer ended the server. 2048 pages of 32 tokens (64k tokens, 128 MB for the tiny model)
 #: hold 50 requests of 1000 + 256 tokens; a step of 512 tokens keeps its attention masks small.
 CB_ARGS = ("--cb-num-blocks", "2048", "--cb-block-size", "32", "--cb-max-batch-tokens", "512")
+
+
+# -- llama.cpp's server (llama-cpp-python) ---------------------------------------------------------
+
+#: llama-cpp-python: its OpenAI-compatible server (``python -m llama_cpp.server``) and the
+#: llama.cpp it vendors, which pip builds from source with cmake (there is no wheel on the
+#: registry and no Debian package), once a machine, into its own venv: 12 minutes here with
+#: one compiler job and the multimodal library, which :func:`ensure_llama_cpp` leaves out. The
+#: sdist also carries llama.cpp's converter to GGUF.
+LLAMA_CPP_VERSION = "0.3.36"
+LLAMA_CPP_HOME = Path.home() / ".cache" / "dsclient" / "llama-cpp"
+#: How tests and the benchmark name the model on llama.cpp's server.
+LLAMA_CPP_MODEL = "tiny"
+
+#: Runs llama.cpp's ``convert_hf_to_gguf.py`` with the byte-level BPE pre-tokenizer named. The
+#: converter knows pre-tokenizers by a hash of how they split a test text and refuses others
+#: ("BPE pre-tokenizer was not recognized"); the tiny model's tokenizer is GPT-2's kind
+#: (``ByteLevel``, its regex, no prefix space), so ``gpt-2`` is what it is.
+_CONVERT = """
+import runpy, sys
+root = sys.argv[1]
+sys.path[:0] = [root, root + "/gguf-py"]
+import conversion.base as base
+for name in dir(base):
+    cls = getattr(base, name)
+    if isinstance(cls, type) and "get_vocab_base_pre" in vars(cls):
+        cls.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def _run(
+    argv: Sequence[str], what: str, timeout: float = 3600.0, env: dict[str, str] | None = None
+) -> None:
+    done = subprocess.run(
+        argv, capture_output=True, text=True, check=False, timeout=timeout, env=env
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+
+
+def ensure_llama_cpp(home: Path = LLAMA_CPP_HOME) -> str:
+    """The interpreter of a venv with ``llama-cpp-python[server]``, built once (``.ci/run`` builds
+    it before the tests, so that no test waits for the compiler)."""
+    venv = home / f"venv-{LLAMA_CPP_VERSION}"
+    python = venv / "bin" / "python"
+    if python.exists():
+        probe = subprocess.run(
+            [str(python), "-c", "import llama_cpp.server"], capture_output=True, check=False
+        )
+        if probe.returncode == 0:
+            return str(python)
+    _say(f"building llama-cpp-python {LLAMA_CPP_VERSION} into {venv} (cmake, minutes) ...")
+    begun = time.monotonic()
+    _run([sys.executable, "-m", "venv", str(venv)], "python -m venv")
+    spec = f"llama-cpp-python[server]=={LLAMA_CPP_VERSION}"
+    # Without the multimodal library (LLAVA_BUILD: llama.cpp's mtmd, a fifth of the build),
+    # which a text model never loads; on every core.
+    env = {
+        **os.environ,
+        "CMAKE_ARGS": "-DLLAVA_BUILD=OFF",
+        "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1),
+    }
+    _run([str(python), "-m", "pip", "install", "-q", spec], f"pip install {spec}", env=env)
+    _say(f"llama-cpp-python built in {time.monotonic() - begun:.0f} s")
+    return str(python)
+
+
+def llama_cpp_converter(home: Path = LLAMA_CPP_HOME) -> Path:
+    """llama.cpp's converter to GGUF (``convert_hf_to_gguf.py``, its ``conversion`` package and
+    ``gguf-py``), from llama-cpp-python's sdist, which vendors the llama.cpp it builds."""
+    root = home / f"llama.cpp-{LLAMA_CPP_VERSION}"
+    if (root / "convert_hf_to_gguf.py").exists():
+        return root
+    with tempfile.TemporaryDirectory(prefix="llama-cpp-sdist-") as tmp:
+        _run(
+            [
+                sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                "--no-binary", ":all:", "-d", tmp, f"llama-cpp-python=={LLAMA_CPP_VERSION}",
+            ],
+            "pip download llama-cpp-python (sdist)",
+        )  # fmt: skip
+        (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
+        inner = f"llama_cpp_python-{LLAMA_CPP_VERSION}/vendor/llama.cpp"
+        parts = [f"{inner}/convert_hf_to_gguf.py", f"{inner}/conversion", f"{inner}/gguf-py"]
+        _run(["tar", "-xzf", str(sdist), "-C", tmp, *parts], "tar -x (the converter)")
+        staging = root.with_name(root.name + ".part")
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.move(str(Path(tmp) / inner), staging)
+        staging.rename(root)
+    return root
+
+
+def tiny_gguf(model_dir: Path, out: Path, python: str) -> Path:
+    """``model_dir`` (the tiny model) as one GGUF file at ``out``, in float32.
+
+    ``python`` runs the converter: it needs torch, transformers and numpy, which the vLLM venv
+    has. Converted once; a file already there is kept."""
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".part")
+    root = llama_cpp_converter()
+    argv = [python, "-c", _CONVERT, str(root), str(model_dir), "--outfile", str(partial)]
+    _run([*argv, "--outtype", "f32"], "convert_hf_to_gguf.py (the tiny model)")
+    partial.rename(out)
+    return out
+
+
+@contextlib.contextmanager
+def llama_cpp_server(
+    python: str, gguf: Path, *, n_ctx: int = 2048, start_timeout: float = 120.0
+) -> Iterator[str]:
+    """Run llama-cpp-python's server (``python -m llama_cpp.server``) on ``gguf``, served as
+    :data:`LLAMA_CPP_MODEL`; yield its URL once ``/v1/models`` answers. It has no ``/metrics``
+    and no ``/slots`` (those are llama.cpp's own C++ server's) and answers one request at a
+    time: a black box with a batch of one."""
+    port = free_port()
+    log = Path(tempfile.mkdtemp(prefix="bb-llama-cpp-")) / "server.log"
+    argv = [
+        python, "-m", "llama_cpp.server", "--model", str(gguf),
+        "--model_alias", LLAMA_CPP_MODEL, "--n_ctx", str(n_ctx),
+        "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until(proc, url + "/v1/models", log, "llama_cpp.server", start_timeout)
+        _say(f"llama_cpp.server at {url} (log: {log})")
+        yield url
+    finally:
+        _stop_group(proc)
 
 
 def _say(message: str) -> None:
@@ -302,3 +444,9 @@ def transformers_server(
         yield url
     finally:
         _stop_group(proc)
+
+
+if __name__ == "__main__":  # python -m tests.integration.blackbox build-llama-cpp (noxfile.py)
+    if sys.argv[1:] != ["build-llama-cpp"]:
+        sys.exit("usage: python -m tests.integration.blackbox build-llama-cpp")
+    print(ensure_llama_cpp())

@@ -7,6 +7,8 @@
   throughput alone.
   It lists only the models in its Hugging Face cache and loads others on demand: a model the
   caller names that it does not list must still be tried.
+* ``llama_cpp_server``: llama-cpp-python's server on llama.cpp (the tiny model as GGUF): no
+  ``/metrics``, no ``/slots``, one request at a time.
 
 Servers from tests/integration/blackbox.py, started once per session (tests/conftest.py).
 """
@@ -21,7 +23,7 @@ import pytest
 
 import dsclient
 from dsclient import AsyncClient
-from tests.integration.blackbox import HUB_MODEL
+from tests.integration.blackbox import HUB_MODEL, LLAMA_CPP_MODEL
 from tests.integration.test_client_integration import words
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
@@ -130,3 +132,16 @@ async def test_a_model_the_server_does_not_list_is_tried_with_a_warning(
     assert result.usage.completion_tokens == 4
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert any(unlisted in message for message in warned), warned
+
+
+async def test_llama_cpp_server_map_every_item_once_and_the_limit_moves(llama_cpp_server):
+    async with httpx.AsyncClient(base_url=llama_cpp_server, timeout=30) as http:
+        for route in ("/metrics", "/slots"):  # llama.cpp's C++ server has them; this one not
+            assert (await http.get(route)).status_code == 404, route
+    async with AsyncClient(llama_cpp_server) as client:
+        assert client.server is not None and client.server.model == LLAMA_CPP_MODEL
+        results, limits = await _map_sampled(client, BATCH)
+        control = client.stats().control
+    _assert_every_item_once(results, BATCH)
+    _assert_limit_moved(control, limits)
+    assert (control.mode, control.signal) == ("throughput", "throughput"), control
