@@ -13,7 +13,15 @@ if TYPE_CHECKING:
 
 __all__ = ["ChatResult", "CompletionResult", "Failure", "Result", "Usage"]
 
-_set = object.__setattr__  # frozen models: what pydantic's own model_construct uses
+# Frozen models are built as pydantic's own model_construct does, by setting the four slots
+# every model has: through the descriptors BaseModel defines for them, called directly
+# (``object.__setattr__`` looked each up through the class, half the cost of building a result
+# on the client's hot path).
+_new = object.__new__  # BaseModel defines no __new__
+_set_dict = BaseModel.__dict__["__dict__"].__set__
+_set_fields = BaseModel.__dict__["__pydantic_fields_set__"].__set__
+_set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
+_set_private = BaseModel.__dict__["__pydantic_private__"].__set__
 
 
 class Usage(BaseModel):
@@ -31,15 +39,11 @@ class Usage(BaseModel):
     @classmethod
     def _trusted(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
         """Build from values already checked, without pydantic's per-field machinery."""
-        usage = cls.__new__(cls)
-        _set(
-            usage,
-            "__dict__",
-            {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
-        )
-        _set(usage, "__pydantic_fields_set__", {"prompt_tokens", "completion_tokens"})
-        _set(usage, "__pydantic_extra__", None)
-        _set(usage, "__pydantic_private__", None)
+        usage = _new(cls)
+        _set_dict(usage, {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens})
+        _set_fields(usage, {"prompt_tokens", "completion_tokens"})
+        _set_extra(usage, None)
+        _set_private(usage, None)
         return usage
 
 
@@ -115,10 +119,9 @@ class Result(BaseModel):
         cost more than the rest of building a result. ``tests/test_models.py`` checks that the
         two build equal objects.
         """
-        result = cls.__new__(cls)
-        _set(
+        result = _new(cls)
+        _set_dict(
             result,
-            "__dict__",
             {
                 "text": text,
                 "finish_reason": finish_reason,
@@ -133,9 +136,9 @@ class Result(BaseModel):
                 "degraded": degraded,
             },
         )
-        _set(result, "__pydantic_fields_set__", set(_RESULT_FIELDS))
-        _set(result, "__pydantic_extra__", None)
-        _set(result, "__pydantic_private__", {"_raw_data": raw_data, "_raw": None})
+        _set_fields(result, set(_RESULT_FIELDS))
+        _set_extra(result, None)
+        _set_private(result, {"_raw_data": raw_data, "_raw": None})
         return result
 
 

@@ -333,3 +333,33 @@ async def test_a_cancellation_in_a_retry_leaves_through_tenacity(anyio_backend):
             await client.generate("x", max_tokens=1)
         assert scope.cancelled_caught
         assert client.in_flight == 0 and len(fake.requests) == 2
+
+
+async def test_the_body_encoder_writes_what_httpx_would_and_refuses_what_json_refuses():
+    from json import JSONEncoder
+
+    from dsclient.client._pipeline import body_encoder
+
+    encode = body_encoder()
+    plain = JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+    bodies = [
+        {"model": "tiny", "prompt": "Écris une phrase \u2603", "max_tokens": 16},
+        {"messages": [{"role": "user", "content": "Hi"}], "stop": ["\n"], "temperature": 0.5},
+        {"a": {"b": [1, 2.5, None, True, {"c": "d"}]}, "e": []},
+    ]
+    for body in bodies:
+        assert encode(body) == plain(body)
+
+    shared = {"x": 1}
+    looped: dict[str, object] = {"inner": shared}
+    shared["back"] = looped
+    with pytest.raises(ValueError, match="Circular reference"):
+        encode(looped)
+    del shared["back"]
+    with pytest.raises(ValueError, match="Out of range float"):
+        encode({"kept": shared, "temperature": float("nan")})
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        encode({"kept": [shared], "bad": object()})
+    # What the failures left part way is gone: the same containers encode again, and twice.
+    again = {"kept": shared, "again": [shared], "looped": looped}
+    assert encode(again) == plain(again)

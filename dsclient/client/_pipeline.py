@@ -42,6 +42,7 @@ import random
 import re
 from collections.abc import Awaitable, Callable, Coroutine
 from json import JSONEncoder
+from json import encoder as json_encoder
 from typing import Any, TypeVar
 
 import anyio
@@ -81,9 +82,38 @@ class WouldMiss(Exception):
         self.waited_s = waited_s
 
 
-#: JSON as httpx encodes a request's ``json=`` (compact, UTF-8, no NaN): made once
-#: (``json.dumps`` with arguments builds an encoder per call).
-_ENCODE = JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+def body_encoder() -> Callable[[Any], str]:
+    """``encode(body)``: JSON as httpx encodes a request's ``json=`` (compact, UTF-8, no NaN,
+    a circular reference refused), with its encoder made once.
+
+        encode = body_encoder()
+        encode({"prompt": "Hi", "max_tokens": 8})   # '{"prompt":"Hi","max_tokens":8}'
+
+    ``JSONEncoder.encode`` makes a C encoder (and a closure) on every call: half the cost of
+    encoding a body (``json.dumps`` with arguments also makes the ``JSONEncoder``). Here the C
+    encoder is made once, where Python has one, with its own record of the containers being
+    encoded (the circular check), emptied when an encoding fails part way. One per request path:
+    a client's calls run on one loop, so one encoding is never under way beside another.
+    """
+    python = JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    make = getattr(json_encoder, "c_make_encoder", None)
+    if make is None:  # pragma: no cover - CPython has the C encoder
+        return python.encode
+    markers: dict[int, Any] = {}
+    encoder = make(
+        markers, python.default, json_encoder.encode_basestring, None, ":", ",", False, False, False
+    )
+
+    def encode(body: Any) -> str:
+        try:
+            return "".join(encoder(body, 0))
+        except BaseException:
+            markers.clear()  # what the encoding left part way
+            raise
+
+    return encode
+
+
 #: The request header that asks vLLM for its load on the answer (``_load.LOAD_HEADER_FORMAT``).
 _ASK_LOAD_RAW = ((LOAD_HEADER_FORMAT.encode(), b"TEXT"),)
 #: ``usage.completion_tokens`` in a raw JSON answer (at its end, where OpenAI-shaped answers put
@@ -161,6 +191,7 @@ class RequestPath:
         self._timeouts: dict[str, float | None] = {}
         self._urls: dict[str, httpx.URL] = {}
         self._direct: AiohttpTransport | None = None
+        self._encode = body_encoder()
         #: Where each attempt goes: its slot, its server, its server's health.
         self.backend: Backend = (
             SingleServer(
@@ -520,7 +551,7 @@ class RequestPath:
                 self._direct = http._transport
         if ask_load:
             headers = self._headers_load
-        content = _ENCODE(body).encode()
+        content = self._encode(body).encode()
         direct = self._direct
         if direct is not None and direct.direct:
             if self._http.is_closed:
