@@ -38,22 +38,14 @@ class Crowd:
         self._release: dict[str, anyio.Event] = {}
 
     async def add(
-        self,
-        name: str,
-        *,
-        lane: Lane = "short",
-        urgency: int = 0,
-        group: str | None = None,
-        batch: bool = False,
+        self, name: str, *, lane: Lane = "short", urgency: int = 0, group: str | None = None
     ) -> None:
         # Settle after each start: trio runs a batch of new tasks in random order, and the
         # tests below depend on arrival order.
         self._release[name] = anyio.Event()
 
         async def run() -> None:
-            async with self.governor.slot(
-                lane=lane, urgency=urgency, group=group, batch=batch
-            ) as slot:
+            async with self.governor.slot(lane=lane, urgency=urgency, group=group) as slot:
                 self.slots[name] = slot
                 self.admitted.append(name)
                 await self._release[name].wait()
@@ -613,56 +605,6 @@ async def test_long_lane_borrows_idle_short_slots_but_keeps_one_free() -> None:
         await crowd.release("L2")
         assert governor.stats().lanes["long"].in_flight == 7
         await crowd.release_all()
-
-
-# --- batches: a map()'s own short items do not hold its long ones to the share --------------
-
-
-async def test_a_batchs_long_items_borrow_beside_its_short_ones() -> None:
-    """A map() starts its longest items first; held to the long share beside the batch's own
-    short items, they ran 4 at a time of 8 and the order bought nothing."""
-    now = [100.0]
-    governor = Governor(8, clock=lambda: now[0])
-    governor.set_limit(8, batch=8)  # long share 4
-    async with anyio.create_task_group() as tg:
-        crowd = Crowd(governor, tg)
-        await crowd.add("s0", batch=True)
-        await crowd.add("s1", batch=True)
-        for i in range(8):
-            await crowd.add(f"L{i}", lane="long", batch=True)
-        await crowd.add("s2", batch=True)  # waits: a batch's short item reclaims nothing
-        assert governor.stats().lanes["long"].in_flight == 6  # the rest of the limit
-        assert "s2" not in crowd.admitted and governor.in_flight == 8
-        await crowd.release("L0")
-        # FIFO across lanes: the long items read first go first
-        assert crowd.admitted[-1] == "L6" and "s2" not in crowd.admitted
-        await crowd.release_all()
-
-
-async def test_short_calls_someone_waits_on_keep_the_long_share() -> None:
-    now = [100.0]
-    governor = Governor(8, clock=lambda: now[0])
-    governor.set_limit(8, batch=8)  # long share 4
-    async with anyio.create_task_group() as tg:
-        crowd = Crowd(governor, tg)
-        await crowd.add("call")  # a generate() beside the batch
-        await crowd.add("s0", batch=True)
-        for i in range(10):
-            await crowd.add(f"L{i}", lane="long", batch=True)
-        # shorts about, batch known: the batch less the shorts in flight and a reserve of 2
-        assert governor.stats().lanes["long"].in_flight == 4
-        await crowd.release("call")
-        now[0] += 0.5  # the call left 0.5 s ago: still about (long_idle_borrow 1 s)
-        await crowd.release("L0")
-        assert governor.stats().lanes["long"].in_flight == 5  # 8 less s0 and a reserve of 2
-        now[0] += 1.0
-        await crowd.release("L1")  # no call about for 1.5 s: the batch's longs borrow
-        assert governor.stats().lanes["long"].in_flight == 7
-        await crowd.release_all()
-    assert governor.in_flight == 0 and governor.waiting == 0
-    lanes = governor.stats().lanes
-    assert (lanes["short"].in_flight, lanes["long"].in_flight) == (0, 0)
-    assert governor._short.batch_in_flight == governor._long.batch_waiting == 0
 
 
 async def test_borrowing_can_be_turned_off_and_is_validated() -> None:

@@ -125,7 +125,6 @@ class Caller:
             raise TypeError(f"degrade must be a Degrade or None, got {type(option).__name__}")
         start = self.clock()
         path = self.path
-        batch = index is not None  # an item of a map(): the governor's "Batches"
         plan: Plan | None = None
         call: Call | None = None
         degraded: str | None = None
@@ -146,7 +145,7 @@ class Caller:
                         else:
                             miss_at = anyio.current_time() + max(0.0, left - need)
                     call = path.new_call(
-                        Admission(plan.lane, urgency, group, plan.body.get("model"), prefix, batch)
+                        Admission(plan.lane, urgency, group, plan.body.get("model"), prefix)
                     )
                     try:
                         answer = await path.send_json(plan.path, plan.body, call, miss_at=miss_at)
@@ -159,9 +158,7 @@ class Caller:
                             f"waited {late.waited_s:.1f} s for a slot, {left:.1f} s left",
                         )
                         call = path.new_call(
-                            Admission(
-                                plan.lane, urgency, group, plan.body.get("model"), prefix, batch
-                            )
+                            Admission(plan.lane, urgency, group, plan.body.get("model"), prefix)
                         )
                         answer = await path.send_json(plan.path, plan.body, call)
             except builtins.TimeoutError as exc:

@@ -30,9 +30,6 @@ class Admission(NamedTuple):
             the server's only model.
         prefix: the text a pool's router matches against the prefixes each server probably
             holds in its cache (``None``: no affinity).
-        batch: the call is an item of a batch (``map()``): the governor lets the batch's long
-            items borrow beside its own short ones ("Batches" in
-            :mod:`dsclient.governor._governor`).
     """
 
     lane: Lane
@@ -40,4 +37,3 @@ class Admission(NamedTuple):
     group: str | None = None
     model: str | None = None
     prefix: str | None = None
-    batch: bool = False

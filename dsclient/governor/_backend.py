@@ -215,10 +215,7 @@ class SingleServer:
         self, admission: Admission, *, avoid: frozenset[str] = frozenset()
     ) -> Awaitable[Lease]:
         return self._governor.acquire(
-            lane=admission.lane,
-            urgency=admission.urgency,
-            group=admission.group,
-            batch=admission.batch,
+            lane=admission.lane, urgency=admission.urgency, group=admission.group
         )
 
     def server_of(self, lease: Lease) -> Endpoint:

@@ -55,16 +55,6 @@ prompts (put in the long lane by :class:`~dsclient.governor._lanes.RecentSizes`)
 at half the limit held the short calls 12-14 s at p99; paced, they ran 1 to 3 at a time, the
 short calls' tail was 0.2 s, and the burst was done within the 20 s of arrivals.
 
-**Batches.** The items of a batch (``map()``: ``slot(batch=True)``) are waited on as a whole,
-not one by one, and the batch runner starts its longest items first. Their own short items do
-not count as short calls about: while no other short call is waiting, running or has asked
-for ``long_idle_borrow`` seconds, long calls borrow up to ``limit - 1`` beside them, and a
-batch's short item takes only a free slot (it reclaims no borrowed one). Held to the long share
-beside the batch's own short items, a batch of 200 with 20 items of 512 tokens out ran its long
-items 4 at a time of 8, and starting them first gained nothing over input order (0.97x in the
-median of six runs); with the lane's whole limit, 0.85x. Short calls that are not a batch's
-keep every rule above, so a batch does not hold up the calls someone waits on.
-
 **Urgency, not priority.** Among waiters, higher ``urgency`` is admitted first, FIFO within
 equal urgency. It is deliberately not called ``priority``: vLLM's own request field ``priority``
 (honoured with ``--scheduling-policy priority``) means the opposite, lower values run first.
@@ -223,30 +213,16 @@ class _Pace:
 
 
 class _LaneState:
-    __slots__ = (
-        "batch_in_flight",
-        "batch_waiting",
-        "cap",
-        "done",
-        "failed",
-        "in_flight",
-        "last_entry",
-        "name",
-        "samples",
-        "waiting",
-    )
+    __slots__ = ("cap", "done", "failed", "in_flight", "last_entry", "name", "samples", "waiting")
 
     def __init__(self, name: str, cap: int, window: int) -> None:
         self.name = name
         self.cap = cap
         self.in_flight = 0
         self.waiting = 0
-        #: Of those, the items of a batch (see "Batches" in the module docstring).
-        self.batch_in_flight = 0
-        self.batch_waiting = 0
         self.done = 0
         self.failed = 0
-        self.last_entry = -math.inf  # when a request not of a batch last asked for a slot
+        self.last_entry = -math.inf  # when a request last asked this lane for a slot
         # A bounded deque: appending is O(1) and old samples fall off; stats() sorts a copy.
         self.samples: deque[float] = deque(maxlen=window)
 
@@ -314,7 +290,6 @@ class Slot:
         lane: ``"short"`` or ``"long"``.
         urgency: higher is admitted first among waiters.
         group: the caller's group tag, or ``None``.
-        batch: an item of a batch (``map()``), whose own latency nobody waits on.
         queued_s: seconds spent waiting for admission (0.0 when admitted at once).
         work: what the attempt produced (output tokens), set before release; ``None``: unknown.
     """
@@ -330,7 +305,6 @@ class Slot:
         "_outcome",
         "_started",
         "_state",
-        "batch",
         "group",
         "lane",
         "passed",
@@ -348,12 +322,10 @@ class Slot:
         group: str | None,
         lane_state: _LaneState,
         group_state: _GroupState | None,
-        batch: bool = False,
     ) -> None:
         self.lane = lane
         self.urgency = urgency
         self.group = group
-        self.batch = batch
         self.queued_s = 0.0
         #: The caller's note for a ``pick`` function (a pool: the call's prefix blocks).
         self.tag: object = None
@@ -401,9 +373,8 @@ class Slot:
             raise RuntimeError("a Slot can be entered only once; call governor.slot() again")
         governor = self._governor
         self._started = governor._clock()
-        if not self.batch:
-            self._lane_state.last_entry = self._started
-        if governor._admissible(self._lane_state, self._group_state, self.batch):
+        self._lane_state.last_entry = self._started
+        if governor._admissible(self._lane_state, self._group_state):
             governor._take(self)
             self._state = _ACTIVE
             self._admitted = self._started
@@ -440,8 +411,7 @@ class Slot:
             self._governor._release(self, outcome or "ok")
 
     def __repr__(self) -> str:
-        batch = ", batch=True" if self.batch else ""
-        return f"Slot(lane={self.lane!r}, urgency={self.urgency}, group={self.group!r}{batch})"
+        return f"Slot(lane={self.lane!r}, urgency={self.urgency}, group={self.group!r})"
 
 
 class Governor:
@@ -607,14 +577,7 @@ class Governor:
             return False
         return cap >= self._limit - 1 or self._batch is None or self._limit < self._batch
 
-    def slot(
-        self,
-        *,
-        lane: Lane = "short",
-        urgency: int = 0,
-        group: str | None = None,
-        batch: bool = False,
-    ) -> Slot:
+    def slot(self, *, lane: Lane = "short", urgency: int = 0, group: str | None = None) -> Slot:
         """A slot to enter with ``async with``; it waits there until admitted.
 
             async with governor.slot(lane="long", urgency=1) as slot:
@@ -625,8 +588,6 @@ class Governor:
             urgency: higher is admitted first among waiters; FIFO within equal urgency. Not
                 vLLM's ``priority``, which runs lower values first.
             group: a tag; capped when named in ``group_caps``.
-            batch: the call is an item of a batch (``map()``): see "Batches" in the module
-                docstring.
         """
         lane_state = self._lanes.get(lane)
         if lane_state is None:
@@ -634,15 +595,10 @@ class Governor:
         if isinstance(urgency, bool) or not isinstance(urgency, int):
             raise TypeError(f"urgency must be an int, got {type(urgency).__name__}")
         group_state = self._groups.get(group) if group is not None else None
-        return Slot(self, lane, urgency, group, lane_state, group_state, batch)
+        return Slot(self, lane, urgency, group, lane_state, group_state)
 
     def acquire(
-        self,
-        *,
-        lane: Lane = "short",
-        urgency: int = 0,
-        group: str | None = None,
-        batch: bool = False,
+        self, *, lane: Lane = "short", urgency: int = 0, group: str | None = None
     ) -> Awaitable[Slot]:
         """A slot, once admitted (it waits until then); give it back with :meth:`Slot.release`.
 
@@ -653,18 +609,16 @@ class Governor:
         Parameters are those of :meth:`slot`.
         """
         # The slot's own entry, not a coroutine around it: one frame fewer on every call.
-        return self.slot(lane=lane, urgency=urgency, group=group, batch=batch).__aenter__()
+        return self.slot(lane=lane, urgency=urgency, group=group).__aenter__()
 
-    def admits(
-        self, *, lane: Lane = "short", group: str | None = None, batch: bool = False
-    ) -> bool:
+    def admits(self, *, lane: Lane = "short", group: str | None = None) -> bool:
         """Whether a slot of ``lane`` and ``group`` would be admitted now, without waiting
         (a router asks this of each server's governor before it sends a call there)."""
         lane_state = self._lanes.get(lane)
         if lane_state is None:
             raise ValueError(f"lane must be 'short' or 'long', got {lane!r}")
         group_state = self._groups.get(group) if group is not None else None
-        return self._admissible(lane_state, group_state, batch)
+        return self._admissible(lane_state, group_state)
 
     def set_limit(self, limit: int, *, batch: int | None = None) -> None:
         """Change the cap now; lane and group caps follow their shares.
@@ -705,17 +659,13 @@ class Governor:
 
     # --- internals (Slot calls these) --------------------------------------------------------
 
-    def _admissible(self, lane: _LaneState, group: _GroupState | None, batch: bool) -> bool:
+    def _admissible(self, lane: _LaneState, group: _GroupState | None) -> bool:
         # Dispatch runs after every change that frees capacity, so whenever this is true no
         # waiter could use the slot: a caller taking it at once jumps nobody who could go.
-        return self._has_room(lane, batch) and (group is None or group.in_flight < group.cap)
+        return self._has_room(lane) and (group is None or group.in_flight < group.cap)
 
-    def _has_room(self, lane: _LaneState, batch: bool) -> bool:
+    def _has_room(self, lane: _LaneState) -> bool:
         if lane is self._short:
-            if batch:
-                # A batch's short item waits for a free slot: the long slots its batch
-                # borrowed are the batch's longest items running first.
-                return self._in_flight < self._limit
             # Long slots beyond the long share are borrowed: a short request reclaims them.
             long = self._long
             return lane.in_flight + min(long.in_flight, long.cap) < self._limit
@@ -731,12 +681,9 @@ class Governor:
         if self._long_idle_borrow is None:
             return cap
         short = self._short
-        # Only short calls someone waits on count here: a batch's own short items do not
-        # hold its long ones back (see "Batches").
-        if short.waiting > short.batch_waiting:
+        if short.waiting:
             return cap
-        calls = short.in_flight > short.batch_in_flight
-        if calls or self._clock() - short.last_entry < self._long_idle_borrow:
+        if short.in_flight or self._clock() - short.last_entry < self._long_idle_borrow:
             if self._batch is None:
                 return cap
             if self._short_pace.slowed:
@@ -757,16 +704,12 @@ class Governor:
     def _take(self, slot: Slot) -> None:
         self._in_flight += 1
         slot._lane_state.in_flight += 1
-        if slot.batch:
-            slot._lane_state.batch_in_flight += 1
         if slot._group_state is not None:
             slot._group_state.in_flight += 1
 
     def _untake(self, slot: Slot) -> None:
         self._in_flight -= 1
         slot._lane_state.in_flight -= 1
-        if slot.batch:
-            slot._lane_state.batch_in_flight -= 1
         if slot._group_state is not None:
             slot._group_state.in_flight -= 1
 
@@ -792,8 +735,6 @@ class Governor:
         heapq.heappush(queue.heap, (-slot.urgency, next(self._seq), slot))
         queue.live += 1
         slot._lane_state.waiting += 1
-        if slot.batch:
-            slot._lane_state.batch_waiting += 1
         self._waiting += 1
         slot._state = _WAITING
         try:
@@ -821,8 +762,6 @@ class Governor:
         slot._state = _DONE
         queue.live -= 1
         slot._lane_state.waiting -= 1
-        if slot.batch:
-            slot._lane_state.batch_waiting -= 1
         self._waiting -= 1
         # Removing from the middle of a heap is O(n), so the entry stays as a tombstone. Drop
         # them all when the queue holds no live waiter, and compact when they dominate, so that
@@ -905,13 +844,11 @@ class Governor:
             for queue in self._queues:
                 # A queue whose lane or group is full is skipped, not waited on: no
                 # head-of-line blocking across lanes or groups.
-                if not queue.live:
-                    continue
-                entry = queue.head()
-                if not self._has_room(queue.lane, entry[2].batch):
+                if not queue.live or not self._has_room(queue.lane):
                     continue
                 if queue.group is not None and queue.group.in_flight >= queue.group.cap:
                     continue
+                entry = queue.head()
                 if queue.lane is self._short or not self._short_first:
                     rank = 0
                 else:
@@ -926,8 +863,6 @@ class Governor:
             if not best.live:
                 best.heap.clear()  # only tombstones are left
             slot._lane_state.waiting -= 1
-            if slot.batch:
-                slot._lane_state.batch_waiting -= 1
             self._waiting -= 1
             slot._granted = True
             self._take(slot)

@@ -334,9 +334,7 @@ class ServerPool:
         for endpoint in self.endpoints:
             endpoint.wake()
 
-    def states(
-        self, model: str | None, lane: Lane, group: str | None, batch: bool = False
-    ) -> list[ServerState]:
+    def states(self, model: str | None, lane: Lane, group: str | None) -> list[ServerState]:
         """Each discovered server as the router sees it for one attempt."""
         now = self._clock()
         states = []
@@ -366,7 +364,7 @@ class ServerPool:
                     waiting=waiting,
                     kv_usage=kv_usage,
                     metrics_age=age,
-                    room=governor.admits(lane=lane, group=group, batch=batch),
+                    room=governor.admits(lane=lane, group=group),
                 )
             )
         return states
@@ -383,7 +381,7 @@ class ServerPool:
             if not isinstance(blocks, tuple) or not blocks:
                 continue
             for endpoint in members:
-                if not endpoint.governor.admits(lane=slot.lane, group=slot.group, batch=slot.batch):
+                if not endpoint.governor.admits(lane=slot.lane, group=slot.group):
                     continue
                 if self.router.match(endpoint.url, blocks) >= threshold:
                     return index
@@ -417,8 +415,8 @@ class ServerPool:
         self, admission: Admission, *, avoid: frozenset[str] = frozenset()
     ) -> PoolSlot:
         """A place in the front queue of the call's model, then a server with room for it."""
-        lane, urgency, group, model, prefix, batch = admission
-        front = self.front(model).slot(lane=lane, urgency=urgency, group=group, batch=batch)
+        lane, urgency, group, model, prefix = admission
+        front = self.front(model).slot(lane=lane, urgency=urgency, group=group)
         request = RouteRequest(model=model, prefix=prefix, avoid=avoid)
         blocks = request.block_keys(self.router.policy.block_chars)
         if blocks:
@@ -427,12 +425,10 @@ class ServerPool:
         await front.__aenter__()
         try:
             while True:
-                decision = self.router.choose(self.states(model, lane, group, batch), request)
+                decision = self.router.choose(self.states(model, lane, group), request)
                 if isinstance(decision, Route):
                     endpoint = self._by_url[decision.url]
-                    server = endpoint.governor.slot(
-                        lane=lane, urgency=urgency, group=group, batch=batch
-                    )
+                    server = endpoint.governor.slot(lane=lane, urgency=urgency, group=group)
                     await server.__aenter__()  # the router checked its room: at once
                     return PoolSlot(self, front, server, endpoint)
                 if isinstance(decision, NoServer):
