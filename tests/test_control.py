@@ -1163,17 +1163,17 @@ def test_queue_only_holds_the_limit_where_an_api_server_is_the_bottleneck() -> N
     8): the engine's queue never stands, so only the answers' latency can stop the growth.
     Growing on the estimated batch (everything in flight), every period, took the limit past
     a thousand. A step whose answers slow down as much as it adds calls is undone; growth
-    rests 30 s, then probes one step again (and undoes it again)."""
+    rests 30 s, then probes one step again (and undoes it again). Judged twice before it is
+    undone, the second time on both windows together (on the second alone one pass in two
+    walked the limit up to 160 here)."""
     server = FrontedServer(32, rate=3)
     control = LimitController(start=5, mode="metrics", capacity=None)
     limits, _, waiting, answered = simulate_queue_only(server, control, PERIODS)
     settled = limits[WARM_UP:]
     assert max(waiting) <= 1
     assert max(limits) <= 160
-    held = statistics.median(settled)
-    assert held <= 40  # 3 a period x at most 6 periods each is all the API server lets through
-    assert sum(limit > held for limit in settled) <= 0.35 * len(settled)  # the probes
-    assert limits[-1] <= 2 * held  # a probe at most: it never walks on
+    assert statistics.median(settled) <= 40  # 3 a period x at most 6 periods each get through
+    assert max(settled) <= 80  # a probe one step up at most: it never walks on
     assert statistics.mean(answered[WARM_UP:]) >= 0.9 * 3
 
 
@@ -1197,9 +1197,13 @@ def test_a_step_that_bought_no_throughput_is_undone() -> None:
     assert stepped > 20
     for k in range(stepped):  # admitted after the step, each as much slower as the step added
         control.on_outcome(5.0 + 0.01 * k, "ok", stepped / 20)
-    assert control.on_load(6.0, running=None, waiting=0, in_flight=stepped, demand=True)
+    assert not control.on_load(6.0, running=None, waiting=0, in_flight=stepped, demand=True)
+    assert control.limit == stepped  # found wanting once: judged again on twice the answers
+    for k in range(stepped):
+        control.on_outcome(7.0 + 0.01 * k, "ok", stepped / 20)
+    assert control.on_load(8.0, running=None, waiting=0, in_flight=stepped, demand=True)
     assert control.limit == 20 and "bought no throughput" in control.reason
-    assert not control.on_load(10.0, running=None, waiting=0, in_flight=20, demand=True)  # rests
+    assert not control.on_load(12.0, running=None, waiting=0, in_flight=20, demand=True)  # rests
 
 
 def test_queue_only_growth_waits_for_an_answer_admitted_after_the_last_step() -> None:
@@ -1223,8 +1227,8 @@ def test_small_steps_are_judged_once_they_add_up() -> None:
     control = LimitController(start=40, mode="metrics", capacity=None)
     control._step_from = (40, 1.0)  # as after a judged step to 40: 1 s a unit of work
     control.limit = 44
-    for k in range(60):  # slower answers, but 44 / 40 is not worth judging
-        control.on_outcome(1.0 + 0.01 * k, "ok", 1.5)
+    for k in range(110):  # slower answers, but 44 / 40 is not worth judging
+        control.on_outcome(1.0 + 0.005 * k, "ok", 1.5)
     assert control._step_verdict(2.0) == "grow"
     control.limit = 52  # 1.3x: judged, and 1.5x slower for 1.3x the calls bought nothing
     assert control._step_verdict(2.0) == "undo"

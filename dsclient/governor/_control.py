@@ -368,6 +368,7 @@ class LimitController:
         "_refused_at_limit",
         "_saturated",
         "_service",
+        "_step_doubted",
         "_step_from",
         "_step_undone_at",
         "_unseen_seen",
@@ -461,9 +462,10 @@ class LimitController:
         #: the times of the calls admitted after it (see :meth:`_step_bought`).
         self._per_work: deque[float] = deque(maxlen=_PER_WORK_WINDOW)
         self._step_from: tuple[int, float] | None = None
-        self._per_work_after: deque[float] = deque(maxlen=_PER_WORK_WINDOW)
+        self._per_work_after: deque[float] = deque(maxlen=2 * _PER_WORK_WINDOW)
         self._answers_after = 0
         self._step_undone_at = -math.inf
+        self._step_doubted = False
         #: The knee finder that moves the limit in throughput mode (``None`` in the others).
         self._knee = KneeFinder(start=start, ceiling=self.ceiling) if mode == "throughput" else None
 
@@ -652,6 +654,7 @@ class LimitController:
             self._step_from = (before, statistics.median(window)) if window else None
             self._per_work_after.clear()
             self._answers_after = 0
+            self._step_doubted = False
         return changed
 
     def _step_verdict(self, now: float) -> Literal["grow", "wait", "undo"]:
@@ -663,8 +666,9 @@ class LimitController:
         admitted after it as the new limit (at least :data:`_STEP_ANSWERS`) have answered,
         ``"wait"``: the first of them queued behind the calls sent before the step, and answered
         about as fast as those (judged on the first ones added, a step past an API server's
-        rate passed as often as not in simulation).
-        With no step to judge, ``"grow"``.
+        rate passed as often as not in simulation). A step found wanting is judged once more,
+        on the answers of twice as many calls together, before it is undone. With no step to
+        judge, ``"grow"``.
 
         Why not latency against the quickest seen: a batching server's answers slow down long
         before its throughput stops rising. Through nginx, a CPU vLLM with a batch of 32 took
@@ -679,12 +683,26 @@ class LimitController:
             return "grow"  # within the noise of the answers' times: judged once they add up
         if self._answers_after < max(_STEP_ANSWERS, self.limit):
             return "wait"
-        after = statistics.median(self._per_work_after)
-        slowed = after / before_per_work if before_per_work > 0 else 1.0
-        if slowed <= 0:
-            return "grow"
-        bought = math.log(grew / slowed) / math.log(grew) >= ELASTICITY
-        return "grow" if bought else "undo"
+        recent = list(self._per_work_after)
+        if not self._step_doubted:
+            if self._bought(grew, recent[-_PER_WORK_WINDOW:], before_per_work):
+                return "grow"
+            # Judged again on the answers of twice as many calls, all of them together, before
+            # it is undone: on a loaded machine one window's answers can be slow by chance, and
+            # an undone step rests growth 30 s (through nginx, a limit held at 10 while
+            # semaphore 32 ran the batch faster). Judging the second window alone walked an
+            # API server's limit up (one pass in two was enough).
+            self._step_doubted = True
+        if self._answers_after < 2 * max(_STEP_ANSWERS, self.limit):
+            return "wait"
+        return "grow" if self._bought(grew, recent, before_per_work) else "undo"
+
+    @staticmethod
+    def _bought(grew: float, per_work: list[float], before: float) -> bool:
+        """Whether the limit grown by ``grew`` bought throughput (elasticity at least the
+        knee's), the calls' time per unit of work now ``per_work`` against ``before``."""
+        slowed = statistics.median(per_work) / before if before > 0 else 1.0
+        return slowed <= 0 or math.log(grew / slowed) / math.log(grew) >= ELASTICITY
 
     def _remember_overs(self, now: float, *, running: int, waiting: int, target: int) -> None:
         """Where the queue stood above the target: growth stays under that limit for
