@@ -1101,8 +1101,14 @@ def simulate_queue_only(
         for admitted in done:
             control.on_outcome(now, "ok", (period - admitted + 1) * PERIOD)
         if done:
+            kv = len(server.running) / 4096  # each running call holds some of the cache
             control.on_load(
-                now, running=None, waiting=len(server.waiting), in_flight=in_flight, demand=True
+                now,
+                running=None,
+                waiting=len(server.waiting),
+                in_flight=in_flight,
+                demand=True,
+                kv_usage=kv,
             )
         else:
             control.on_idle_period(now, demand=True, in_flight=in_flight)
@@ -1232,3 +1238,19 @@ def test_small_steps_are_judged_once_they_add_up() -> None:
     assert control._step_verdict(2.0) == "grow"
     control.limit = 52  # 1.3x: judged, and 1.5x slower for 1.3x the calls bought nothing
     assert control._step_verdict(2.0) == "undo"
+
+
+def test_a_step_the_engine_took_is_kept_though_its_answers_slowed() -> None:
+    """Answers twice as slow per call after a doubling say it bought nothing; but where the
+    engine's KV usage doubled with it, the calls run there (a CPU engine whose steps grow
+    with the batch), they do not wait in front of it: the step stays."""
+    control = LimitController(start=10, mode="metrics", capacity=None)
+    for k in range(16):
+        control.on_outcome(0.1 * k, "ok", 1.0)
+    control.on_load(2.0, running=None, waiting=0, in_flight=10, demand=True, kv_usage=0.10)
+    stepped = control.limit
+    assert stepped == 20  # slow start: the header shows no queue
+    for k in range(2 * stepped):  # each as much slower as the step added calls
+        control.on_outcome(5.0 + 0.01 * k, "ok", stepped / 10)
+    control.on_load(6.0, running=None, waiting=0, in_flight=stepped, demand=True, kv_usage=0.19)
+    assert control.limit >= stepped and "bought no throughput" not in control.reason

@@ -513,6 +513,7 @@ class Endpoint:
             in_flight=self._in_flight(),
             demand=self._demand(),
             preemptions=load.preemptions,
+            kv_usage=load.kv_usage,
         ):
             self._apply()
 
