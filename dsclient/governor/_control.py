@@ -39,7 +39,7 @@ metrics     the server reports running and waiting. Grow while the client has ca
             A server that reports its queue but not its batch (vLLM's load header on each
             answer) runs the same rules on an estimated batch (:class:`QueueOnlyBatch`); it
             grows only once an answer admitted after the last step came back, and only while
-            the last step bought throughput (:meth:`LimitController._step_bought`).
+            the last step bought throughput (:meth:`LimitController._step_verdict`).
 throughput  no queue signal (a gateway that passes only ``/v1/*``, transformers' server, Ollama,
             any OpenAI-compatible endpoint): the limit finds the knee from the answers alone,
             rising while more in flight still buys throughput and holding where it only buys
@@ -146,7 +146,7 @@ _OVER_MEMORY_S: Final = 30.0
 _DRY_SCRAPES: Final = 4
 #: With a queue but no running count, a growth step is judged by the answers to this many calls
 #: admitted after it, against the last :data:`_PER_WORK_WINDOW` answers before it (service time
-#: per unit of work): see :meth:`LimitController._step_bought`.
+#: per unit of work): see :meth:`LimitController._step_verdict`.
 _STEP_ANSWERS: Final = 4
 _PER_WORK_WINDOW: Final = 16
 #: Growth is judged once it adds up to this factor since the last judged limit: a step of a
@@ -465,7 +465,7 @@ class LimitController:
         self._newest_admitted = -math.inf
         #: Recent service times per unit of work; where the server reports no running count,
         #: the last growth step (the limit and the median time per unit of work before it) and
-        #: the times of the calls admitted after it (see :meth:`_step_bought`).
+        #: the times of the calls admitted after it (see :meth:`_step_verdict`).
         self._per_work: deque[float] = deque(maxlen=_PER_WORK_WINDOW)
         self._step_from: tuple[int, float] | None = None
         self._per_work_after: deque[float] = deque(maxlen=2 * _PER_WORK_WINDOW)
