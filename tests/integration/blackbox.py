@@ -177,11 +177,7 @@ def llama_cpp_server(
         "--model_alias", LLAMA_CPP_MODEL, "--n_ctx", str(n_ctx),
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
+    proc = _spawn(argv, log)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_until(proc, url + "/v1/models", log, "llama_cpp.server", start_timeout)
@@ -194,6 +190,18 @@ def llama_cpp_server(
 def _say(message: str) -> None:
     # Shown even under pytest's capture: a minute of silence looks like a hang.
     print(f"[blackbox] {message}", file=sys.__stderr__, flush=True)
+
+
+def _spawn(
+    argv: Sequence[str], log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` as the leader of a process group of its own (:func:`_stop_group` stops
+    the whole group), its output to ``log``."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )  # fmt: skip
 
 
 def _stop_group(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
@@ -289,11 +297,7 @@ def nginx_gateway(upstream: str, *, start_timeout: float = 20.0) -> Iterator[str
     conf.write_text(nginx_config(prefix, port, upstream))
     log = prefix / "error.log"
     argv = [binary, "-p", str(prefix), "-c", str(conf), "-e", str(log)]
-    with (prefix / "stdout.log").open("wb") as out:
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
+    proc = _spawn(argv, prefix / "stdout.log")
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_until(proc, url + "/v1/models", log, "nginx", start_timeout)
@@ -418,11 +422,7 @@ def transformers_server(
         "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
         "DO_NOT_TRACK": "1",
     }
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True,
-        )  # fmt: skip
+    proc = _spawn(argv, log, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         begun = time.monotonic()
