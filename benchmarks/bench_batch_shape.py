@@ -315,17 +315,23 @@ def servers_of(record: dict[str, Any]) -> int:
     return int(record.get("params", {}).get("replicas", 1))
 
 
+def blocks_of(record: dict[str, Any]) -> int:
+    """The KV blocks of each server an invocation ran on."""
+    return int(record.get("params", {}).get("blocks", 24))
+
+
 def render(records: Sequence[dict[str, Any]]) -> str:
-    """The latest invocation per number of servers: per workload, one line per leg (median
-    (range) over the runs), then the goals, then its conditions."""
+    """The latest invocation per number of servers and KV cache: per workload, one line per leg
+    (median (range) over the runs), then the goals, then its conditions."""
     sections = []
-    counts = sorted({servers_of(r) for r in records})
-    for n in counts:
-        mine = [r for r in records if servers_of(r) == n]
+    setups = sorted({(servers_of(r), blocks_of(r)) for r in records})
+    for n, blocks in setups:
+        mine = [r for r in records if (servers_of(r), blocks_of(r)) == (n, blocks)]
         record = report_.latest(mine)
         assert record is not None
         rows = record["rows"]
-        parts = [f"*{'One server' if n == 1 else f'{n} replicas'}:*"] if len(counts) > 1 else []
+        where = "One server" if n == 1 else f"{n} replicas"
+        parts = [f"*{where}, {blocks} KV blocks each:*"] if len(setups) > 1 else []
         for workload in WORKLOADS:
             these = report_.select(rows, workload=workload)
             if not these:

@@ -128,5 +128,8 @@ def test_goals_are_given_against_each_peer_and_invocations_per_server_count():
         "params": {"replicas": 2},
     }
     text = bench.render([one, pair])
-    assert "*One server:*" in text and "*2 replicas:*" in text
-    assert "*One server:*" not in bench.render([one])
+    assert "*One server, 24 KV blocks each:*" in text and "*2 replicas, 24 KV blocks" in text
+    assert "*One server" not in bench.render([one])
+    big = {**one, "_file": "3.json", "params": {"blocks": 64, "workloads": ["mixed"]}}
+    text = bench.render([one, pair, big])
+    assert "*One server, 64 KV blocks each:*" in text and "*One server, 24 KV" in text

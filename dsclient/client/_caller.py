@@ -125,6 +125,7 @@ class Caller:
             raise TypeError(f"degrade must be a Degrade or None, got {type(option).__name__}")
         start = self.clock()
         path = self.path
+        batch = index is not None  # an item of a map(): the governor's "Batches"
         plan: Plan | None = None
         call: Call | None = None
         degraded: str | None = None
@@ -145,7 +146,15 @@ class Caller:
                         else:
                             miss_at = anyio.current_time() + max(0.0, left - need)
                     call = path.new_call(
-                        Admission(plan.lane, urgency, group, plan.body.get("model"), prefix)
+                        Admission(
+                            plan.lane,
+                            urgency,
+                            group,
+                            plan.body.get("model"),
+                            prefix,
+                            batch,
+                            plan.kv_tokens,
+                        )
                     )
                     try:
                         answer = await path.send_json(plan.path, plan.body, call, miss_at=miss_at)
@@ -158,7 +167,15 @@ class Caller:
                             f"waited {late.waited_s:.1f} s for a slot, {left:.1f} s left",
                         )
                         call = path.new_call(
-                            Admission(plan.lane, urgency, group, plan.body.get("model"), prefix)
+                            Admission(
+                                plan.lane,
+                                urgency,
+                                group,
+                                plan.body.get("model"),
+                                prefix,
+                                batch,
+                                plan.kv_tokens,
+                            )
                         )
                         answer = await path.send_json(plan.path, plan.body, call)
             except builtins.TimeoutError as exc:
@@ -236,7 +253,8 @@ class Caller:
             body["max_tokens"] = max_tokens
         if not changes:
             changes.append("nothing left to give up")
-        degraded = Plan(plan.kind, body, plan.lane, max_tokens, plan.prompt_tokens)
+        held = plan.kv_tokens - plan.max_tokens + max_tokens
+        degraded = Plan(plan.kind, body, plan.lane, max_tokens, plan.prompt_tokens, held)
         text = ", ".join(changes) + ": " + why
         logger.info("dsclient: call degraded: %s", text)
         return degraded, text
@@ -256,7 +274,9 @@ class Caller:
         body = dict(plan.body, stream=True)
         prefix = self.backend.prefix_of(prompt)
         call = self.path.new_call(
-            Admission(plan.lane, urgency, group, plan.body.get("model"), prefix)
+            Admission(
+                plan.lane, urgency, group, plan.body.get("model"), prefix, False, plan.kv_tokens
+            )
         )
         return plan, await self.path.open_stream(plan.path, body, call)
 

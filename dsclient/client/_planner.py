@@ -399,6 +399,9 @@ class Planner:
             send = wanted
             lane = "short"
             prompt_tokens = upper
+            # The bytes bound the count; what the call holds in the KV cache is about a
+            # quarter of them.
+            held = math.ceil(upper / BYTES_PER_TOKEN) + send
         else:
             m = tokens.measure(prompt)
             prompt_tokens = m.estimate
@@ -436,6 +439,7 @@ class Planner:
             else:
                 send = wanted
             lane = choose_lane(estimated_total_tokens=prompt_tokens + send, threshold=threshold)
+            held = prompt_tokens + send
         if ctx is None and self.long_threshold is None:
             # No context to take a quarter of: long is what is large beside the other calls.
             size = math.ceil(upper / BYTES_PER_TOKEN) if upper is not None else prompt_tokens
@@ -447,4 +451,4 @@ class Planner:
             body["messages"] = [dict(m) for m in prompt if not isinstance(m, str)]
         body["max_tokens"] = send
         body.update(sampling)
-        return Plan(kind, body, lane, send, prompt_tokens)
+        return Plan(kind, body, lane, send, prompt_tokens, held)

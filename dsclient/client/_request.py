@@ -226,9 +226,14 @@ class _Scope:
 
 
 class Plan:
-    """What one call will send: endpoint, body, lane and the governor's options."""
+    """What one call will send: endpoint, body, lane and the governor's options.
 
-    __slots__ = ("body", "kind", "lane", "max_tokens", "path", "prompt_tokens")
+    ``prompt_tokens`` is a bound the context check can trust (for a short prompt, its bytes);
+    ``kv_tokens`` is the governor's estimate of what the call holds in the server's KV cache
+    (prompt + ``max_tokens``; default ``prompt_tokens + max_tokens``).
+    """
+
+    __slots__ = ("body", "kind", "kv_tokens", "lane", "max_tokens", "path", "prompt_tokens")
 
     def __init__(
         self,
@@ -237,6 +242,7 @@ class Plan:
         lane: Lane,
         max_tokens: int,
         prompt_tokens: int,
+        kv_tokens: int | None = None,
     ) -> None:
         self.kind = kind
         self.path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
@@ -244,6 +250,7 @@ class Plan:
         self.lane = lane
         self.max_tokens = max_tokens
         self.prompt_tokens = prompt_tokens
+        self.kv_tokens = prompt_tokens + max_tokens if kv_tokens is None else kv_tokens
 
 
 def build_result(

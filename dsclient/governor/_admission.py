@@ -30,6 +30,11 @@ class Admission(NamedTuple):
             the server's only model.
         prefix: the text a pool's router matches against the prefixes each server probably
             holds in its cache (``None``: no affinity).
+        batch: the call is an item of a batch (``map()``): the governor lets the batch's long
+            items borrow beside its own short ones ("Batches" in
+            :mod:`dsclient.governor._governor`).
+        tokens: the KV cache tokens the call may hold, its prompt + ``max_tokens`` (0: not
+            known); long calls borrow only as far as the server's cache holds them.
     """
 
     lane: Lane
@@ -37,3 +42,5 @@ class Admission(NamedTuple):
     group: str | None = None
     model: str | None = None
     prefix: str | None = None
+    batch: bool = False
+    tokens: int = 0

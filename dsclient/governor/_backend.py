@@ -215,7 +215,11 @@ class SingleServer:
         self, admission: Admission, *, avoid: frozenset[str] = frozenset()
     ) -> Awaitable[Lease]:
         return self._governor.acquire(
-            lane=admission.lane, urgency=admission.urgency, group=admission.group
+            lane=admission.lane,
+            urgency=admission.urgency,
+            group=admission.group,
+            batch=admission.batch,
+            tokens=admission.tokens,
         )
 
     def server_of(self, lease: Lease) -> Endpoint:

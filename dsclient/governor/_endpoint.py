@@ -547,6 +547,14 @@ class Endpoint:
         learner.bound_by_kv(
             kv_cache_size_tokens=load.kv_cache_size_tokens, block_size=load.block_size
         )
+        kv = load.kv_cache_size_tokens
+        if kv is not None and kv > 0 and kv != self.governor.kv_tokens:
+            # Long calls borrow only as far as the cache holds them (the governor's "Borrowing
+            # stops where the KV cache does"); a pool sums its servers' caches.
+            block = load.block_size if load.block_size and load.block_size > 0 else None
+            self.governor.set_kv(kv, block=block)
+            for callback in self._changed:
+                callback()
         if load.running is None or load.waiting is None:
             return
         # All of the queue, as the issue's rule says (vllm:num_requests_waiting > 0): the

@@ -55,6 +55,26 @@ prompts (put in the long lane by :class:`~dsclient.governor._lanes.RecentSizes`)
 at half the limit held the short calls 12-14 s at p99; paced, they ran 1 to 3 at a time, the
 short calls' tail was 0.2 s, and the burst was done within the 20 s of arrivals.
 
+**Borrowing stops where the KV cache does.** Where the server's KV cache is known
+(``set_kv``: vLLM's ``cache_config_info``, SGLang's ``max_total_num_tokens``), each slot carries
+the tokens its call may hold (``tokens=``: prompt + ``max_tokens``, in whole blocks), and a long
+call beyond the lane's share is admitted only while the tokens of every call in flight, its own
+included, fit the cache. Beyond it the server preempts: on a cache of 24 blocks of 128 tokens,
+long calls of 5 blocks each started 8 at a time preempted one another 5-7 times a batch and the
+batch took 1.2-1.6x as long as with 4 running. ``tokens`` is an upper bound (the output may
+stop early), so this only ever lends less; calls within the share are never held by it.
+
+**Batches.** The items of a batch (``map()``: ``slot(batch=True)``) are waited on as a whole,
+not one by one, and the batch runner starts its longest items first. Where the KV cache is
+known, their own short items do not count as short calls about: while no other short call is
+waiting, running or has asked for ``long_idle_borrow`` seconds, long calls borrow up to
+``limit - 1`` beside them, as far as the cache holds them, and a batch's short item takes only
+a free slot (it reclaims no borrowed one). Held to the long share beside the batch's own short
+items, a batch of 200 with 20 items of 512 tokens out ran its long items 4 at a time of 8, and
+starting them first gained nothing over input order (0.97x in the median of six runs). Short
+calls that are not a batch's keep every rule above, so a batch does not hold up the calls
+someone waits on; where the cache is not known, a batch's items are ordinary calls.
+
 **Urgency, not priority.** Among waiters, higher ``urgency`` is admitted first, FIFO within
 equal urgency. It is deliberately not called ``priority``: vLLM's own request field ``priority``
 (honoured with ``--scheduling-policy priority``) means the opposite, lower values run first.
@@ -213,16 +233,30 @@ class _Pace:
 
 
 class _LaneState:
-    __slots__ = ("cap", "done", "failed", "in_flight", "last_entry", "name", "samples", "waiting")
+    __slots__ = (
+        "batch_in_flight",
+        "batch_waiting",
+        "cap",
+        "done",
+        "failed",
+        "in_flight",
+        "last_entry",
+        "name",
+        "samples",
+        "waiting",
+    )
 
     def __init__(self, name: str, cap: int, window: int) -> None:
         self.name = name
         self.cap = cap
         self.in_flight = 0
         self.waiting = 0
+        #: Of those, the items of a batch (see "Batches" in the module docstring).
+        self.batch_in_flight = 0
+        self.batch_waiting = 0
         self.done = 0
         self.failed = 0
-        self.last_entry = -math.inf  # when a request last asked this lane for a slot
+        self.last_entry = -math.inf  # when a request not of a batch last asked for a slot
         # A bounded deque: appending is O(1) and old samples fall off; stats() sorts a copy.
         self.samples: deque[float] = deque(maxlen=window)
 
@@ -290,6 +324,10 @@ class Slot:
         lane: ``"short"`` or ``"long"``.
         urgency: higher is admitted first among waiters.
         group: the caller's group tag, or ``None``.
+        batch: an item of a batch (``map()``), whose own latency nobody waits on (only where
+            the governor knows the server's KV cache: see "Batches" in the module docstring).
+        tokens: the KV cache tokens the call may hold (prompt + ``max_tokens``, in whole
+            blocks); 0: not known.
         queued_s: seconds spent waiting for admission (0.0 when admitted at once).
         work: what the attempt produced (output tokens), set before release; ``None``: unknown.
     """
@@ -305,11 +343,13 @@ class Slot:
         "_outcome",
         "_started",
         "_state",
+        "batch",
         "group",
         "lane",
         "passed",
         "queued_s",
         "tag",
+        "tokens",
         "urgency",
         "work",
     )
@@ -322,10 +362,14 @@ class Slot:
         group: str | None,
         lane_state: _LaneState,
         group_state: _GroupState | None,
+        batch: bool = False,
+        tokens: int = 0,
     ) -> None:
         self.lane = lane
         self.urgency = urgency
         self.group = group
+        self.batch = batch
+        self.tokens = tokens
         self.queued_s = 0.0
         #: The caller's note for a ``pick`` function (a pool: the call's prefix blocks).
         self.tag: object = None
@@ -373,8 +417,9 @@ class Slot:
             raise RuntimeError("a Slot can be entered only once; call governor.slot() again")
         governor = self._governor
         self._started = governor._clock()
-        self._lane_state.last_entry = self._started
-        if governor._admissible(self._lane_state, self._group_state):
+        if not self.batch:
+            self._lane_state.last_entry = self._started
+        if governor._admissible(self._lane_state, self._group_state, self.batch, self.tokens):
             governor._take(self)
             self._state = _ACTIVE
             self._admitted = self._started
@@ -411,7 +456,8 @@ class Slot:
             self._governor._release(self, outcome or "ok")
 
     def __repr__(self) -> str:
-        return f"Slot(lane={self.lane!r}, urgency={self.urgency}, group={self.group!r})"
+        batch = ", batch=True" if self.batch else ""
+        return f"Slot(lane={self.lane!r}, urgency={self.urgency}, group={self.group!r}{batch})"
 
 
 class Governor:
@@ -460,6 +506,8 @@ class Governor:
         "_clock",
         "_groups",
         "_in_flight",
+        "_kv_block",
+        "_kv_tokens",
         "_lanes",
         "_limit",
         "_long",
@@ -475,6 +523,7 @@ class Governor:
         "_short",
         "_short_first",
         "_short_pace",
+        "_tokens",
         "_waiting",
     )
 
@@ -532,6 +581,11 @@ class Governor:
         self._long_paced: int | None = 1 if long_pacing else None
         self._long_idle_borrow = long_idle_borrow
         self._short_first = short_first
+        #: The server's KV cache in tokens, and its block (``set_kv``); ``None``: not known.
+        self._kv_tokens: int | None = None
+        self._kv_block = 1
+        #: The ``tokens`` of the slots in flight, summed.
+        self._tokens = 0
         # One queue per class of waiters that the same caps block: lane x (capped group or
         # none). Uncapped groups share the None class, so the number of queues stays small and
         # dispatch looks at each queue's head only.
@@ -577,7 +631,15 @@ class Governor:
             return False
         return cap >= self._limit - 1 or self._batch is None or self._limit < self._batch
 
-    def slot(self, *, lane: Lane = "short", urgency: int = 0, group: str | None = None) -> Slot:
+    def slot(
+        self,
+        *,
+        lane: Lane = "short",
+        urgency: int = 0,
+        group: str | None = None,
+        batch: bool = False,
+        tokens: int = 0,
+    ) -> Slot:
         """A slot to enter with ``async with``; it waits there until admitted.
 
             async with governor.slot(lane="long", urgency=1) as slot:
@@ -588,6 +650,10 @@ class Governor:
             urgency: higher is admitted first among waiters; FIFO within equal urgency. Not
                 vLLM's ``priority``, which runs lower values first.
             group: a tag; capped when named in ``group_caps``.
+            batch: the call is an item of a batch (``map()``): see "Batches" in the module
+                docstring. It counts only while the server's KV cache is known (``set_kv``).
+            tokens: the KV cache tokens the call may hold (its prompt + ``max_tokens``); 0:
+                not known. See "Borrowing stops where the KV cache does".
         """
         lane_state = self._lanes.get(lane)
         if lane_state is None:
@@ -595,10 +661,20 @@ class Governor:
         if isinstance(urgency, bool) or not isinstance(urgency, int):
             raise TypeError(f"urgency must be an int, got {type(urgency).__name__}")
         group_state = self._groups.get(group) if group is not None else None
-        return Slot(self, lane, urgency, group, lane_state, group_state)
+        kv = self._kv_tokens is not None
+        if tokens and kv:
+            block = self._kv_block
+            tokens = -(-tokens // block) * block  # the cache holds whole blocks
+        return Slot(self, lane, urgency, group, lane_state, group_state, batch and kv, tokens)
 
     def acquire(
-        self, *, lane: Lane = "short", urgency: int = 0, group: str | None = None
+        self,
+        *,
+        lane: Lane = "short",
+        urgency: int = 0,
+        group: str | None = None,
+        batch: bool = False,
+        tokens: int = 0,
     ) -> Awaitable[Slot]:
         """A slot, once admitted (it waits until then); give it back with :meth:`Slot.release`.
 
@@ -609,16 +685,47 @@ class Governor:
         Parameters are those of :meth:`slot`.
         """
         # The slot's own entry, not a coroutine around it: one frame fewer on every call.
-        return self.slot(lane=lane, urgency=urgency, group=group).__aenter__()
+        slot = self.slot(lane=lane, urgency=urgency, group=group, batch=batch, tokens=tokens)
+        return slot.__aenter__()
 
-    def admits(self, *, lane: Lane = "short", group: str | None = None) -> bool:
+    def admits(
+        self,
+        *,
+        lane: Lane = "short",
+        group: str | None = None,
+        batch: bool = False,
+        tokens: int = 0,
+    ) -> bool:
         """Whether a slot of ``lane`` and ``group`` would be admitted now, without waiting
         (a router asks this of each server's governor before it sends a call there)."""
         lane_state = self._lanes.get(lane)
         if lane_state is None:
             raise ValueError(f"lane must be 'short' or 'long', got {lane!r}")
         group_state = self._groups.get(group) if group is not None else None
-        return self._admissible(lane_state, group_state)
+        kv = self._kv_tokens is not None
+        if tokens and kv:
+            tokens = -(-tokens // self._kv_block) * self._kv_block
+        return self._admissible(lane_state, group_state, batch and kv, tokens)
+
+    @property
+    def kv_tokens(self) -> int | None:
+        """The server's KV cache in tokens, as :meth:`set_kv` last set it; ``None``: not
+        known."""
+        return self._kv_tokens
+
+    def set_kv(self, tokens: int | None, *, block: int | None = None) -> None:
+        """The server's KV cache: ``tokens`` it holds in all (``None``: not known) in blocks of
+        ``block`` tokens. Long calls borrow beyond their share only as far as it holds them, and
+        a batch's own short items stop holding its long ones back (see the module docstring)."""
+        if tokens is not None:
+            check_int("tokens", tokens, 1)
+        if block is not None:
+            check_int("block", block, 1)
+        changed = tokens != self._kv_tokens
+        self._kv_tokens = tokens
+        self._kv_block = block or 1
+        if changed:
+            self._dispatch()
 
     def set_limit(self, limit: int, *, batch: int | None = None) -> None:
         """Change the cap now; lane and group caps follow their shares.
@@ -659,17 +766,39 @@ class Governor:
 
     # --- internals (Slot calls these) --------------------------------------------------------
 
-    def _admissible(self, lane: _LaneState, group: _GroupState | None) -> bool:
+    def _admissible(
+        self, lane: _LaneState, group: _GroupState | None, batch: bool, tokens: int
+    ) -> bool:
         # Dispatch runs after every change that frees capacity, so whenever this is true no
         # waiter could use the slot: a caller taking it at once jumps nobody who could go.
-        return self._has_room(lane) and (group is None or group.in_flight < group.cap)
+        return self._has_room(lane, batch, tokens) and (
+            group is None or group.in_flight < group.cap
+        )
 
-    def _has_room(self, lane: _LaneState) -> bool:
+    def _has_room(self, lane: _LaneState, batch: bool, tokens: int) -> bool:
         if lane is self._short:
+            if batch:
+                # A batch's short item waits for a free slot: the long slots its batch
+                # borrowed are the batch's longest items running first.
+                return self._in_flight < self._limit
             # Long slots beyond the long share are borrowed: a short request reclaims them.
             long = self._long
             return lane.in_flight + min(long.in_flight, long.cap) < self._limit
-        return self._in_flight < self._limit and lane.in_flight < self._lane_cap(lane)
+        if self._in_flight >= self._limit or lane.in_flight >= self._lane_cap(lane):
+            return False
+        # A batch's long items borrow the server's batch less one, not the limit's excess over
+        # it: beyond it they would only queue in the server, where nothing can be reordered,
+        # and the batch's short items keep a sequence to fill.
+        size = self._batch
+        if (
+            batch
+            and size is not None
+            and lane.in_flight >= max(lane.cap, min(self._limit, size) - 1)
+        ):
+            return False
+        kv = self._kv_tokens
+        # Beyond its share a long call borrows, and only as far as the KV cache holds it.
+        return lane.in_flight < lane.cap or kv is None or self._tokens + tokens <= kv
 
     def _lane_cap(self, lane: _LaneState) -> int:
         """The lane's cap now: the long share, more while short calls leave room (see
@@ -681,9 +810,12 @@ class Governor:
         if self._long_idle_borrow is None:
             return cap
         short = self._short
-        if short.waiting:
+        # Only short calls someone waits on count here: a batch's own short items do not
+        # hold its long ones back (see "Batches").
+        if short.waiting > short.batch_waiting:
             return cap
-        if short.in_flight or self._clock() - short.last_entry < self._long_idle_borrow:
+        calls = short.in_flight > short.batch_in_flight
+        if calls or self._clock() - short.last_entry < self._long_idle_borrow:
             if self._batch is None:
                 return cap
             if self._short_pace.slowed:
@@ -703,13 +835,19 @@ class Governor:
 
     def _take(self, slot: Slot) -> None:
         self._in_flight += 1
+        self._tokens += slot.tokens
         slot._lane_state.in_flight += 1
+        if slot.batch:
+            slot._lane_state.batch_in_flight += 1
         if slot._group_state is not None:
             slot._group_state.in_flight += 1
 
     def _untake(self, slot: Slot) -> None:
         self._in_flight -= 1
+        self._tokens -= slot.tokens
         slot._lane_state.in_flight -= 1
+        if slot.batch:
+            slot._lane_state.batch_in_flight -= 1
         if slot._group_state is not None:
             slot._group_state.in_flight -= 1
 
@@ -735,6 +873,8 @@ class Governor:
         heapq.heappush(queue.heap, (-slot.urgency, next(self._seq), slot))
         queue.live += 1
         slot._lane_state.waiting += 1
+        if slot.batch:
+            slot._lane_state.batch_waiting += 1
         self._waiting += 1
         slot._state = _WAITING
         try:
@@ -762,6 +902,8 @@ class Governor:
         slot._state = _DONE
         queue.live -= 1
         slot._lane_state.waiting -= 1
+        if slot.batch:
+            slot._lane_state.batch_waiting -= 1
         self._waiting -= 1
         # Removing from the middle of a heap is O(n), so the entry stays as a tombstone. Drop
         # them all when the queue holds no live waiter, and compact when they dominate, so that
@@ -844,11 +986,13 @@ class Governor:
             for queue in self._queues:
                 # A queue whose lane or group is full is skipped, not waited on: no
                 # head-of-line blocking across lanes or groups.
-                if not queue.live or not self._has_room(queue.lane):
+                if not queue.live:
+                    continue
+                entry = queue.head()
+                if not self._has_room(queue.lane, entry[2].batch, entry[2].tokens):
                     continue
                 if queue.group is not None and queue.group.in_flight >= queue.group.cap:
                     continue
-                entry = queue.head()
                 if queue.lane is self._short or not self._short_first:
                     rank = 0
                 else:
@@ -863,6 +1007,8 @@ class Governor:
             if not best.live:
                 best.heap.clear()  # only tombstones are left
             slot._lane_state.waiting -= 1
+            if slot.batch:
+                slot._lane_state.batch_waiting -= 1
             self._waiting -= 1
             slot._granted = True
             self._take(slot)

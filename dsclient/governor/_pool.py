@@ -322,6 +322,11 @@ class ServerPool:
         known = [b for b in batches if b is not None]
         batch = sum(known) if members and len(known) == len(batches) else None
         governor.set_limit(max(1, total), batch=batch)
+        # The front lends long calls as far as the members' caches hold them all together;
+        # each member's own governor then holds them to its cache.
+        caches = [e.governor.kv_tokens for e in members]
+        whole = None not in caches and bool(caches)
+        governor.set_kv(sum(c for c in caches if c is not None) if whole else None)
 
     def notify(self) -> None:
         """Wake the calls that hold a front slot and wait for a server's room."""
@@ -334,7 +339,14 @@ class ServerPool:
         for endpoint in self.endpoints:
             endpoint.wake()
 
-    def states(self, model: str | None, lane: Lane, group: str | None) -> list[ServerState]:
+    def states(
+        self,
+        model: str | None,
+        lane: Lane,
+        group: str | None,
+        batch: bool = False,
+        tokens: int = 0,
+    ) -> list[ServerState]:
         """Each discovered server as the router sees it for one attempt."""
         now = self._clock()
         states = []
@@ -364,7 +376,7 @@ class ServerPool:
                     waiting=waiting,
                     kv_usage=kv_usage,
                     metrics_age=age,
-                    room=governor.admits(lane=lane, group=group),
+                    room=governor.admits(lane=lane, group=group, batch=batch, tokens=tokens),
                 )
             )
         return states
@@ -381,7 +393,9 @@ class ServerPool:
             if not isinstance(blocks, tuple) or not blocks:
                 continue
             for endpoint in members:
-                if not endpoint.governor.admits(lane=slot.lane, group=slot.group):
+                if not endpoint.governor.admits(
+                    lane=slot.lane, group=slot.group, batch=slot.batch, tokens=slot.tokens
+                ):
                     continue
                 if self.router.match(endpoint.url, blocks) >= threshold:
                     return index
@@ -415,8 +429,10 @@ class ServerPool:
         self, admission: Admission, *, avoid: frozenset[str] = frozenset()
     ) -> PoolSlot:
         """A place in the front queue of the call's model, then a server with room for it."""
-        lane, urgency, group, model, prefix = admission
-        front = self.front(model).slot(lane=lane, urgency=urgency, group=group)
+        lane, urgency, group, model, prefix, batch, tokens = admission
+        front = self.front(model).slot(
+            lane=lane, urgency=urgency, group=group, batch=batch, tokens=tokens
+        )
         request = RouteRequest(model=model, prefix=prefix, avoid=avoid)
         blocks = request.block_keys(self.router.policy.block_chars)
         if blocks:
@@ -425,10 +441,13 @@ class ServerPool:
         await front.__aenter__()
         try:
             while True:
-                decision = self.router.choose(self.states(model, lane, group), request)
+                states = self.states(model, lane, group, batch, tokens)
+                decision = self.router.choose(states, request)
                 if isinstance(decision, Route):
                     endpoint = self._by_url[decision.url]
-                    server = endpoint.governor.slot(lane=lane, urgency=urgency, group=group)
+                    server = endpoint.governor.slot(
+                        lane=lane, urgency=urgency, group=group, batch=batch, tokens=tokens
+                    )
                     await server.__aenter__()  # the router checked its room: at once
                     return PoolSlot(self, front, server, endpoint)
                 if isinstance(decision, NoServer):
