@@ -1104,3 +1104,25 @@ async def test_acquire_gives_a_slot_that_release_gives_back_once_with_its_outcom
     assert governor.in_flight == 0
     with pytest.raises(ValueError, match="outcome"):
         fourth.release("fine")
+
+
+async def test_long_calls_the_cache_or_batch_holds_are_not_held_back_by_the_limit() -> None:
+    """A higher limit would not run them: the limit controller must not grow for them."""
+    now = [100.0]
+    governor = Governor(12, clock=lambda: now[0])
+    governor.set_limit(12, batch=8)  # long share 4
+    governor.set_kv(24 * 128, block=128)
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        for i in range(6):
+            await crowd.add(f"L{i}", lane="long", tokens=572)  # 5 blocks: 4 fit
+        assert governor.stats().lanes["long"].in_flight == 4
+        assert governor.stats().kv_tokens_in_flight == 20 * 128
+        assert not governor.held_back  # the cache holds them
+        governor.set_kv(100 * 128, block=128)
+        assert governor.stats().lanes["long"].in_flight == 6
+        for i in range(6, 10):
+            await crowd.add(f"B{i}", lane="long", batch=True, tokens=572)
+        assert governor.stats().lanes["long"].in_flight == 7  # the batch less one
+        assert not governor.held_back  # the server's batch holds them
+        await crowd.release_all()

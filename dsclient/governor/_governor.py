@@ -185,7 +185,9 @@ class GovernorStats:
     """A snapshot of a :class:`Governor`: totals, and one :class:`LaneStats` per lane.
 
     ``control`` (set by the client) is the limit controller's state: mode, why the limit last
-    moved, the server's running / waiting as last seen, the learned capacity.
+    moved, the server's running / waiting as last seen, the learned capacity. ``kv_tokens`` is
+    the server's KV cache as the governor lends it (:meth:`Governor.set_kv`; ``None``: not
+    known), and ``kv_tokens_in_flight`` what the calls in flight may hold of it.
     """
 
     limit: int
@@ -193,6 +195,8 @@ class GovernorStats:
     waiting: int
     lanes: Mapping[str, LaneStats]
     control: ControlStats | None = None
+    kv_tokens: int | None = None
+    kv_tokens_in_flight: int = 0
 
     def _repr_html_(self) -> str:  # notebooks show a table, not a dataclass repr
         from .._display import stats_html
@@ -619,8 +623,9 @@ class Governor:
     def held_back(self) -> bool:
         """Whether the limit itself holds calls back: every slot is taken, short calls wait
         (they wait only on the limit and group caps), or long calls wait on a borrowing cap that
-        a higher limit would raise. Long calls waiting on their lane's share are not held back
-        by the limit: a higher limit would not run them."""
+        a higher limit would raise. Long calls waiting on their lane's share, the server's KV
+        cache or (a batch's) the server's batch are not held back by the limit: a higher limit
+        would not run them."""
         if self._in_flight >= self._limit or self._short.waiting:
             return True
         long = self._long
@@ -629,7 +634,21 @@ class Governor:
         cap = self._lane_cap(long)
         if cap <= long.cap:
             return False
-        return cap >= self._limit - 1 or self._batch is None or self._limit < self._batch
+        by_limit = cap >= self._limit - 1 or self._batch is None or self._limit < self._batch
+        if not by_limit or long.in_flight < long.cap:
+            return by_limit
+        kv, size = self._kv_tokens, self._batch
+        at_batch = size is not None and size <= self._limit and long.in_flight >= size - 1
+        for queue in self._queues:
+            if queue.lane is not long or not queue.live:
+                continue
+            head = queue.head()[2]
+            if kv is not None and self._tokens + head.tokens > kv:
+                continue  # the cache holds it back
+            if head.batch and at_batch:
+                continue  # the server's batch holds it back
+            return True
+        return False
 
     def slot(
         self,
@@ -757,6 +776,8 @@ class Governor:
             waiting=self._waiting,
             lanes=MappingProxyType({name: lane.snapshot() for name, lane in self._lanes.items()}),
             control=control,
+            kv_tokens=self._kv_tokens,
+            kv_tokens_in_flight=self._tokens,
         )
 
     def __repr__(self) -> str:

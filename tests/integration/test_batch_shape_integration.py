@@ -18,6 +18,7 @@ import random
 import sys
 from collections.abc import Iterator
 
+import anyio
 import httpx
 import pytest
 
@@ -119,3 +120,34 @@ async def test_grouping_prefixes_raises_vllms_prefix_cache_hit_rate(small_kv_ser
     # is mostly evicted before it comes back.
     assert grouped > 0.5
     assert grouped >= 1.5 * as_read, (grouped, as_read)
+
+
+async def test_vllms_kv_cache_reaches_the_governor_and_the_calls_count_against_it(small_kv_server):
+    """The cache the governor lends long calls from is vLLM's own (``cache_config_info``: 32
+    blocks of 128 tokens here), and each call in flight holds its prompt + ``max_tokens`` of it
+    in whole blocks until it is answered (the policy itself: ``tests/test_governor.py``)."""
+    async with AsyncClient(small_kv_server, long_threshold=300) as client:
+        await client.discover()
+        assert client.stats().kv_tokens == KV_BLOCKS * 128
+        seen: list[tuple[int, int]] = []
+
+        async def watch() -> None:
+            while True:
+                stats = client.stats()
+                seen.append((stats.in_flight, stats.kv_tokens_in_flight))
+                await anyio.sleep(0.05)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            prompts = [f"Long item {i}: " + " ".join(WORDS) for i in range(4)]
+            results = await client.map(
+                prompts, max_tokens=400, temperature=0.0, ignore_eos=True, progress=False
+            )
+            tg.cancel_scope.cancel()
+        assert not results.failures, results.failures[:3]
+        assert all(r.lane == "long" for r in results)
+        # Each call: a prompt of about 30 tokens + 400 out, 4 blocks of 128.
+        busy = [(n, tokens) for n, tokens in seen if n]
+        assert busy, seen
+        assert all(tokens == n * 4 * 128 for n, tokens in busy), busy
+        assert client.stats().kv_tokens_in_flight == 0
