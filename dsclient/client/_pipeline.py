@@ -295,7 +295,7 @@ class RequestPath:
         more object that each call held while it waited for its slot.
         """
         call.miss_at = miss_at
-        return self._attempts(call, path, RequestPath._json_once, path, body)
+        return self._attempts(call, path, RequestPath._json_once, path, body, None)
 
     async def open_stream(self, path: str, body: dict[str, Any], call: Call) -> Answer:
         """Open a streaming response under a slot: ``Answer.response`` open, ``Answer.slot``
@@ -304,7 +304,7 @@ class RequestPath:
         Retried only while nothing has been received. The caller holds the slot while it
         reads, and must ``answer.slot.release(...)`` when done.
         """
-        return await self._attempts(call, path, RequestPath._stream_once, path, body)
+        return await self._attempts(call, path, RequestPath._stream_once, path, body, None)
 
     async def send_raw(self, request: httpx.Request, call: Call, *, stream: bool) -> Answer:
         """Send a caller's request attempt by attempt, as :meth:`send_json` does, and give back
@@ -339,7 +339,9 @@ class RequestPath:
             return answer
 
     # -- the attempt skeleton, and the three kinds of send -------------------------------------
-    async def _attempts(self, call: Call, label: str, once: Send, *args: Any) -> Answer:
+    async def _attempts(
+        self, call: Call, label: str, once: Send, first: Any, second: Any, third: Any
+    ) -> Answer:
         """Attempts of ``once`` until one succeeds or the call may not go on; the answer, with
         the call's ``attempts``, ``queued_s`` and ``server``.
 
@@ -351,6 +353,10 @@ class RequestPath:
         call, makes a few objects fewer (at hundreds in flight their allocation and garbage
         collection were a tenth of the call's CPU). Inline, the first attempt's coroutine is
         not one more object that each call holds while it waits for its slot.
+
+        ``first``, ``second`` and ``third`` are what ``once`` takes after the call (a JSON
+        send: path, body and ``None``): named, not ``*args``, whose tuple (it holds the body)
+        was one more object for the collector in every waiting call.
         """
         backend = self.backend
         backend.wake()
@@ -367,7 +373,7 @@ class RequestPath:
                 slot = await self._take(call)
                 server = call.endpoint
             try:
-                answer = await once(self, server, slot, call, *args)
+                answer = await once(self, server, slot, call, first, second, third)
             except BaseException as exc:
                 self._release_failed(slot, exc, call)
                 raise
@@ -375,11 +381,11 @@ class RequestPath:
             if answer.slot is None:
                 slot.release()
             attempts = 1
-        except DSClientError as first:
-            if self._retry.attempts <= 1 or not is_retryable(first):
+        except DSClientError as failed:
+            if self._retry.attempts <= 1 or not is_retryable(failed):
                 raise
-            retry = functools.partial(self._attempt, call, once, args)
-            answer, attempts = await self._retry_loop(retry, first, label, call)
+            retry = functools.partial(self._attempt, call, once, (first, second, third))
+            answer, attempts = await self._retry_loop(retry, failed, label, call)
         answer.attempts, answer.queued_s = attempts, call.queued_s
         answer.server = call.endpoint.url
         return answer
@@ -407,7 +413,13 @@ class RequestPath:
         return answer
 
     async def _json_once(
-        self, server: Endpoint, slot: Lease, call: Call, path: str, body: dict[str, Any]
+        self,
+        server: Endpoint,
+        slot: Lease,
+        call: Call,
+        path: str,
+        body: dict[str, Any],
+        _: None,
     ) -> Answer:
         """One POST of a JSON body, with the server's priority: check the status, read the body
         under the cap, parse JSON; the answer's JSON, its completion tokens as the slot's work.
@@ -443,7 +455,13 @@ class RequestPath:
         return Answer(None, None, None, data)
 
     async def _stream_once(
-        self, server: Endpoint, slot: Lease, call: Call, path: str, body: dict[str, Any]
+        self,
+        server: Endpoint,
+        slot: Lease,
+        call: Call,
+        path: str,
+        body: dict[str, Any],
+        _: None,
     ) -> Answer:
         """One streaming POST, open once its status is known to be fine; its slot handed on."""
         sent = _prioritised(body, server, call.admission)
@@ -855,6 +873,7 @@ def _prioritised(body: dict[str, Any], server: Endpoint, admission: Admission) -
 
 
 #: One kind of send, as :meth:`RequestPath._attempt` runs it:
-#: ``once(path, server, slot, call, *args)``, the method of the class (``RequestPath._json_once``)
-#: rather than of the path: a bound method made per call was one more object each call held.
+#: ``once(path, server, slot, call, first, second, third)``, the method of the class
+#: (``RequestPath._json_once``) rather than of the path: a bound method made per call was one
+#: more object each call held.
 Send = Callable[..., Awaitable[Answer]]
