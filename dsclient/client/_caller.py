@@ -145,17 +145,7 @@ class Caller:
                             )
                         else:
                             miss_at = anyio.current_time() + max(0.0, left - need)
-                    call = path.new_call(
-                        Admission(
-                            plan.lane,
-                            urgency,
-                            group,
-                            plan.body.get("model"),
-                            prefix,
-                            batch,
-                            plan.kv_tokens,
-                        )
-                    )
+                    call = path.new_call(_admission(plan, urgency, group, prefix, batch))
                     try:
                         answer = await path.send_json(plan.path, plan.body, call, miss_at=miss_at)
                     except WouldMiss as late:
@@ -166,17 +156,7 @@ class Caller:
                             option,
                             f"waited {late.waited_s:.1f} s for a slot, {left:.1f} s left",
                         )
-                        call = path.new_call(
-                            Admission(
-                                plan.lane,
-                                urgency,
-                                group,
-                                plan.body.get("model"),
-                                prefix,
-                                batch,
-                                plan.kv_tokens,
-                            )
-                        )
+                        call = path.new_call(_admission(plan, urgency, group, prefix, batch))
                         answer = await path.send_json(plan.path, plan.body, call)
             except builtins.TimeoutError as exc:
                 expired = TimeoutError(f"call did not finish within its timeout of {limit_s} s")
@@ -273,11 +253,7 @@ class Caller:
         plan = await self.planner.plan(kind, prompt, max_tokens, dict(sampling))
         body = dict(plan.body, stream=True)
         prefix = self.backend.prefix_of(prompt)
-        call = self.path.new_call(
-            Admission(
-                plan.lane, urgency, group, plan.body.get("model"), prefix, False, plan.kv_tokens
-            )
-        )
+        call = self.path.new_call(_admission(plan, urgency, group, prefix, False))
         return plan, await self.path.open_stream(plan.path, body, call)
 
     # -- observers ---------------------------------------------------------------------------
@@ -341,3 +317,11 @@ class Caller:
                 observer(record)
             except Exception:  # an observer's bug must not fail the call
                 logger.exception("dsclient: an observer raised; ignoring it")
+
+
+def _admission(
+    plan: Plan, urgency: int, group: str | None, prefix: str | None, batch: bool
+) -> Admission:
+    """The governor's view of one call as ``plan`` sends it (its lane and KV cache tokens)."""
+    model = plan.body.get("model")
+    return Admission(plan.lane, urgency, group, model, prefix, batch, plan.kv_tokens)

@@ -695,10 +695,8 @@ class Governor:
             raise TypeError(f"urgency must be an int, got {type(urgency).__name__}")
         group_state = self._groups.get(group) if group is not None else None
         kv = self._kv_tokens is not None
-        if tokens and kv:
-            block = self._kv_block
-            tokens = -(-tokens // block) * block  # the cache holds whole blocks
-        return Slot(self, lane, urgency, group, lane_state, group_state, batch and kv, tokens)
+        held = self._held(tokens)
+        return Slot(self, lane, urgency, group, lane_state, group_state, batch and kv, held)
 
     def acquire(
         self,
@@ -736,9 +734,7 @@ class Governor:
             raise ValueError(f"lane must be 'short' or 'long', got {lane!r}")
         group_state = self._groups.get(group) if group is not None else None
         kv = self._kv_tokens is not None
-        if tokens and kv:
-            tokens = -(-tokens // self._kv_block) * self._kv_block
-        return self._admissible(lane_state, group_state, batch and kv, tokens)
+        return self._admissible(lane_state, group_state, batch and kv, self._held(tokens))
 
     @property
     def kv_tokens(self) -> int | None:
@@ -800,6 +796,13 @@ class Governor:
         )
 
     # --- internals (Slot calls these) --------------------------------------------------------
+
+    def _held(self, tokens: int) -> int:
+        """``tokens`` in the cache's whole blocks (as they are, where the cache is not known)."""
+        if not tokens or self._kv_tokens is None:
+            return tokens
+        block = self._kv_block
+        return -(-tokens // block) * block
 
     def _admissible(
         self, lane: _LaneState, group: _GroupState | None, batch: bool, tokens: int
