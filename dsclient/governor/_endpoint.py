@@ -305,11 +305,15 @@ class Endpoint:
     def _set_limit(self, limit: int, *, batch: int | None) -> None:
         """Set the governor's limit and tell whoever listens (a pool sums its servers' limits)."""
         self.governor.set_limit(limit, batch=batch)
+        self._tell_changed()
+
+    def _tell_changed(self) -> None:
         for callback in self._changed:
             callback()
 
     def on_change(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` after every change of this server's limit (or its batch)."""
+        """Call ``callback()`` after every change of this server's limit (or its batch, or its
+        KV cache)."""
         self._changed.append(callback)
 
     def use_shared(self, budget: SharedBudget) -> None:
@@ -553,8 +557,7 @@ class Endpoint:
             # stops where the KV cache does"); a pool sums its servers' caches.
             block = load.block_size if load.block_size and load.block_size > 0 else None
             self.governor.set_kv(kv, block=block)
-            for callback in self._changed:
-                callback()
+            self._tell_changed()
         if load.running is None or load.waiting is None:
             return
         # All of the queue, as the issue's rule says (vllm:num_requests_waiting > 0): the

@@ -648,20 +648,13 @@ class Governor:
         cap = self._lane_cap(long)
         if cap <= long.cap:
             return False
-        by_limit = cap >= self._limit - 1 or self._batch is None or self._limit < self._batch
-        if not by_limit or long.in_flight < long.cap:
-            return by_limit
-        kv, size = self._kv_tokens, self._batch
-        at_batch = size is not None and size <= self._limit and long.in_flight >= size - 1
+        if not (cap >= self._limit - 1 or self._batch is None or self._limit < self._batch):
+            return False
         for queue in self._queues:
-            if queue.lane is not long or not queue.live:
-                continue
-            head = queue.head()[2]
-            if kv is not None and self._tokens + head.tokens > kv:
-                continue  # the cache holds it back
-            if head.batch and at_batch:
-                continue  # the server's batch holds it back
-            return True
+            if queue.lane is long and queue.live:
+                head = queue.head()[2]
+                if not self._past_server(long, head.batch, head.tokens):
+                    return True
         return False
 
     def slot(
@@ -824,19 +817,23 @@ class Governor:
             return lane.in_flight + min(long.in_flight, long.cap) < self._limit
         if self._in_flight >= self._limit or lane.in_flight >= self._lane_cap(lane):
             return False
+        return not self._past_server(lane, batch, tokens)
+
+    def _past_server(self, long: _LaneState, batch: bool, tokens: int) -> bool:
+        """Whether one more long call, beyond the lane's share, would pass what the server
+        holds: its KV cache, or (a batch's item) its batch less one. A higher limit would not
+        run such a call (:attr:`held_back`)."""
+        if long.in_flight < long.cap:
+            return False  # within the share: never held by the server's size
         # A batch's long items borrow the server's batch less one, not the limit's excess over
         # it: beyond it they would only queue in the server, where nothing can be reordered,
         # and the batch's short items keep a sequence to fill.
         size = self._batch
-        if (
-            batch
-            and size is not None
-            and lane.in_flight >= max(lane.cap, min(self._limit, size) - 1)
-        ):
-            return False
-        kv = self._kv_tokens
+        if batch and size is not None and long.in_flight >= size - 1:
+            return True
         # Beyond its share a long call borrows, and only as far as the KV cache holds it.
-        return lane.in_flight < lane.cap or kv is None or self._tokens + tokens <= kv
+        kv = self._kv_tokens
+        return kv is not None and self._tokens + tokens > kv
 
     def _lane_cap(self, lane: _LaneState) -> int:
         """The lane's cap now: the long share, more while short calls leave room (see
