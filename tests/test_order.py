@@ -15,6 +15,7 @@ from dsclient.batch._order import (
     arrange,
     predicted_tokens,
     prefix_of,
+    size_class,
 )
 from dsclient.client._tokens import TokenCounter
 from dsclient.governor._routing import prefix_blocks, prefix_text
@@ -68,6 +69,26 @@ def test_mixed_lengths_start_the_long_ones_first_within_the_window():
     order = windowed([shape(None, c) for c in costs], window=200)
     longs = sum(1 for c in costs if c == 560)
     assert {costs[i] for i in order[:longs]} == {560}
+
+
+def test_size_classes_are_powers_of_two():
+    assert [size_class(c) for c in (0, 1, 2, 3, 64, 80, 127, 128, 544)] == [0, 1, 2, 2, 7, 7, 7, 8, 10]
+
+
+def test_lengths_within_a_size_class_keep_the_order_they_were_read_in():
+    lineup: Lineup[str] = Lineup()
+    for name, cost in [("a", 80), ("b", 120), ("c", 100), ("d", 300), ("e", 64)]:
+        lineup.add(name, shape(None, cost))
+    assert drain(lineup) == ["d", "a", "b", "c", "e"]
+
+
+def test_a_batch_with_neither_shape_starts_exactly_as_read():
+    # Unique prompts of 15-25 tokens, 64 out each (the batch-shape benchmark's "plain"):
+    # nothing to gain, so nothing moves, whatever the window.
+    rng = random.Random(5)
+    shapes = [shape(None, 64 + rng.randrange(15, 26)) for _ in range(500)]
+    for window in (16, 128, 1024):
+        assert windowed(shapes, window) == list(range(500))
 
 
 # -- prefixes ------------------------------------------------------------------------------------

@@ -26,7 +26,10 @@ started, the items read since (the next round, up to the window's size) are put 
    longest item first among those that share no more (longest-processing-time-first: long
    items start early and short ones fill the gaps at the end, instead of a long one starting
    last and running alone). Costs are predicted tokens, prompt plus ``max_tokens``
-   (:func:`predicted_tokens`). Ties go to the item read first.
+   (:func:`predicted_tokens`), compared by size class: powers of two (:func:`size_class`).
+   Items within a class keep the order they were read in: the prediction is a byte estimate,
+   and reordering 80 against 90 tokens gains nothing, so a batch without lengths to tell
+   apart starts exactly as read.
 3. **Continuity.** A round starts with the group the last one ended with, when it has items
    in the new round: its prefix is the one the server holds now.
 
@@ -59,6 +62,7 @@ __all__ = [
     "arrange",
     "predicted_tokens",
     "prefix_of",
+    "size_class",
 ]
 
 Order = Literal["shape", "input"]
@@ -91,7 +95,8 @@ class ItemShape:
     Parameters:
         blocks: chained hashes of the item's leading blocks (:func:`prefix_of`); ``()`` when
             it has no whole block (it shares nothing worth grouping).
-        cost: predicted tokens (prompt + ``max_tokens``); the order starts the largest first.
+        cost: predicted tokens (prompt + ``max_tokens``); the order starts the largest first,
+            by size class (:func:`size_class`).
         free: the item costs the server nothing (resumed from the file, or invalid): start it
             at once.
     """
@@ -131,16 +136,25 @@ def predicted_tokens(
     return counter.byte_estimate(prompt) + max_tokens
 
 
+def size_class(cost: int) -> int:
+    """The class an item's predicted tokens rank it in: ``floor(log2(cost)) + 1``.
+
+    ``size_class(80) == size_class(127) == 7``; ``size_class(544) == 10``. Longest first
+    compares classes, not tokens (rule 2 of the module).
+    """
+    return max(0, cost).bit_length()
+
+
 class _Node:
     """One block of the tree a round is arranged on: its children, the items ending there,
-    and the longest item below it (with the first read, for ties)."""
+    and the longest item below it (its size class, with the first read, for ties)."""
 
     __slots__ = ("best", "children", "items")
 
     def __init__(self) -> None:
         self.children: dict[Hashable, _Node] = {}
         self.items: list[int] = []
-        self.best = (0, 0)  # (-cost, index) of the longest item below: sorts first
+        self.best = (0, 0)  # (-size class, index) of the longest item below: sorts first
 
 
 def arrange(shapes: Sequence[ItemShape], after: tuple[Hashable, ...] = ()) -> list[int]:
@@ -177,7 +191,7 @@ def arrange(shapes: Sequence[ItemShape], after: tuple[Hashable, ...] = ()) -> li
         # Items ending here and the branches below, longest first; pushed in reverse so the
         # first comes off the stack first. A branch on the last item's path goes before all.
         things: list[tuple[tuple[int, int, int], _Node | int]] = [
-            ((1, -shapes[i].cost, i), i) for i in top.items
+            ((1, -size_class(shapes[i].cost), i), i) for i in top.items
         ]
         things += [
             ((0 if block in preferred else 1, *child.best), child)
@@ -197,7 +211,7 @@ def _rank(root: _Node, shapes: Sequence[ItemShape]) -> None:
         seen.append(node)
         walk.extend(node.children.values())
     for node in reversed(seen):
-        keys = [(-shapes[i].cost, i) for i in node.items]
+        keys = [(-size_class(shapes[i].cost), i) for i in node.items]
         keys += [child.best for child in node.children.values()]
         node.best = min(keys)
 
