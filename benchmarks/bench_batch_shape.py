@@ -29,10 +29,11 @@ another's prefixes in the cache. Outputs are fixed-length (``ignore_eos``, tempe
 Measured per leg: the makespan (the map() call, from its start to its last result), failures,
 and vLLM's prefix-cache hit rate over the leg: the increase of ``vllm:prefix_cache_hits_total``
 over that of ``vllm:prefix_cache_queries_total`` (tokens), summed over the replicas, read before
-and after. Goals (issue 27), against each other leg: prefix-heavy hit rate >= 1.5x and makespan
-<= 0.85x; mixed makespan <= 0.9x; plain within 3%. One summary row per leg and run is kept in
-``benchmarks/results/batch-shape/<UTC start>.json`` (:mod:`benchmarks._results`); the page shows
-the latest invocation per number of servers.
+and after; for the shape leg, how many items it started at another place than input order
+(:func:`moved`, computed without a server). Goals (issue 27), against each other leg:
+prefix-heavy hit rate >= 1.5x and makespan <= 0.85x; mixed makespan <= 0.9x; plain within 3%.
+One summary row per leg and run is kept in ``benchmarks/results/batch-shape/<UTC start>.json``
+(:mod:`benchmarks._results`); the page shows the latest invocation per number of servers.
 """
 
 from __future__ import annotations
@@ -89,6 +90,36 @@ def make_batch(workload: str, seed: int, salt: str, scale: float = 1.0) -> list[
         raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
     rng.shuffle(items)
     return items
+
+
+def moved(items: Sequence[dict[str, Any]]) -> int:
+    """Items that ``order="shape"`` starts at another place than input order does.
+
+    The order map() gives a list of ``items``, computed as its batch runner does it (a window
+    of ``WINDOW`` read ahead, one read per start; prefixes and predicted tokens from the
+    prompt's bytes), without a server. The plain batch's goal (within 3% of input order) rests
+    on this being 0: a makespan then differs by the server's run-to-run noise only.
+    """
+    from dsclient.batch._order import WINDOW, ItemShape, Lineup, predicted_tokens, prefix_of
+    from dsclient.client._tokens import TokenCounter
+
+    counter = TokenCounter()
+    shapes = [
+        ItemShape(
+            blocks=prefix_of(item["prompt"]),
+            cost=predicted_tokens(item["prompt"], item["max_tokens"], counter),
+        )
+        for item in items
+    ]
+    lineup: Lineup[int] = Lineup()
+    order: list[int] = []
+    for index, shape in enumerate(shapes):
+        if len(lineup) == WINDOW:
+            order.append(lineup.pop())
+        lineup.add(index, shape)
+    while len(lineup):
+        order.append(lineup.pop())
+    return sum(1 for place, index in enumerate(order) if place != index)
 
 
 def leg_order(legs: Sequence[str], run: int) -> list[str]:
@@ -200,6 +231,8 @@ async def run_all(
                 items = make_batch(workload, args.seed + n, salt, args.scale)
                 say(f"run {n}, {workload}, {leg}: {len(items)} items ...")
                 found = await run_leg(urls, items, leg, router)
+                if leg == "shape":
+                    found["moved"] = moved(items)
                 row = run.add(leg=leg, run=n, workload=workload, servers=len(urls), **found)
                 say(f"  {row}")
 
@@ -337,7 +370,15 @@ def render(records: Sequence[dict[str, Any]]) -> str:
             if not these:
                 continue
             count = max((r.get("items") or 0) for r in these)
-            parts.append(f"**{workload}** ({count} items)\n\n" + report_.leg_table(these, TABLE))
+            table = report_.leg_table(these, TABLE)
+            shifts = [r["moved"] for r in these if r["leg"] == "shape" and "moved" in r]
+            if shifts:
+                table += (
+                    "\n\nItems that shape started at another place than input order, per run: "
+                    + ", ".join(str(x) for x in shifts)
+                    + f" of {count}."
+                )
+            parts.append(f"**{workload}** ({count} items)\n\n" + table)
         goals = goal_lines(rows)
         if goals:
             parts.append("Against the issue's goals, per run:\n\n" + "\n".join(goals))

@@ -133,3 +133,27 @@ def test_goals_are_given_against_each_peer_and_invocations_per_server_count():
     big = {**one, "_file": "3.json", "params": {"blocks": 64, "workloads": ["mixed"]}}
     text = bench.render([one, pair, big])
     assert "*One server, 64 KV blocks each:*" in text and "*One server, 24 KV" in text
+
+
+def test_shape_moves_the_prefix_heavy_and_mixed_batches_and_leaves_the_plain_one_as_read():
+    # The plain batch's goal (within 3% of input order) rests on its start order being input
+    # order: computed as map() computes it, no item moves.
+    for run in (1, 2):
+        assert bench.moved(bench.make_batch("plain", 27 + run, f"plain-shape-{run}")) == 0
+        assert bench.moved(bench.make_batch("mixed", 27 + run, f"mixed-shape-{run}")) > 100
+        heavy = bench.make_batch("prefix-heavy", 27 + run, f"prefix-heavy-shape-{run}")
+        assert bench.moved(heavy) > 500
+
+
+def test_render_shows_how_many_items_shape_moved():
+    shaped = [{**row, "moved": 0} if row["leg"] == "shape" else row for row in rows()]
+    record = {
+        "benchmark": "batch-shape",
+        "_file": "x.json",
+        "rows": shaped,
+        "host": {"cores": 2},
+        "code": {"commit": "abc", "dirty": False},
+        "versions": {},
+    }
+    text = bench.render([record])
+    assert "Items that shape started at another place than input order, per run: 0, 0 of 200." in text
