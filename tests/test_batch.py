@@ -551,6 +551,43 @@ async def test_shape_order_starts_the_longest_first():
     assert [r.index for r in results] == list(range(11))
 
 
+@pytest.mark.parametrize(("via", "servers"), [("map", 1), ("imap", 1), ("map", 2)])
+async def test_shape_order_runs_short_items_while_its_long_ones_wait_for_the_long_lane(
+    via, servers
+):
+    # Longest first puts the 12 long items at the head of the round. Were every worker to take
+    # one, those beyond the long lane's cap would wait in the client, holding the workers the
+    # short items need, and the server would run long items only until the first of them ended.
+    # Instead short items start at once beside the long ones.
+    started: dict[str, float] = {}
+    t0 = anyio.current_time()
+
+    def delay(prompt: str) -> float:
+        started.setdefault(prompt, anyio.current_time() - t0)
+        return 0.5 if prompt.startswith("long") else 0.01
+
+    server = EchoServer(delay=delay)
+    items = [{"prompt": f"long {i}", "max_tokens": 300} for i in range(12)]
+    items += [{"prompt": f"short {i}", "max_tokens": 8} for i in range(40)]
+    urls = URL if servers == 1 else [URL, "http://127.0.0.1:8001"]
+    client = AsyncClient(
+        urls, transport=server.transport, max_num_seqs=8, limit=8, long_threshold=200
+    )
+    async with client:
+        if via == "map":
+            results = await client.map(items, progress=False)
+            assert [r.index for r in results] == list(range(52))
+        else:
+            async with contextlib.aclosing(client.imap(items, progress=False)) as outcomes:
+                assert sorted([index async for index, _ in outcomes]) == list(range(52))
+    assert server.calls[0].startswith("long")
+    first = min(started.values())
+    first_long_done = min(t for p, t in started.items() if p.startswith("long")) + 0.5
+    shorts = [t for p, t in started.items() if p.startswith("short")]
+    assert min(shorts) - first < 0.2 < first_long_done - first
+    assert sum(1 for t in shorts if t < first_long_done) >= 20
+
+
 async def test_shape_order_resumes_the_same_ids_exactly_once(tmp_path):
     # A first run in input order that fails some items, resumed in shape order: the ids match,
     # the successes are read back and only the failures are sent again.

@@ -29,6 +29,8 @@ URL = "http://127.0.0.1:8000"
 class FakePlanner:
     """Plans every call as asked, in the short lane; counts the plans."""
 
+    model = "tiny"
+
     def __init__(self) -> None:
         self.plans = 0
 

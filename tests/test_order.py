@@ -72,7 +72,8 @@ def test_mixed_lengths_start_the_long_ones_first_within_the_window():
 
 
 def test_size_classes_are_powers_of_two():
-    assert [size_class(c) for c in (0, 1, 2, 3, 64, 80, 127, 128, 544)] == [0, 1, 2, 2, 7, 7, 7, 8, 10]
+    costs = (0, 1, 2, 3, 64, 80, 127, 128, 544)
+    assert [size_class(c) for c in costs] == [0, 1, 2, 2, 7, 7, 7, 8, 10]
 
 
 def test_lengths_within_a_size_class_keep_the_order_they_were_read_in():
@@ -89,6 +90,21 @@ def test_a_batch_with_neither_shape_starts_exactly_as_read():
     shapes = [shape(None, 64 + rng.randrange(15, 26)) for _ in range(500)]
     for window in (16, 128, 1024):
         assert windowed(shapes, window) == list(range(500))
+
+
+def test_pop_can_skip_long_items_for_the_next_short_one_of_the_round():
+    lineup: Lineup[str] = Lineup()
+    for name, cost in [("s1", 40), ("l1", 600), ("s2", 50), ("l2", 700)]:
+        lineup.add(name, shape(None, cost))
+
+    def is_long(cost: int) -> bool:
+        return cost > 512
+
+    assert lineup.pop(is_long) == "s1"  # the round is l1, l2, s1, s2: the first short
+    assert lineup.pop() == "l1"
+    assert lineup.pop(is_long) == "s2"
+    assert lineup.pop(is_long) == "l2"  # no short left: the next as usual
+    assert len(lineup) == 0
 
 
 # -- prefixes ------------------------------------------------------------------------------------

@@ -50,6 +50,10 @@ class BatchClient(Protocol):
 class BatchCaller(Protocol):
     """Each item's call (the client's :class:`~dsclient.client._caller.Caller` is one)."""
 
+    def long_in_flight(self) -> int:
+        """Long-lane calls holding a slot now (the start order hands out long items by it)."""
+        ...
+
     def timeout_of(self, timeout: float | UseDefault | None) -> float | None:
         """The timeout a call gets (checks it: ``ValueError`` for a bad one)."""
         ...
@@ -72,6 +76,10 @@ class BatchCaller(Protocol):
 
 class BatchPlanner(Protocol):
     """Sizes items (the client's :class:`~dsclient.client._planner.Planner` is one)."""
+
+    def is_long(self, tokens: int) -> bool:
+        """Whether an item of about ``tokens`` (prompt + ``max_tokens``) takes the long lane."""
+        ...
 
     @property
     def default_max_tokens(self) -> int:

@@ -45,7 +45,7 @@ delay the progress bar and ``on_error="raise"``.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
@@ -225,7 +225,7 @@ class Lineup(Generic[T]):
     """
 
     def __init__(self) -> None:
-        self._round: deque[T] = deque()  # this round, in order
+        self._round: deque[tuple[T, int]] = deque()  # this round, in order, with costs
         self._next: list[tuple[T, ItemShape]] = []  # read since the round was arranged
         self._free: deque[T] = deque()
         self._last: tuple[Hashable, ...] = ()
@@ -240,17 +240,28 @@ class Lineup(Generic[T]):
         else:
             self._next.append((value, shape))
 
-    def pop(self) -> T:
-        """The item to start next; ``IndexError`` when the window is empty."""
+    def pop(self, skip: Callable[[int], bool] | None = None) -> T:
+        """The item to start next; ``IndexError`` when the window is empty.
+
+        With ``skip``, the first item of the round whose cost ``skip`` does not refuse, when
+        the round has one (else the next as usual): the batch runner skips long items while the
+        long ones it started wait for a slot, so that short ones fill the server meanwhile.
+        """
         if self._free:
             return self._free.popleft()
-        if not self._round:
+        round_ = self._round
+        if not round_:
             if not self._next:
                 raise IndexError("pop from an empty Lineup")
             values = [value for value, _ in self._next]
             shapes = [shape for _, shape in self._next]
             self._next = []
             order = arrange(shapes, self._last)
-            self._round.extend(values[i] for i in order)
+            round_.extend((values[i], shapes[i].cost) for i in order)
             self._last = shapes[order[-1]].blocks
-        return self._round.popleft()
+        if skip is not None and skip(round_[0][1]):
+            for place, (value, cost) in enumerate(round_):
+                if not skip(cost):
+                    del round_[place]
+                    return value
+        return round_.popleft()[0]

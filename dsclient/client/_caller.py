@@ -42,6 +42,9 @@ logger = logging.getLogger("dsclient")
 class Planning(Protocol):
     """What the caller asks of a planner (:class:`~dsclient.client._planner.Planner`)."""
 
+    #: The model its calls name (``None``: the server's only one).
+    model: str | None
+
     async def plan(
         self,
         kind: Literal["completion", "chat"],
@@ -101,6 +104,10 @@ class Caller:
                 f"timeout must be a positive number of seconds or None, got {timeout!r}"
             )
         return float(timeout) if timeout is not None else None
+
+    def long_in_flight(self) -> int:
+        """Long-lane calls of the client's model holding a slot now."""
+        return self.backend.long_in_flight(self.planner.model)
 
     # -- the request path --------------------------------------------------------------------
     async def request(

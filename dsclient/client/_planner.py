@@ -358,6 +358,18 @@ class Planner:
             margin=self.tokens.margin,
         )
 
+    def is_long(self, tokens: int) -> bool:
+        """Whether a call of about ``tokens`` (prompt + ``max_tokens``) takes the long lane, as
+        far as it can be told before planning (a batch's start order asks, from the prompt's
+        bytes)."""
+        if self.long_threshold is not None:
+            return tokens > self.long_threshold
+        info = self.info()
+        ctx = info.max_model_len if info is not None else None
+        if ctx is None:
+            return tokens > self.sizes.threshold
+        return tokens > self._default_threshold(ctx)
+
     def _default_threshold(self, ctx: int | None) -> int:
         """:func:`~dsclient.governor._lanes.default_long_threshold` of ``ctx``, kept for the
         context last asked about (checking it and taking its share on every call cost more

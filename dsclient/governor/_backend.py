@@ -119,6 +119,10 @@ class Backend(Protocol):
         """The in-flight limit for calls of ``model``: the servers' in rotation that serve it."""
         ...
 
+    def long_in_flight(self, model: str | None) -> int:
+        """Long-lane calls of ``model`` holding a slot now."""
+        ...
+
     @property
     def in_flight(self) -> int: ...
 
@@ -242,6 +246,9 @@ class SingleServer:
     # -- what the client shows ---------------------------------------------------------------
     def limit_for(self, model: str | None) -> int:
         return self._governor.limit
+
+    def long_in_flight(self, model: str | None) -> int:
+        return self._governor.long_in_flight
 
     @property
     def in_flight(self) -> int:

@@ -634,6 +634,11 @@ class Governor:
         return self._waiting
 
     @property
+    def long_in_flight(self) -> int:
+        """Long-lane requests holding a slot now."""
+        return self._long.in_flight
+
+    @property
     def held_back(self) -> bool:
         """Whether the limit itself holds calls back: every slot is taken, short calls wait
         (they wait only on the limit and group caps), or long calls wait on a borrowing cap that

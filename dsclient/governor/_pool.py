@@ -229,6 +229,11 @@ class ServerPool:
         """The sum of the limits of the servers in rotation that serve ``model``."""
         return sum(e.governor.limit for e in self.serving(model) if self.in_rotation(e))
 
+    def long_in_flight(self, model: str | None) -> int:
+        """Long-lane calls of ``model`` holding a slot now (its front queue's)."""
+        front = self._fronts.get(model)
+        return front.long_in_flight if front is not None else 0
+
     @property
     def in_flight(self) -> int:
         return sum(e.governor.in_flight for e in self.endpoints)
