@@ -682,7 +682,27 @@ async def test_a_batchs_long_items_take_the_servers_batch_not_the_limits_excess(
         for i in range(6):
             await crowd.add(f"s{i}", batch=True)
         assert governor.stats().lanes["long"].in_flight == 7  # the batch less one
-        assert governor.stats().lanes["short"].in_flight == 5  # the limit's rest
+        # While the batch's long items wait, its short items fill the server's batch, not the
+        # limit: beyond it they would queue in the server ahead of the next long item.
+        assert governor.stats().lanes["short"].in_flight == 1
+        assert not governor.held_back  # a higher limit would run none of them
+        await crowd.release_all()
+
+
+async def test_a_batchs_short_items_fill_the_limit_once_its_long_items_all_run() -> None:
+    now = [100.0]
+    governor = Governor(12, clock=lambda: now[0])
+    governor.set_limit(12, batch=8)
+    governor.set_kv(100_000)
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        for i in range(7):
+            await crowd.add(f"L{i}", lane="long", batch=True)
+        for i in range(6):
+            await crowd.add(f"s{i}", batch=True)
+        # No long item waits: the short ones take the limit's rest, as any call would.
+        assert governor.stats().lanes["short"].in_flight == 5
+        assert governor.held_back
         await crowd.release_all()
 
 

@@ -643,9 +643,15 @@ class Governor:
         """Whether the limit itself holds calls back: every slot is taken, short calls wait
         (they wait only on the limit and group caps), or long calls wait on a borrowing cap that
         a higher limit would raise. Long calls waiting on their lane's share, the server's KV
-        cache or (a batch's) the server's batch are not held back by the limit: a higher limit
-        would not run them."""
-        if self._in_flight >= self._limit or self._short.waiting:
+        cache or (a batch's) the server's batch, and a batch's short items waiting for the
+        server's batch beside its waiting long ones, are not held back by the limit: a higher
+        limit would not run them."""
+        if self._in_flight >= self._limit:
+            return True
+        short = self._short
+        if short.waiting and (
+            short.waiting > short.batch_waiting or not self._shorts_past_server()
+        ):
             return True
         long = self._long
         if not long.waiting:
@@ -816,13 +822,22 @@ class Governor:
             if batch:
                 # A batch's short item waits for a free slot: the long slots its batch
                 # borrowed are the batch's longest items running first.
-                return self._in_flight < self._limit
+                return self._in_flight < self._limit and not self._shorts_past_server()
             # Long slots beyond the long share are borrowed: a short request reclaims them.
             long = self._long
             return lane.in_flight + min(long.in_flight, long.cap) < self._limit
         if self._in_flight >= self._limit or lane.in_flight >= self._lane_cap(lane):
             return False
         return not self._past_server(lane, batch, tokens)
+
+    def _shorts_past_server(self) -> bool:
+        """Whether a batch's short items wait for the server's batch: while the batch's long
+        items wait for a slot, its short items fill the server's batch and no more. Beyond it
+        they would only queue in the server, and each long item admitted after them would
+        queue behind them there (on a vLLM holding 7 long items, a batch whose short items
+        filled the limit of 12 ran its long items 4-5 at a time, and took 1.13-1.17x as long)."""
+        size = self._batch
+        return size is not None and self._long.batch_waiting > 0 and self._in_flight >= size
 
     def _past_server(self, long: _LaneState, batch: bool, tokens: int) -> bool:
         """Whether one more long call, beyond the lane's share, would pass what the server
@@ -932,6 +947,8 @@ class Governor:
             self._dispatch()
         else:
             self._withdraw(slot, self._queue_for(slot))
+            if slot.batch and self._waiting:
+                self._dispatch()  # a batch's long item gone may let its short items in
 
     def _withdraw(self, slot: Slot, queue: _Queue) -> None:
         slot._cancelled = True
