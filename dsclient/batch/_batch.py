@@ -376,7 +376,7 @@ class _Shaped:
     short item of the round instead. Otherwise every worker took a long item at the start of a
     round and waited on the long lane, and the server ran the long lane's share and nothing
     beside it: on a vLLM whose KV cache held 4 long items, a mixed batch ran its first waves
-    of long items 4 at a time in a batch of 8, and finished 6-13% after input order.
+    of long items 4 at a time in a batch of 8, and finished 6-17% after input order.
     """
 
     def __init__(self, source: _Source, run: _Run, window: int = WINDOW) -> None:
