@@ -668,41 +668,29 @@ async def test_short_calls_someone_waits_on_keep_the_long_share() -> None:
     assert governor._short.batch_in_flight == governor._long.batch_waiting == 0
 
 
-async def test_a_batchs_long_items_take_the_servers_batch_not_the_limits_excess() -> None:
+@pytest.mark.parametrize(("longs", "shorts_running", "held_back"), [(10, 1, False), (7, 5, True)])
+async def test_a_batchs_long_items_take_the_servers_batch_not_the_limits_excess(
+    longs: int, shorts_running: int, held_back: bool
+) -> None:
     """The limit may pass the server's batch (calls in transit); long items beyond the batch
-    would only queue in the server, ahead of the short items that could fill it."""
+    would only queue in the server, ahead of the short items that could fill it. While some of
+    the batch's long items wait (10 of them), its short items fill the server's batch, not the
+    limit: beyond it they would queue in the server ahead of the next long item, and a higher
+    limit would run none of them. Once no long item waits (7), the short ones take the limit's
+    rest, as any call would."""
     now = [100.0]
     governor = Governor(12, clock=lambda: now[0])
     governor.set_limit(12, batch=8)  # long share 4
     governor.set_kv(100_000)
     async with anyio.create_task_group() as tg:
         crowd = Crowd(governor, tg)
-        for i in range(10):
+        for i in range(longs):
             await crowd.add(f"L{i}", lane="long", batch=True)
         for i in range(6):
             await crowd.add(f"s{i}", batch=True)
         assert governor.stats().lanes["long"].in_flight == 7  # the batch less one
-        # While the batch's long items wait, its short items fill the server's batch, not the
-        # limit: beyond it they would queue in the server ahead of the next long item.
-        assert governor.stats().lanes["short"].in_flight == 1
-        assert not governor.held_back  # a higher limit would run none of them
-        await crowd.release_all()
-
-
-async def test_a_batchs_short_items_fill_the_limit_once_its_long_items_all_run() -> None:
-    now = [100.0]
-    governor = Governor(12, clock=lambda: now[0])
-    governor.set_limit(12, batch=8)
-    governor.set_kv(100_000)
-    async with anyio.create_task_group() as tg:
-        crowd = Crowd(governor, tg)
-        for i in range(7):
-            await crowd.add(f"L{i}", lane="long", batch=True)
-        for i in range(6):
-            await crowd.add(f"s{i}", batch=True)
-        # No long item waits: the short ones take the limit's rest, as any call would.
-        assert governor.stats().lanes["short"].in_flight == 5
-        assert governor.held_back
+        assert governor.stats().lanes["short"].in_flight == shorts_running
+        assert governor.held_back is held_back
         await crowd.release_all()
 
 
