@@ -323,7 +323,8 @@ def test_vllm_sums_data_parallel_engines_for_one_model():
         waiting_capacity=2,
         kv_usage=0.5,  # the mean of two equal caches at 0.75 and 0.25
         preemptions=5.0,
-        kv_cache_size_tokens=2 * 50176,  # each engine's cache_config_info is its own cache
+        # Each engine's cache_config_info is its own cache, less the null block vLLM keeps back.
+        kv_cache_size_tokens=2 * (50176 - 128),
         kv_cache_max_concurrency=2 * 24.5,
         block_size=128,
         max_num_seqs=None,  # vLLM states it nowhere
@@ -357,6 +358,24 @@ def test_vllm_counts_given_as_floats_become_ints():
     assert load is not None
     assert load.running == 3 and isinstance(load.running, int)
     assert load.waiting == 2 and isinstance(load.waiting, int)
+
+
+@pytest.mark.parametrize(
+    ("size", "block", "usable"),
+    [
+        ("3072", "128", 2944),  # --num-gpu-blocks-override 24: vLLM runs 23 blocks
+        ("3072", "None", 3072),  # no block size: nothing to take off
+        ("128", "128", 128),  # a block size that is the whole cache is not believed
+        ("3072", "-5", 3072),
+    ],
+)
+def test_vllm_cache_size_leaves_out_the_null_block(size: str, block: str, usable: int):
+    text = 'vllm:num_requests_running{engine="0",model_name="m"} 1.0\n' + _cache_config(
+        "0", kv_cache_size_tokens=size, block_size=block
+    )
+    load = parse_load(text)
+    assert load is not None
+    assert load.kv_cache_size_tokens == usable
 
 
 def test_vllm_cache_config_tolerates_none_and_missing_labels():

@@ -67,9 +67,9 @@ class Load:
         kv_usage: share of the KV cache in use, in ``[0, 1]``: the mean over engines, whose
             caches are the same size.
         preemptions: cumulative count of preempted (vLLM) or retracted (SGLang) requests.
-        kv_cache_size_tokens: tokens the KV cache holds, summed over engines (vLLM's
-            ``cache_config_info``, SGLang's ``max_total_num_tokens``, TGI's
-            ``batch_max_total_tokens``).
+        kv_cache_size_tokens: tokens the KV cache holds for requests, summed over engines
+            (vLLM's ``cache_config_info`` less the one block each engine keeps back, SGLang's
+            ``max_total_num_tokens``, TGI's ``batch_max_total_tokens``).
         kv_cache_max_concurrency: requests of the full context length that fit in the KV cache
             at once, summed over engines (vLLM's ``cache_config_info``).
         block_size: tokens per KV cache block (vLLM) or page (SGLang).
@@ -321,10 +321,30 @@ def _vllm_fields(
     config = _series(samples, _VLLM_CACHE_CONFIG, model)
     return (
         _count(_sum(capacity)),
-        _count(_sum(_label_values(config, "kv_cache_size_tokens"))),
+        _count(_sum(_usable_tokens(config))),
         _sum(_label_values(config, "kv_cache_max_concurrency")),
         _count(_first(_label_values(config, "block_size"))),
     )
+
+
+def _usable_tokens(config: Iterable[tuple[Mapping[str, str], float]]) -> list[float]:
+    """Each engine's ``kv_cache_size_tokens`` less the one block vLLM keeps back: its block
+    pool holds a null block that no request gets (``BlockPool.null_block``; the usage gauge
+    also leaves it out). On a cache of 24 blocks a batch counted 24 and vLLM ran 23."""
+    usable = []
+    for labels, _ in config:
+        try:
+            tokens = float(labels.get("kv_cache_size_tokens", ""))
+        except ValueError:
+            continue
+        try:
+            block = float(labels.get("block_size", ""))
+        except ValueError:
+            block = 0.0
+        if not math.isfinite(block) or not 0 < block < tokens:
+            block = 0.0
+        usable.append(tokens - block)
+    return usable
 
 
 def parse_load(text: str, *, model: str | None = None) -> Load | None:
