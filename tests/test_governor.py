@@ -46,6 +46,7 @@ class Crowd:
         group: str | None = None,
         batch: bool = False,
         tokens: int = 0,
+        prompt_tokens: int = 0,
     ) -> None:
         # Settle after each start: trio runs a batch of new tasks in random order, and the
         # tests below depend on arrival order.
@@ -53,7 +54,12 @@ class Crowd:
 
         async def run() -> None:
             async with self.governor.slot(
-                lane=lane, urgency=urgency, group=group, batch=batch, tokens=tokens
+                lane=lane,
+                urgency=urgency,
+                group=group,
+                batch=batch,
+                tokens=tokens,
+                prompt_tokens=prompt_tokens,
             ) as slot:
                 self.slots[name] = slot
                 self.admitted.append(name)
@@ -1133,4 +1139,141 @@ async def test_long_calls_the_cache_or_batch_holds_are_not_held_back_by_the_limi
             await crowd.add(f"B{i}", lane="long", batch=True, tokens=572)
         assert governor.stats().lanes["long"].in_flight == 7  # the batch less one
         assert not governor.held_back  # the server's batch holds them
+        await crowd.release_all()
+
+
+# --- growth: a batch's long items counted as they answer -----------------------------------------
+
+
+async def _paced(governor: Governor, now: list[float], per_token: float) -> None:
+    """Eight short answers of 32 tokens at ``per_token`` seconds a token: the short pace."""
+    for _ in range(8):
+        slot = await governor.acquire(lane="short")
+        now[0] += 32 * per_token
+        slot.work = 32
+        slot.release()
+    now[0] += 2.0  # no call about any more: the batch's long items may borrow
+
+
+async def _look(governor: Governor) -> None:
+    """Let the governor look at its waiters (as a release does), and the admitted ones run."""
+    governor.set_limit(governor.limit, batch=governor._batch)
+    await anyio.wait_all_tasks_blocked()
+
+
+def _growing(seats: int, blocks: int) -> tuple[Governor, list[float]]:
+    now = [100.0]
+    governor = Governor(seats, clock=lambda: now[0])
+    governor.set_limit(seats, batch=seats)
+    governor.set_kv(blocks * 128, block=128)
+    return governor, now
+
+
+LONG = {"lane": "long", "batch": True, "tokens": 640, "prompt_tokens": 100}  # 5 blocks at its end
+
+
+@pytest.mark.parametrize("prompt_known", [True, False])
+async def test_a_batchs_long_items_are_counted_as_they_grow(prompt_known: bool) -> None:
+    """23 blocks, a batch of 8: three long items of 5 blocks at their end, started together,
+    and the batch's short items filling the other 4 sequences (a block each) reach 15 + 4
+    blocks; with a fourth, 24: it waits until the three are far enough along that they end
+    before it needs its fifth block. Without its prompt the share rules stand: the fourth runs
+    at once (and vLLM preempts)."""
+    governor, now = _growing(8, 23)
+    await _paced(governor, now, 0.01)  # 100 tokens a second
+    item = LONG if prompt_known else {**LONG, "prompt_tokens": 0}
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        await crowd.add("s0", batch=True, tokens=100)
+        for i in range(4):
+            await crowd.add(f"L{i}", **item)  # type: ignore[arg-type]
+        if not prompt_known:
+            assert crowd.admitted == ["s0", "L0", "L1", "L2", "L3"]
+            await crowd.release_all()
+            return
+        assert crowd.admitted == ["s0", "L0", "L1", "L2"]
+        assert not governor.held_back  # a higher limit would not run it
+        now[0] += 1.2  # the three at 220 of 640 tokens: the fourth would reach 5 blocks first
+        await _look(governor)  # at the waiters again
+        assert crowd.admitted == ["s0", "L0", "L1", "L2"]
+        now[0] += 0.1  # at 230: 410 to go; the fourth is then at 510 tokens, 4 blocks
+        await _look(governor)
+        assert crowd.admitted == ["s0", "L0", "L1", "L2", "L3"]
+        await crowd.release_all()
+    assert governor.in_flight == 0 and not governor._ramps
+
+
+async def test_until_the_pace_is_known_a_batchs_long_items_count_whole() -> None:
+    governor, now = _growing(8, 23)
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        await crowd.add("s0", batch=True, tokens=100)
+        for i in range(4):
+            await crowd.add(f"L{i}", **LONG)  # type: ignore[arg-type]
+        now[0] += 100.0
+        await _look(governor)
+        assert crowd.admitted == ["s0", "L0", "L1", "L2"]  # 3 x 5 + 4 x 1 blocks; a 4th: 24
+        await crowd.release("L0")
+        assert crowd.admitted == ["s0", "L0", "L1", "L2", "L3"]
+        await crowd.release_all()
+
+
+@pytest.mark.parametrize("short_running", [True, False])
+async def test_a_batchs_long_items_start_apart_while_its_short_items_run(
+    short_running: bool,
+) -> None:
+    """A batch of 4 on 15 blocks: the third long item fits as they grow 1.28 s after the first
+    two (they end before it needs its fifth block), but long items start a long call's time
+    (5.4 s) over 3 apart while the batch's short items run (their answers dispatch it)."""
+    governor, now = _growing(4, 15)
+    await _paced(governor, now, 0.01)
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        await crowd.add("s0", batch=True, tokens=100)
+        for i in range(3):
+            await crowd.add(f"L{i}", **LONG)  # type: ignore[arg-type]
+        assert crowd.admitted == ["s0", "L0", "L1"]
+        now[0] += 1.5
+        if short_running:
+            await _look(governor)
+        else:
+            await crowd.release("s0")  # its answer dispatches; no short item runs any more
+        assert ("L2" in crowd.admitted) is not short_running
+        now[0] += 0.35  # 1.85 s: 5.4 / 3 apart
+        await _look(governor)
+        assert "L2" in crowd.admitted
+        await crowd.release_all()
+
+
+async def test_the_batchs_own_answers_bound_how_long_its_long_items_grow() -> None:
+    """Once 4 long answers are in, a long item is expected to end at the longest of them:
+    answers of 100 tokens (1-2 blocks) let the fourth start at once."""
+    governor, now = _growing(8, 23)
+    await _paced(governor, now, 0.01)
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        for i in range(4):
+            await crowd.add(f"A{i}", **LONG)  # type: ignore[arg-type]
+        for name in ("A0", "A1", "A2"):
+            crowd.slots[name].work = 100
+        await crowd.release("A0", "A1", "A2")
+        crowd.slots["A3"].work = 100
+        await crowd.release("A3")
+        for i in range(4):
+            await crowd.add(f"L{i}", **LONG)  # type: ignore[arg-type]
+        assert [n for n in crowd.admitted if n[0] == "L"] == ["L0", "L1", "L2", "L3"]
+        await crowd.release_all()
+
+
+async def test_a_batch_of_long_items_alone_leaves_no_room_for_short_ones() -> None:
+    """With no short item in the batch, nothing fills the other sequences: 4 long items of 5
+    blocks run in 23 (as the share rules ran them), and a fifth waits for room; their own
+    answers then give the pace."""
+    governor, now = _growing(8, 23)
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        for i in range(5):
+            await crowd.add(f"L{i}", **LONG)  # type: ignore[arg-type]
+        assert crowd.admitted == ["L0", "L1", "L2", "L3"]
+        assert governor._long_pace.latest is None
         await crowd.release_all()

@@ -331,4 +331,6 @@ def _admission(
 ) -> Admission:
     """The governor's view of one call as ``plan`` sends it (its lane and KV cache tokens)."""
     model = plan.body.get("model")
-    return Admission(plan.lane, urgency, group, model, prefix, batch, plan.kv_tokens)
+    return Admission(
+        plan.lane, urgency, group, model, prefix, batch, plan.kv_tokens, plan.prompt_tokens
+    )

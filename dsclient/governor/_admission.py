@@ -35,6 +35,8 @@ class Admission(NamedTuple):
             :mod:`dsclient.governor._governor`).
         tokens: the KV cache tokens the call may hold, its prompt + ``max_tokens`` (0: not
             known); long calls borrow only as far as the server's cache holds them.
+        prompt_tokens: of those, the prompt's (a bound; 0: not known): a batch's long items are
+            counted as they grow from it.
     """
 
     lane: Lane
@@ -44,3 +46,4 @@ class Admission(NamedTuple):
     prefix: str | None = None
     batch: bool = False
     tokens: int = 0
+    prompt_tokens: int = 0

@@ -224,6 +224,7 @@ class SingleServer:
             group=admission.group,
             batch=admission.batch,
             tokens=admission.tokens,
+            prompt_tokens=admission.prompt_tokens,
         )
 
     def server_of(self, lease: Lease) -> Endpoint:

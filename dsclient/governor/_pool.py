@@ -351,6 +351,7 @@ class ServerPool:
         group: str | None,
         batch: bool = False,
         tokens: int = 0,
+        prompt_tokens: int = 0,
     ) -> list[ServerState]:
         """Each discovered server as the router sees it for one attempt."""
         now = self._clock()
@@ -381,7 +382,13 @@ class ServerPool:
                     waiting=waiting,
                     kv_usage=kv_usage,
                     metrics_age=age,
-                    room=governor.admits(lane=lane, group=group, batch=batch, tokens=tokens),
+                    room=governor.admits(
+                        lane=lane,
+                        group=group,
+                        batch=batch,
+                        tokens=tokens,
+                        prompt_tokens=prompt_tokens,
+                    ),
                 )
             )
         return states
@@ -399,7 +406,11 @@ class ServerPool:
                 continue
             for endpoint in members:
                 if not endpoint.governor.admits(
-                    lane=slot.lane, group=slot.group, batch=slot.batch, tokens=slot.tokens
+                    lane=slot.lane,
+                    group=slot.group,
+                    batch=slot.batch,
+                    tokens=slot.tokens,
+                    prompt_tokens=slot.prompt_tokens,
                 ):
                     continue
                 if self.router.match(endpoint.url, blocks) >= threshold:
@@ -434,9 +445,14 @@ class ServerPool:
         self, admission: Admission, *, avoid: frozenset[str] = frozenset()
     ) -> PoolSlot:
         """A place in the front queue of the call's model, then a server with room for it."""
-        lane, urgency, group, model, prefix, batch, tokens = admission
+        lane, urgency, group, model, prefix, batch, tokens, prompt_tokens = admission
         front = self.front(model).slot(
-            lane=lane, urgency=urgency, group=group, batch=batch, tokens=tokens
+            lane=lane,
+            urgency=urgency,
+            group=group,
+            batch=batch,
+            tokens=tokens,
+            prompt_tokens=prompt_tokens,
         )
         request = RouteRequest(model=model, prefix=prefix, avoid=avoid)
         blocks = request.block_keys(self.router.policy.block_chars)
@@ -446,12 +462,17 @@ class ServerPool:
         await front.__aenter__()
         try:
             while True:
-                states = self.states(model, lane, group, batch, tokens)
+                states = self.states(model, lane, group, batch, tokens, prompt_tokens)
                 decision = self.router.choose(states, request)
                 if isinstance(decision, Route):
                     endpoint = self._by_url[decision.url]
                     server = endpoint.governor.slot(
-                        lane=lane, urgency=urgency, group=group, batch=batch, tokens=tokens
+                        lane=lane,
+                        urgency=urgency,
+                        group=group,
+                        batch=batch,
+                        tokens=tokens,
+                        prompt_tokens=prompt_tokens,
                     )
                     await server.__aenter__()  # the router checked its room: at once
                     return PoolSlot(self, front, server, endpoint)
