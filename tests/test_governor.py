@@ -1269,11 +1269,31 @@ async def test_a_batch_of_long_items_alone_leaves_no_room_for_short_ones() -> No
     """With no short item in the batch, nothing fills the other sequences: 4 long items of 5
     blocks run in 23 (as the share rules ran them), and a fifth waits for room; their own
     answers then give the pace."""
-    governor, now = _growing(8, 23)
+    governor, _now = _growing(8, 23)
     async with anyio.create_task_group() as tg:
         crowd = Crowd(governor, tg)
         for i in range(5):
             await crowd.add(f"L{i}", **LONG)  # type: ignore[arg-type]
         assert crowd.admitted == ["L0", "L1", "L2", "L3"]
         assert governor._long_pace.latest is None
+        await crowd.release_all()
+
+
+async def test_a_batchs_short_items_take_the_limit_while_its_long_ones_wait_for_the_cache() -> None:
+    """Held to the server's batch while a long item waits, the short items left vLLM with no
+    call queued each time a sequence ended; a long item that waits for the cache takes no slot
+    that frees, so the short items fill the limit, and the limit may grow for them."""
+    governor, now = _growing(8, 23)
+    governor.set_limit(12, batch=8)
+    await _paced(governor, now, 0.01)
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        await crowd.add("s0", batch=True, tokens=100)
+        for i in range(4):
+            await crowd.add(f"L{i}", **LONG)  # type: ignore[arg-type]
+        assert "L3" not in crowd.admitted  # the cache holds it back
+        for i in range(1, 10):
+            await crowd.add(f"s{i}", batch=True, tokens=100)
+        assert governor.in_flight == 12  # the limit, not the server's batch of 8
+        assert governor.held_back
         await crowd.release_all()

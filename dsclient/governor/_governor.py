@@ -87,12 +87,14 @@ the longest of its latest 16 (at most its ``max_tokens``). Until the pace is kno
 counts whole. Where the batch's short items run (so that slots free, and waiters are looked at,
 every few steps), its long items also start one at a time, a long call's expected time over the
 server's batch less one apart: started together, long calls reach their largest together, and
-the cache holds fewer of them. On a vLLM of 23 usable blocks of 128 tokens (8 sequences), a
-batch of 200 with about 20 items of 512 tokens out (5 blocks each) ran its long items 4 at a
-time in waves, preempting at the top of each wave; staggered and counted as they grow, 5-6 ran,
-and 6 of 6 runs finished sooner: 0.88x-0.95x (``docs/benchmarks.md``). A call past the point
-at which it was expected to end counts whole until it ends. Beyond 64 long calls in flight (the
-check walks them at each point) the share rules apply instead.
+the cache holds fewer of them. While a long item waits for the cache, the batch's short items
+fill the limit, not the server's batch (no slot that frees would start the long item). On a vLLM
+of 23 usable blocks of 128 tokens (8 sequences), a batch of 200 with about 20 items of 512
+tokens out (5 blocks each) ran its long items 4 at a time in waves, preempting at the top of each
+wave; counted as they grow and started apart, 5-6 ran, and in 6 paired runs the batch took
+0.74x-0.97x as long in input order and 0.70x-1.02x in shape order (``docs/governor.md``). A call
+past the point at which it was expected to end counts whole until it ends. Beyond 64 long calls
+in flight (the check walks them at each point) the share rules apply instead.
 
 **Urgency, not priority.** Among waiters, higher ``urgency`` is admitted first, FIFO within
 equal urgency. It is deliberately not called ``priority``: vLLM's own request field ``priority``
@@ -893,9 +895,26 @@ class Governor:
         items wait for a slot, its short items fill the server's batch and no more. Beyond it
         they would only queue in the server, and each long item admitted after them would
         queue behind them there (on a vLLM holding 7 long items, a batch whose short items
-        filled the limit of 12 ran its long items 4-5 at a time, and took 1.13-1.17x as long)."""
+        filled the limit of 12 ran its long items 4-5 at a time, and took 1.13-1.17x as long).
+        Not while the first of them waits for the cache ("Growth"): no slot that frees would
+        start it, and held to the batch the server had no call queued when a sequence ended
+        (a mixed batch in shape order ran 1.1-1.3x as long as in input order)."""
         size = self._batch
-        return size is not None and self._long.batch_waiting > 0 and self._in_flight >= size
+        long = self._long
+        if size is None or not long.batch_waiting or self._in_flight < size:
+            return False
+        for queue in self._queues:
+            if queue.lane is long and queue.live:
+                head = queue.head()[2]
+                if (
+                    head.batch
+                    and head.prompt_tokens
+                    and long.in_flight < size - 1
+                    and len(self._ramps) <= _GROWTH_MOST
+                    and self._past_cache_as_they_grow(long, head.tokens, head.prompt_tokens)
+                ):
+                    return False
+        return True
 
     def _past_server(self, long: _LaneState, batch: bool, tokens: int, prompt: int = 0) -> bool:
         """Whether one more long call would pass what the server holds: beyond the lane's
