@@ -82,6 +82,18 @@ class NoServerError(DSClientError):
     """No server of the client serves the model a call asks for (waiting will not help)."""
 
 
+def _slot_in(governor: Governor, admission: Admission) -> Slot:
+    """A slot of ``governor`` for a call of ``admission`` (the front queue's, a server's)."""
+    return governor.slot(
+        lane=admission.lane,
+        urgency=admission.urgency,
+        group=admission.group,
+        batch=admission.batch,
+        tokens=admission.tokens,
+        prompt_tokens=admission.prompt_tokens,
+    )
+
+
 class PoolSlot:
     """A call's admission to a pool: a front slot (its place in line) and a slot of the server
     the router chose (which that server's limit controller hears about)."""
@@ -445,15 +457,8 @@ class ServerPool:
         self, admission: Admission, *, avoid: frozenset[str] = frozenset()
     ) -> PoolSlot:
         """A place in the front queue of the call's model, then a server with room for it."""
-        lane, urgency, group, model, prefix, batch, tokens, prompt_tokens = admission
-        front = self.front(model).slot(
-            lane=lane,
-            urgency=urgency,
-            group=group,
-            batch=batch,
-            tokens=tokens,
-            prompt_tokens=prompt_tokens,
-        )
+        model, prefix = admission.model, admission.prefix
+        front = _slot_in(self.front(model), admission)
         request = RouteRequest(model=model, prefix=prefix, avoid=avoid)
         blocks = request.block_keys(self.router.policy.block_chars)
         if blocks:
@@ -462,18 +467,18 @@ class ServerPool:
         await front.__aenter__()
         try:
             while True:
-                states = self.states(model, lane, group, batch, tokens, prompt_tokens)
+                states = self.states(
+                    model,
+                    admission.lane,
+                    admission.group,
+                    admission.batch,
+                    admission.tokens,
+                    admission.prompt_tokens,
+                )
                 decision = self.router.choose(states, request)
                 if isinstance(decision, Route):
                     endpoint = self._by_url[decision.url]
-                    server = endpoint.governor.slot(
-                        lane=lane,
-                        urgency=urgency,
-                        group=group,
-                        batch=batch,
-                        tokens=tokens,
-                        prompt_tokens=prompt_tokens,
-                    )
+                    server = _slot_in(endpoint.governor, admission)
                     await server.__aenter__()  # the router checked its room: at once
                     return PoolSlot(self, front, server, endpoint)
                 if isinstance(decision, NoServer):
