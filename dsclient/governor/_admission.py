@@ -12,11 +12,14 @@ attempt.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ._lanes import Lane
 
-__all__ = ["Admission"]
+if TYPE_CHECKING:
+    from ._governor import Governor, Slot
+
+__all__ = ["Admission", "slot_for"]
 
 
 class Admission(NamedTuple):
@@ -47,3 +50,15 @@ class Admission(NamedTuple):
     batch: bool = False
     tokens: int = 0
     prompt_tokens: int = 0
+
+
+def slot_for(governor: Governor, admission: Admission) -> Slot:
+    """A slot of ``governor`` for a call of ``admission`` (a server's, a pool's front queue)."""
+    return governor.slot(
+        lane=admission.lane,
+        urgency=admission.urgency,
+        group=admission.group,
+        batch=admission.batch,
+        tokens=admission.tokens,
+        prompt_tokens=admission.prompt_tokens,
+    )

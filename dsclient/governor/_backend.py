@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
-from ._admission import Admission
+from ._admission import Admission, slot_for
 from ._governor import Governor, GovernorStats
 from ._health import Reachability
 
@@ -218,14 +218,8 @@ class SingleServer:
     def acquire(
         self, admission: Admission, *, avoid: frozenset[str] = frozenset()
     ) -> Awaitable[Lease]:
-        return self._governor.acquire(
-            lane=admission.lane,
-            urgency=admission.urgency,
-            group=admission.group,
-            batch=admission.batch,
-            tokens=admission.tokens,
-            prompt_tokens=admission.prompt_tokens,
-        )
+        # The slot's own entry, not a coroutine around it: one frame fewer on every call.
+        return slot_for(self._governor, admission).__aenter__()
 
     def server_of(self, lease: Lease) -> Endpoint:
         return self.endpoint

@@ -51,7 +51,7 @@ import anyio
 from .._exceptions import ConnectionError, DSClientError, Overloaded, ServerError
 from .._exceptions import TimeoutError as DSTimeoutError
 from .._server_info import ServerInfo
-from ._admission import Admission
+from ._admission import Admission, slot_for
 from ._governor import Governor, GovernorStats, Slot
 from ._health import Reachability
 from ._lanes import Lane
@@ -80,18 +80,6 @@ _HEALTH_PERIOD_S = 0.25
 
 class NoServerError(DSClientError):
     """No server of the client serves the model a call asks for (waiting will not help)."""
-
-
-def _slot_in(governor: Governor, admission: Admission) -> Slot:
-    """A slot of ``governor`` for a call of ``admission`` (the front queue's, a server's)."""
-    return governor.slot(
-        lane=admission.lane,
-        urgency=admission.urgency,
-        group=admission.group,
-        batch=admission.batch,
-        tokens=admission.tokens,
-        prompt_tokens=admission.prompt_tokens,
-    )
 
 
 class PoolSlot:
@@ -458,7 +446,7 @@ class ServerPool:
     ) -> PoolSlot:
         """A place in the front queue of the call's model, then a server with room for it."""
         model, prefix = admission.model, admission.prefix
-        front = _slot_in(self.front(model), admission)
+        front = slot_for(self.front(model), admission)
         request = RouteRequest(model=model, prefix=prefix, avoid=avoid)
         blocks = request.block_keys(self.router.policy.block_chars)
         if blocks:
@@ -478,7 +466,7 @@ class ServerPool:
                 decision = self.router.choose(states, request)
                 if isinstance(decision, Route):
                     endpoint = self._by_url[decision.url]
-                    server = _slot_in(endpoint.governor, admission)
+                    server = slot_for(endpoint.governor, admission)
                     await server.__aenter__()  # the router checked its room: at once
                     return PoolSlot(self, front, server, endpoint)
                 if isinstance(decision, NoServer):
