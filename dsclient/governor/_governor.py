@@ -970,7 +970,8 @@ class Governor:
         last = tokens if most is None else min(tokens, prompt + most)
         own = last - prompt  # the tokens it will answer
         now = self._clock()
-        if short.batch_in_flight and now - self._long_started < pace * own / (seats - 1):
+        apart = pace * own / max(1, seats - 1)
+        if short.batch_in_flight and now - self._long_started < apart:
             return True  # staggered: the batch's short items end (and dispatch) meanwhile
         # Each long call in flight: (tokens to its end, tokens now, tokens at its end); one
         # that has passed its expected end holds all it may until it ends.
