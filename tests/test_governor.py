@@ -1297,3 +1297,28 @@ async def test_a_batchs_short_items_take_the_limit_while_its_long_ones_wait_for_
         assert governor.in_flight == 12  # the limit, not the server's batch of 8
         assert governor.held_back
         await crowd.release_all()
+
+
+async def test_a_batchs_short_items_wait_beside_its_long_ones_where_only_the_batch_is_known() -> (
+    None
+):
+    """A server that tells its batch (vLLM's dev mode) but not its KV cache: growth is not
+    counted (it needs the cache), so a batch's long item with a known prompt that waits for
+    the limit beside a short one takes the next slot by the share rules, and the short one
+    the slot after."""
+    governor = Governor(12)
+    governor.set_limit(12, batch=8)
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        await crowd.add("L0", **LONG)  # type: ignore[arg-type]
+        for i in range(11):
+            await crowd.add(f"s{i}", batch=True, tokens=100)
+        await crowd.add("L1", **LONG)  # type: ignore[arg-type]
+        await crowd.add("s11", batch=True, tokens=100)
+        assert governor.in_flight == 12
+        await crowd.release("s0")
+        assert crowd.admitted[-1] == "L1"  # the long item first, within its share
+        assert "s11" not in crowd.admitted
+        await crowd.release("s1")
+        assert crowd.admitted[-1] == "s11"
+        await crowd.release_all()

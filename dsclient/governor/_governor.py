@@ -907,10 +907,8 @@ class Governor:
             if queue.lane is long and queue.live:
                 head = queue.head()[2]
                 if (
-                    head.batch
-                    and head.prompt_tokens
+                    self._grows(head.batch, head.prompt_tokens)
                     and long.in_flight < size - 1
-                    and len(self._ramps) <= _GROWTH_MOST
                     and self._past_cache_as_they_grow(long, head.tokens, head.prompt_tokens)
                 ):
                     return False
@@ -921,7 +919,7 @@ class Governor:
         share, its KV cache or (a batch's item) its batch less one; a batch's item whose prompt
         is known, the cache as its long calls grow ("Growth"). A higher limit would not run
         such a call (:attr:`held_back`)."""
-        if batch and prompt and self._kv_tokens is not None and len(self._ramps) <= _GROWTH_MOST:
+        if self._grows(batch, prompt):
             return self._past_cache_as_they_grow(long, tokens, prompt)
         if long.in_flight < long.cap:
             return False  # within the share: never held by the server's size
@@ -934,6 +932,17 @@ class Governor:
         # Beyond its share a long call borrows, and only as far as the KV cache holds it.
         kv = self._kv_tokens
         return kv is not None and self._tokens + tokens > kv
+
+    def _grows(self, batch: bool, prompt: int) -> bool:
+        """Whether a long call is admitted as the batch's long calls grow ("Growth"): a
+        batch's item whose prompt is known, on a server whose KV cache is, while the check
+        (quadratic in them) has at most ``_GROWTH_MOST`` calls to count."""
+        return (
+            batch
+            and prompt > 0
+            and self._kv_tokens is not None
+            and len(self._ramps) <= _GROWTH_MOST
+        )
 
     def _past_cache_as_they_grow(self, long: _LaneState, tokens: int, prompt: int) -> bool:
         """A batch's long item of ``prompt`` tokens that may hold ``tokens``: whether it would
@@ -1043,7 +1052,7 @@ class Governor:
     def _untake(self, slot: Slot) -> None:
         self._in_flight -= 1
         self._tokens -= slot.tokens
-        if slot.prompt_tokens:
+        if slot.batch and slot.prompt_tokens:
             self._ramps.pop(slot, None)
         slot._lane_state.in_flight -= 1
         if slot.batch:
