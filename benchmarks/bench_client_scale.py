@@ -7,14 +7,26 @@
 A local server in its own process (a raw asyncio protocol: it parses the request line and headers,
 skips the body and writes a canned vLLM completion; ``/v1/models`` for dsclient's discovery, 404
 for anything else) costs next to nothing per request, so what limits the rate is the client. Each
-leg runs in a fresh subprocess (its own imports, sockets and memory); it first sends ``concurrency``
-uncounted requests (the pool's connections open), then ``n`` more, all gathered at once behind a
-semaphore of ``concurrency`` (dsclient: behind its own governor, ``limit=concurrency``), and that
-``--repeat`` times in a row (default: 5 for 2,000 requests, 1 for 20,000). Measured in the leg:
-wall seconds and ``time.process_time()`` over the ``n`` of the median repetition by CPU (client
-CPU only: the server is another process), the lowest and highest repetition's CPU, RSS after
-the first 1000 answers and the most seen, file descriptors before the client was built and after
-``aclose()``, and every ``ResourceWarning`` (``-W always``, a ``gc.collect()`` after closing).
+leg runs in a subprocess of its own (its own imports, sockets and memory); it first sends
+``concurrency`` uncounted requests (the pool's connections open), then ``n`` more, all gathered at
+once behind a semaphore of ``concurrency`` (dsclient: behind its own governor,
+``limit=concurrency``), ``--repeat`` times (default: 5 for 2,000 requests, 1 for 20,000).
+
+The legs of one ``n`` and concurrency run paired: all their processes are alive at once and take
+turns, one repetition of each leg a round, the order turned by one leg each round, so that a
+neighbour's burst falls on every leg of a round alike. Each dsclient leg's ratios to the fastest
+plain client are taken within each round, and their median is what the goals are judged on
+(``rate_ratio``, ``cpu_ratio`` in the results, with the rounds' lowest and highest CPU ratio):
+on this shared 2-core machine one repetition's CPU moved by a third between neighbouring minutes,
+more than the differences measured. ``--sequential`` runs each leg's repetitions in a row, one
+leg after another, as the results before 2026-12-06 10:50 UTC were taken (their ratios are of the
+legs' medians).
+
+Measured in the leg: wall seconds and ``time.process_time()`` over the ``n`` of the median
+repetition by CPU (client CPU only: the server is another process), the lowest and highest
+repetition's CPU, RSS after the first 1000 answers and the most seen, file descriptors before the
+client was built and after ``aclose()``, and every ``ResourceWarning`` (``-W always``, a
+``gc.collect()`` after closing).
 
 Legs: ``aiohttp`` (a ``ClientSession`` with an unbounded connector), ``httpx2`` and ``httpx`` (an
 unbounded pool), ``openai`` (``AsyncOpenAI`` as users run it, ``max_retries=0``) and
@@ -29,8 +41,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import itertools
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -196,7 +210,10 @@ async def _timed(
     samples: list[tuple[float, float]] = []
     first: int | None = None
     peak = 0
-    for number in range(REPEAT):
+    go = _told_to_go if PAIRED else None
+    for number in range(REPEAT) if go is None else itertools.count():
+        if go is not None and not await go():
+            break
         meter = Meter()
         gc.collect()
         wall, cpu = time.perf_counter(), time.process_time()
@@ -218,6 +235,15 @@ async def _timed(
 
 
 REPEAT = 1  # set by --repeat in the leg's process
+PAIRED = False  # set by --paired in the leg's process: a repetition each time the parent says
+
+
+async def _told_to_go() -> bool:
+    """Paired legs: say that the last repetition is done (or the warm-up: ``ready``), then wait
+    for the parent's next line: ``go`` (one more repetition) or ``stop``."""
+    print("ready", flush=True)
+    line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    return line.strip() == "go"
 
 
 async def leg_aiohttp(url: str, n: int, concurrency: int) -> dict[str, Any]:
@@ -381,9 +407,7 @@ def run_leg(leg: str, url: str, n: int, concurrency: int) -> dict[str, Any]:
     return result
 
 
-def _child(
-    leg: str, url: str, n: int, concurrency: int, timeout: float, repeat: int
-) -> dict[str, Any]:
+def _command(leg: str, url: str, n: int, concurrency: int, repeat: int) -> list[str]:
     command = [
         sys.executable,
         "-W",
@@ -392,19 +416,105 @@ def _child(
         "benchmarks.bench_client_scale",
     ]
     command += ["--child", leg, "--url", url, "--n", str(n), "--concurrency", str(concurrency)]
-    command += ["--repeat", str(repeat)]
+    return [*command, "--repeat", str(repeat)]
+
+
+def _child(
+    leg: str, url: str, n: int, concurrency: int, timeout: float, repeat: int
+) -> dict[str, Any]:
+    """One leg in a process of its own, its repetitions in a row (``--sequential``)."""
     done = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, check=False, cwd=_ROOT
+        _command(leg, url, n, concurrency, repeat),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=_ROOT,
     )
-    if done.returncode != 0:
+    return _outcome(done.returncode, done.stdout, done.stderr)
+
+
+def _outcome(code: int, stdout: str, stderr: str) -> dict[str, Any]:
+    """A leg's figures (its last line on stdout), or ``{"error": [...]}``."""
+    if code != 0:
         # The exception's own line: the last unindented one that is not a warning.
         lines = [
             line
-            for line in done.stderr.splitlines()
+            for line in stderr.splitlines()
             if line and not line[0].isspace() and "Warning" not in line
         ]
-        return {"error": lines[-1:] or [f"exit {done.returncode}"]}
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+        return {"error": lines[-1:] or [f"exit {code}"]}
+    return dict(json.loads(stdout.strip().splitlines()[-1]))
+
+
+def _paired(
+    legs: Sequence[str], url: str, n: int, concurrency: int, timeout: float, repeat: int
+) -> dict[str, dict[str, Any]]:
+    """Every leg in a process of its own, all alive at once, their repetitions taken in turns.
+
+    Each process is started and warmed up in turn; then, ``repeat`` rounds, each leg runs one
+    repetition while the others wait (the order turned by one leg each round), so that a
+    neighbour's burst or a quiet spell falls on every leg of a round alike, and a ratio taken
+    within a round compares like with like. Each leg's figures are then those of
+    :func:`_timed` (its ``samples`` in round order); the parent pairs them (:func:`_pair`).
+    """
+    import contextlib
+    import tempfile
+
+    procs: dict[str, subprocess.Popen[str]] = {}
+    errors: dict[str, Any] = {}
+    logs: dict[str, Any] = {}
+
+    def step(leg: str, say_: str | None) -> None:
+        proc = procs[leg]
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            if say_ is not None:
+                proc.stdin.write(say_ + "\n")
+                proc.stdin.flush()
+            ready, _, _ = select.select([proc.stdout], [], [], timeout)
+            line = proc.stdout.readline() if ready else ""
+        except OSError as exc:  # the leg's process has gone
+            line = str(exc)
+        if line.strip() != "ready":
+            proc.kill()
+            errors[leg] = {"error": [f"no answer from the leg ({line.strip() or 'timeout'})"]}
+
+    with contextlib.ExitStack() as files:
+        try:
+            for leg in legs:
+                logs[leg] = files.enter_context(tempfile.TemporaryFile("w+"))
+                procs[leg] = subprocess.Popen(
+                    [*_command(leg, url, n, concurrency, 1), "--paired"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=logs[leg],
+                    text=True,
+                    cwd=_ROOT,
+                )
+                step(leg, None)  # its warm-up done
+            for number in range(repeat):
+                turn = number % len(legs)
+                for leg in [*legs[turn:], *legs[:turn]]:
+                    if leg not in errors:
+                        step(leg, "go")
+            results: dict[str, dict[str, Any]] = {}
+            for leg, proc in procs.items():
+                if leg in errors:
+                    proc.wait(timeout)
+                    logs[leg].seek(0)
+                    told = _outcome(1, "", logs[leg].read())  # its own error, where it said one
+                    results[leg] = told if told["error"] != ["exit 1"] else errors[leg]
+                    continue
+                stdout, _ = proc.communicate("stop\n", timeout=timeout)
+                logs[leg].seek(0)
+                results[leg] = _outcome(proc.returncode, stdout, logs[leg].read())
+            return results
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
 
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -449,8 +559,7 @@ def goals(rows: list[dict[str, Any]]) -> list[str]:
             mine = here.get(leg, {})
             if "rps" not in mine:
                 continue
-            speed = mine["rps"] / best["rps"]
-            cost = mine["cpu_per_req"] / best["cpu_per_req"]
+            speed, cost = _ratios(mine, best)
             met = "met" if speed >= 0.8 and cost <= 1.2 else "MISSED"
             lines.append(
                 f"run {run} n={n} c={c} {leg}: {speed:.2f}x the rate, {cost:.2f}x the CPU of "
@@ -469,6 +578,14 @@ def _versus(
     if not plain or "rps" not in mine:
         return None
     best = max(plain, key=lambda r: r["rps"])
+    return _ratios(mine, best)
+
+
+def _ratios(mine: dict[str, Any], best: dict[str, Any]) -> tuple[float, float]:
+    """Requests/s and CPU/request of ``mine`` over ``best``'s: the medians of the ratios taken
+    round by round where the legs ran paired (the default), else the ratio of their medians."""
+    if "cpu_ratio" in mine:
+        return mine["rate_ratio"], mine["cpu_ratio"]
     return mine["rps"] / best["rps"], mine["cpu_per_req"] / best["cpu_per_req"]
 
 
@@ -560,7 +677,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per leg")
     parser.add_argument("--no-save", action="store_true", help="do not write a results file")
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="run each leg's repetitions in a row, one leg after another (default: every "
+        "leg's process alive at once, their repetitions in turns, ratios taken within a round)",
+    )
     parser.add_argument("--profile", choices=LEGS, help="pyinstrument one leg, print its tree")
+    parser.add_argument("--paired", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=LEGS, help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
@@ -569,8 +693,9 @@ def main(argv: list[str] | None = None) -> None:
         serve(args.serve)
         return
     if args.child:
-        global REPEAT
+        global REPEAT, PAIRED
         REPEAT = args.repeat or 1
+        PAIRED = args.paired
         result = run_leg(args.child, args.url, args.n[0], args.concurrency[0])
         print(json.dumps(result))
         return
@@ -616,38 +741,23 @@ def _measure(args: argparse.Namespace, url: str) -> None:
         "legs": args.legs,
         "runs": args.runs,
         "repeat": args.repeat,
+        "method": "sequential" if args.sequential else "paired",
     }
     run = Run.begin("client-scale", params=params, peers=PEERS)
     rows: list[dict[str, Any]] = []
     for number in range(1, args.runs + 1):
         for n in args.n:
             for c in args.concurrency:
-                for leg in args.legs:
-                    repeat = args.repeat or _repeat_for(n)
-                    got = _child(leg, url, n, c, args.timeout, repeat)
-                    row: dict[str, Any] = {"leg": leg, "run": number, "concurrency": c, "n": n}
-                    if "error" in got:
-                        row["error"] = " ".join(got["error"])[:300]
-                        say(f"run {number} n={n} c={c} {leg}: FAILED {got['error']}")
-                    else:
-                        row.update(
-                            rps=n / got["wall_s"],
-                            cpu_per_req=got["cpu_s"] / n,
-                            rss_1000_mb=_mb(got["rss_1000"]),
-                            rss_max_mb=_mb(got["rss_max"]),
-                            fds_left=got["fds_left"],
-                            resource_warnings=len(got["resource_warnings"]),
-                            repeat=repeat,
-                            cpu_per_req_low=min(cpu for _, cpu in got["samples"]) / n,
-                            cpu_per_req_high=max(cpu for _, cpu in got["samples"]) / n,
-                        )
-                        say(
-                            f"run {number} n={n} c={c} {leg}: {row['rps']:,.0f} req/s, "
-                            f"{row['cpu_per_req'] * 1e6:,.0f} us CPU/req, "
-                            f"RSS {row['rss_1000_mb']} -> {row['rss_max_mb']} MB, "
-                            f"fds left {row['fds_left']}, "
-                            f"ResourceWarnings {row['resource_warnings']}"
-                        )
+                repeat = args.repeat or _repeat_for(n)
+                if args.sequential:
+                    got = {leg: _child(leg, url, n, c, args.timeout, repeat) for leg in args.legs}
+                else:
+                    got = _paired(args.legs, url, n, c, args.timeout, repeat)
+                mine = [_row(leg, number, n, c, got[leg], repeat) for leg in args.legs]
+                if not args.sequential:
+                    _pair(mine, got)
+                for row in mine:
+                    _say_row(row, got[row["leg"]])
                     run.add(**row)
                     rows.append(row)
     print(table(rows))
@@ -655,6 +765,67 @@ def _measure(args: argparse.Namespace, url: str) -> None:
     print("\n".join(goals(rows)))
     if not args.no_save:
         say(f"saved {run.save()}")
+
+
+def _row(leg: str, number: int, n: int, c: int, got: dict[str, Any], repeat: int) -> dict[str, Any]:
+    row: dict[str, Any] = {"leg": leg, "run": number, "concurrency": c, "n": n}
+    if "error" in got:
+        row["error"] = " ".join(got["error"])[:300]
+        return row
+    row.update(
+        rps=n / got["wall_s"],
+        cpu_per_req=got["cpu_s"] / n,
+        rss_1000_mb=_mb(got["rss_1000"]),
+        rss_max_mb=_mb(got["rss_max"]),
+        fds_left=got["fds_left"],
+        resource_warnings=len(got["resource_warnings"]),
+        repeat=repeat,
+        cpu_per_req_low=min(cpu for _, cpu in got["samples"]) / n,
+        cpu_per_req_high=max(cpu for _, cpu in got["samples"]) / n,
+    )
+    return row
+
+
+def _pair(rows: list[dict[str, Any]], got: dict[str, dict[str, Any]]) -> None:
+    """Paired legs: each dsclient leg's ratios to the fastest plain client (by median
+    requests/s), taken round by round and their median kept (``rate_ratio``, ``cpu_ratio``,
+    with the rounds' lowest and highest CPU ratio): what the goals are judged on."""
+    plain = [r for r in rows if r["leg"] in PLAIN and "rps" in r]
+    if not plain:
+        return
+    best = max(plain, key=lambda r: r["rps"])
+    theirs = got[best["leg"]]["samples"]
+    for row in rows:
+        if not row["leg"].startswith("dsclient") or "rps" not in row:
+            continue
+        ours = got[row["leg"]]["samples"]
+        rounds = list(zip(ours, theirs, strict=True))
+        cpu = sorted(mine[1] / best_[1] for mine, best_ in rounds)
+        row.update(
+            paired_with=best["leg"],
+            rate_ratio=median([best_[0] / mine[0] for mine, best_ in rounds]),
+            cpu_ratio=median(cpu),
+            cpu_ratio_low=cpu[0],
+            cpu_ratio_high=cpu[-1],
+        )
+
+
+def _say_row(row: dict[str, Any], got: dict[str, Any]) -> None:
+    where = f"run {row['run']} n={row['n']} c={row['concurrency']} {row['leg']}"
+    if "error" in row:
+        say(f"{where}: FAILED {got['error']}")
+        return
+    paired = (
+        f", against {row['paired_with']} {row['rate_ratio']:.2f}x the rate, "
+        f"{row['cpu_ratio']:.2f}x the CPU ({row['cpu_ratio_low']:.2f}-{row['cpu_ratio_high']:.2f})"
+        if "cpu_ratio" in row
+        else ""
+    )
+    say(
+        f"{where}: {row['rps']:,.0f} req/s, {row['cpu_per_req'] * 1e6:,.0f} us CPU/req, "
+        f"RSS {row['rss_1000_mb']} -> {row['rss_max_mb']} MB, fds left {row['fds_left']}, "
+        f"ResourceWarnings {row['resource_warnings']}{paired}"
+    )
 
 
 def _repeat_for(n: int) -> int:

@@ -1,0 +1,78 @@
+"""benchmarks/bench_client_scale.py: paired legs, the ratios taken round by round, the goals."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from benchmarks import bench_client_scale as bench
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _got(*samples: tuple[float, float]) -> dict[str, object]:
+    return {"samples": list(samples)}
+
+
+def test_ratios_are_taken_within_each_round_against_the_fastest_plain_leg() -> None:
+    """Round 2 ran everything twice as slow (a neighbour's burst): the ratio of the medians
+    would mix rounds, the ratios within each round do not."""
+    rows = [
+        {"leg": "aiohttp", "rps": 1000.0},
+        {"leg": "httpx2", "rps": 200.0},
+        {"leg": "dsclient", "rps": 900.0},
+        {"leg": "dsclient-map", "error": "boom"},
+    ]
+    got = {
+        "aiohttp": _got((1.0, 1.0), (2.0, 2.0), (1.0, 1.0)),
+        "httpx2": _got((5.0, 5.0), (9.0, 9.0), (5.0, 5.0)),
+        "dsclient": _got((1.1, 1.1), (2.4, 2.4), (1.0, 1.3)),
+    }
+    bench._pair(rows, got)  # type: ignore[arg-type]
+    ours = rows[2]
+    assert ours["paired_with"] == "aiohttp"
+    assert ours["cpu_ratio"] == pytest.approx(1.2)  # of 1.1, 1.2, 1.3
+    assert (ours["cpu_ratio_low"], ours["cpu_ratio_high"]) == pytest.approx((1.1, 1.3))
+    assert ours["rate_ratio"] == pytest.approx(1.0 / 1.1)  # of 1/1.1, 1/1.2, 1.0
+    assert "cpu_ratio" not in rows[3] and "cpu_ratio" not in rows[0]
+    assert bench._ratios(ours, rows[0]) == (ours["rate_ratio"], ours["cpu_ratio"])
+    before = {"leg": "dsclient", "rps": 500.0, "cpu_per_req": 3.0}  # a sequential run's row
+    assert bench._ratios(before, {"rps": 1000.0, "cpu_per_req": 2.0}) == (0.5, 1.5)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    port = bench._free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.bench_client_scale", "--serve", str(port)],
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_paired_legs_take_turns_and_each_gives_a_repetition_a_round(server: str) -> None:
+    got = bench._paired(["aiohttp", "dsclient"], server, 40, 4, timeout=120, repeat=3)
+    for leg in ("aiohttp", "dsclient"):
+        assert "error" not in got[leg], got[leg]
+        assert len(got[leg]["samples"]) == 3
+        assert got[leg]["fds_left"] == 0 and got[leg]["resource_warnings"] == []
+    rows = [bench._row(leg, 1, 40, 4, got[leg], 3) for leg in ("aiohttp", "dsclient")]
+    bench._pair(rows, got)
+    assert rows[1]["paired_with"] == "aiohttp" and rows[1]["cpu_ratio"] > 0
+
+
+def test_a_leg_that_fails_gives_its_own_error() -> None:
+    """A leg whose process dies (here: no server where it sends) gives its exception's line,
+    and the run goes on."""
+    got = bench._paired(["aiohttp"], "http://127.0.0.1:9", 10, 2, timeout=60, repeat=2)
+    assert "Connect" in " ".join(got["aiohttp"]["error"])
