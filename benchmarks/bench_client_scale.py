@@ -19,8 +19,8 @@ plain client are taken within each round, and their median is what the goals are
 (``rate_ratio``, ``cpu_ratio`` in the results, with the rounds' lowest and highest CPU ratio):
 on this shared 2-core machine one repetition's CPU moved by a third between neighbouring minutes,
 more than the differences measured. ``--sequential`` runs each leg's repetitions in a row, one
-leg after another, as the results before 2026-12-06 10:50 UTC were taken (their ratios are of the
-legs' medians).
+leg after another, as the results without ``"method": "paired"`` in their parameters were taken
+(their ratios are of the legs' medians).
 
 Measured in the leg: wall seconds and ``time.process_time()`` over the ``n`` of the median
 repetition by CPU (client CPU only: the server is another process), the lowest and highest
@@ -622,9 +622,16 @@ def render(records: Sequence[dict[str, Any]]) -> str:
                 cells.append(f"{rps}; {report_.spread_cell(cpu, 0)}{note}")
             out.append(f"| {leg} | " + " | ".join(cells) + " |")
         out.append("")
+        paired = all(r["params"].get("method") == "paired" for r in mine)
         out.append(
             "Against the fastest plain client at each concurrency, per invocation: requests/s "
-            "ratio; CPU/request ratio (the goal: at least 0.8x; at most 1.2x)"
+            "ratio; CPU/request ratio (the goal: at least 0.8x; at most 1.2x). "
+            + (
+                "The legs ran paired: each figure is the median of the ratios taken within "
+                "each round of repetitions."
+                if paired
+                else "The ratios are of the legs' medians."
+            )
         )
         out.append("")
         out.append("| leg | " + " | ".join(f"{c} in flight" for c in concs) + " |")
