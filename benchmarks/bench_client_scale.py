@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import itertools
 import json
@@ -50,7 +51,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -407,6 +408,25 @@ def run_leg(leg: str, url: str, n: int, concurrency: int) -> dict[str, Any]:
     return result
 
 
+#: The legs that take their turns next to each other in a round: the fastest plain client and
+#: dsclient's legs on its stack, each about half a second for 2,000 requests here, so that a
+#: ratio compares repetitions a second apart, not a minute (the slow legs' time).
+ADJACENT = ("aiohttp", "dsclient", "dsclient-map")
+
+
+def round_order(legs: Sequence[str], number: int) -> list[str]:
+    """The order of round ``number`` (from 0): the :data:`ADJACENT` legs first, then the
+    others, each group turned by one leg a round (no leg always first or last)."""
+    near = [leg for leg in legs if leg in ADJACENT]
+    rest = [leg for leg in legs if leg not in ADJACENT]
+    return [*_turned(near, number), *_turned(rest, number)]
+
+
+def _turned(legs: list[str], number: int) -> list[str]:
+    turn = number % len(legs) if legs else 0
+    return [*legs[turn:], *legs[:turn]]
+
+
 def _command(leg: str, url: str, n: int, concurrency: int, repeat: int) -> list[str]:
     command = [
         sys.executable,
@@ -453,12 +473,11 @@ def _paired(
     """Every leg in a process of its own, all alive at once, their repetitions taken in turns.
 
     Each process is started and warmed up in turn; then, ``repeat`` rounds, each leg runs one
-    repetition while the others wait (the order turned by one leg each round), so that a
-    neighbour's burst or a quiet spell falls on every leg of a round alike, and a ratio taken
-    within a round compares like with like. Each leg's figures are then those of
+    repetition while the others wait (:func:`round_order`), so that a neighbour's burst or a
+    quiet spell falls on every leg of a round alike, and a ratio taken within a round compares
+    like with like. Each leg's figures are then those of
     :func:`_timed` (its ``samples`` in round order); the parent pairs them (:func:`_pair`).
     """
-    import contextlib
     import tempfile
 
     procs: dict[str, subprocess.Popen[str]] = {}
@@ -494,8 +513,7 @@ def _paired(
                 )
                 step(leg, None)  # its warm-up done
             for number in range(repeat):
-                turn = number % len(legs)
-                for leg in [*legs[turn:], *legs[:turn]]:
+                for leg in round_order(legs, number):
                     if leg not in errors:
                         step(leg, "go")
             results: dict[str, dict[str, Any]] = {}
@@ -590,26 +608,39 @@ def _ratios(mine: dict[str, Any], best: dict[str, Any]) -> tuple[float, float]:
 
 
 def render(records: Sequence[dict[str, Any]]) -> str:
-    """``docs/benchmarks.md``'s block: per number of requests, the last two invocations (the
-    goals are met or not in each), requests/s and CPU us/request per leg and concurrency as
-    median (range) over their runs, then each dsclient leg against the fastest plain client."""
+    """``docs/benchmarks.md``'s block: per number of requests, requests/s and CPU us/request
+    per leg and concurrency as median (range) over each leg's last two invocations, then each
+    dsclient leg against the fastest plain client in the last two invocations (the goals are
+    met or not in each)."""
     from benchmarks import _report as report_
 
     out = []
     for n in sorted({r["params"]["n"][0] for r in records if len(r["params"]["n"]) == 1}):
-        mine = [r for r in records if r["params"]["n"] == [n]][-2:]
+        every = [r for r in records if r["params"]["n"] == [n]]
+        mine = every[-2:]
         rows = []
         for number, record in enumerate(mine, 1):
             rows += [{**row, "run": number} for row in record["rows"]]
+        # A leg the last two invocations left out (a quick one of the fast legs alone): its
+        # own last two.
+        shown = {id(record): record for record in mine}
+        table_rows = list(rows)
+        for leg in LEGS:
+            if any(r["leg"] == leg for r in rows):
+                continue
+            theirs = [r for r in every if leg in r["params"]["legs"]][-2:]
+            for record in theirs:
+                shown[id(record)] = record
+                table_rows += [row for row in record["rows"] if row["leg"] == leg]
         concs = sorted({r["concurrency"] for r in rows})
-        out.append(f"**{n} requests**, {len(mine)} invocations: requests/s; CPU us/request")
+        out.append(f"**{n} requests**, each leg's last 2 invocations: requests/s; CPU us/request")
         out.append("")
         out.append("| leg | " + " | ".join(f"{c} in flight" for c in concs) + " |")
         out.append("|---|" + "---|" * len(concs))
-        for leg in report_.legs(rows):
+        for leg in report_.legs(table_rows):
             cells = []
             for c in concs:
-                here = report_.select(rows, leg=leg, concurrency=c)
+                here = report_.select(table_rows, leg=leg, concurrency=c)
                 if not here:
                     cells.append(report_.NONE)
                     continue
@@ -622,16 +653,13 @@ def render(records: Sequence[dict[str, Any]]) -> str:
                 cells.append(f"{rps}; {report_.spread_cell(cpu, 0)}{note}")
             out.append(f"| {leg} | " + " | ".join(cells) + " |")
         out.append("")
-        paired = all(r["params"].get("method") == "paired" for r in mine)
+        methods = ", ".join(r["params"].get("method", "sequential") for r in mine)
         out.append(
             "Against the fastest plain client at each concurrency, per invocation: requests/s "
-            "ratio; CPU/request ratio (the goal: at least 0.8x; at most 1.2x). "
-            + (
-                "The legs ran paired: each figure is the median of the ratios taken within "
-                "each round of repetitions."
-                if paired
-                else "The ratios are of the legs' medians."
-            )
+            "ratio; CPU/request ratio (the goal: at least 0.8x; at most 1.2x). Where an "
+            "invocation ran its legs paired, a figure is the median of the ratios taken within "
+            "each round of repetitions; where it ran them in a row, the ratio of the legs' "
+            f"medians. These ran: {methods}."
         )
         out.append("")
         out.append("| leg | " + " | ".join(f"{c} in flight" for c in concs) + " |")
@@ -647,7 +675,7 @@ def render(records: Sequence[dict[str, Any]]) -> str:
                 cells.append(" / ".join(pairs) or report_.NONE)
             out.append(f"| {leg} | " + " | ".join(cells) + " |")
         out.append("")
-        memory = [r for r in rows if r.get("rss_max_mb") is not None and r.get("rss_1000_mb")]
+        memory = [r for r in table_rows if r.get("rss_max_mb") is not None and r.get("rss_1000_mb")]
         if memory:
             growth = {
                 leg: max(r["rss_max_mb"] - r["rss_1000_mb"] for r in memory if r["leg"] == leg)
@@ -662,7 +690,7 @@ def render(records: Sequence[dict[str, Any]]) -> str:
                 f"ResourceWarnings: {warned}."
             )
             out.append("")
-        for record in mine:
+        for record in sorted(shown.values(), key=lambda record: record["started_utc"]):
             out.append(report_.conditions(record))
             out.append("")
     return "\n".join(out).rstrip() + "\n"
@@ -707,6 +735,16 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result))
         return
 
+    with served() as url:
+        if args.profile:
+            _profile(args.profile, url, args.n[0], args.concurrency[0])
+            return
+        _measure(args, url)
+
+
+@contextlib.contextmanager
+def served() -> Iterator[str]:
+    """The local server (:func:`serve`) in a process of its own, for the block: its URL."""
     port = _free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.bench_client_scale", "--serve", str(port)],
@@ -715,11 +753,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         assert server.stdout is not None and server.stdout.readline().strip() == b"ready"
-        url = f"http://127.0.0.1:{port}"
-        if args.profile:
-            _profile(args.profile, url, args.n[0], args.concurrency[0])
-            return
-        _measure(args, url)
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.terminate()
         server.wait(10)

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from benchmarks import bench_client_scale as bench
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _got(*samples: tuple[float, float]) -> dict[str, object]:
@@ -44,20 +39,17 @@ def test_ratios_are_taken_within_each_round_against_the_fastest_plain_leg() -> N
     assert bench._ratios(before, {"rps": 1000.0, "cpu_per_req": 2.0}) == (0.5, 1.5)
 
 
+def test_the_fast_legs_take_their_turns_next_to_each_other_and_every_group_turns() -> None:
+    legs = ["aiohttp", "httpx2", "openai", "dsclient", "dsclient-map"]
+    assert bench.round_order(legs, 0) == ["aiohttp", "dsclient", "dsclient-map", "httpx2", "openai"]
+    assert bench.round_order(legs, 1) == ["dsclient", "dsclient-map", "aiohttp", "openai", "httpx2"]
+    assert bench.round_order(["httpx2"], 3) == ["httpx2"]
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    port = bench._free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.bench_client_scale", "--serve", str(port)],
-        stdout=subprocess.PIPE,
-        cwd=ROOT,
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with bench.served() as url:
+        yield url
 
 
 def test_paired_legs_take_turns_and_each_gives_a_repetition_a_round(server: str) -> None:
