@@ -13,9 +13,9 @@ def _got(*samples: tuple[float, float]) -> dict[str, object]:
     return {"samples": list(samples)}
 
 
-def test_ratios_are_taken_within_each_round_against_the_fastest_plain_leg() -> None:
-    """Round 2 ran everything twice as slow (a neighbour's burst): the ratio of the medians
-    would mix rounds, the ratios within each round do not."""
+def test_ratios_are_of_the_totals_over_the_same_rounds_against_the_fastest_plain_leg() -> None:
+    """Round 2 ran everything twice as slow (a neighbour's burst), and dsclient's round 3 had a
+    full collection: the totals over the same rounds count both as they came."""
     rows = [
         {"leg": "aiohttp", "rps": 1000.0},
         {"leg": "httpx2", "rps": 200.0},
@@ -25,14 +25,14 @@ def test_ratios_are_taken_within_each_round_against_the_fastest_plain_leg() -> N
     got = {
         "aiohttp": _got((1.0, 1.0), (2.0, 2.0), (1.0, 1.0)),
         "httpx2": _got((5.0, 5.0), (9.0, 9.0), (5.0, 5.0)),
-        "dsclient": _got((1.1, 1.1), (2.4, 2.4), (1.0, 1.3)),
+        "dsclient": _got((1.1, 1.1), (2.4, 2.4), (1.5, 1.5)),
     }
     bench._pair(rows, got)  # type: ignore[arg-type]
     ours = rows[2]
-    assert ours["paired_with"] == "aiohttp"
-    assert ours["cpu_ratio"] == pytest.approx(1.2)  # of 1.1, 1.2, 1.3
-    assert (ours["cpu_ratio_low"], ours["cpu_ratio_high"]) == pytest.approx((1.1, 1.3))
-    assert ours["rate_ratio"] == pytest.approx(1.0 / 1.1)  # of 1/1.1, 1/1.2, 1.0
+    assert ours["paired_with"] == "aiohttp" and ours["rounds"] == 3
+    assert ours["cpu_ratio"] == pytest.approx(5.0 / 4.0)
+    assert ours["rate_ratio"] == pytest.approx(4.0 / 5.0)
+    assert (ours["cpu_ratio_low"], ours["cpu_ratio_high"]) == pytest.approx((1.1, 1.5))
     assert "cpu_ratio" not in rows[3] and "cpu_ratio" not in rows[0]
     assert bench._ratios(ours, rows[0]) == (ours["rate_ratio"], ours["cpu_ratio"])
     before = {"leg": "dsclient", "rps": 500.0, "cpu_per_req": 3.0}  # a sequential run's row
