@@ -600,6 +600,10 @@ def _versus(
     return _ratios(mine, best)
 
 
+def _leg_rank(leg: str) -> int:
+    return LEGS.index(leg) if leg in LEGS else len(LEGS)
+
+
 #: How each kind of invocation's ratios were taken, for the page.
 _METHODS = {
     "sequential": "legs run one after another, the ratio of the legs' median repetitions",
@@ -646,7 +650,7 @@ def render(records: Sequence[dict[str, Any]]) -> str:
         out.append("")
         out.append("| leg | " + " | ".join(f"{c} in flight" for c in concs) + " |")
         out.append("|---|" + "---|" * len(concs))
-        for leg in report_.legs(table_rows):
+        for leg in sorted(report_.legs(table_rows), key=_leg_rank):
             cells = []
             for c in concs:
                 here = report_.select(table_rows, leg=leg, concurrency=c)
@@ -662,16 +666,21 @@ def render(records: Sequence[dict[str, Any]]) -> str:
                 cells.append(f"{rps}; {report_.spread_cell(cpu, 0)}{note}")
             out.append(f"| {leg} | " + " | ".join(cells) + " |")
         out.append("")
-        methods = ", ".join(_METHODS[r["params"].get("method", "sequential")] for r in mine)
+        methods = "; ".join(
+            f"{number}: {_METHODS[r['params'].get('method', 'sequential')]}"
+            for number, r in enumerate(mine, 1)
+        )
         out.append(
-            "Against the fastest plain client at each concurrency, per invocation: requests/s "
-            "ratio; CPU/request ratio (the goal: at least 0.8x; at most 1.2x). The invocations, "
-            f"in order: {methods}."
+            "Against the fastest plain client at each concurrency, per invocation (the last "
+            "two): requests/s ratio; CPU/request ratio (the goal: at least 0.8x; at most 1.2x). "
+            f"How they were taken: {methods}."
         )
         out.append("")
         out.append("| leg | " + " | ".join(f"{c} in flight" for c in concs) + " |")
         out.append("|---|" + "---|" * len(concs))
         for leg in ("dsclient", "dsclient-map", "dsclient-openai"):
+            if not any(r["leg"] == leg for r in rows):
+                continue  # not in the last two invocations
             cells = []
             for c in concs:
                 pairs = []
