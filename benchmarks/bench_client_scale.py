@@ -850,10 +850,10 @@ def _pair(rows: list[dict[str, Any]], got: dict[str, dict[str, Any]]) -> None:
     the goals are judged on.
 
     Totals, not the median round: a full collection of the garbage collector comes every few
-    thousand calls and costs a fifth of a repetition's CPU, so one leg's repetitions split into
-    those with one and those without, and which of them is the median decided the ratio
-    (0.97x in one invocation, 1.37x in the next). Over every round each leg pays for the
-    collections its own calls bring on."""
+    thousand calls and costs about a fifth of a repetition's CPU, so it falls in some of a leg's
+    repetitions and not in others, and the median round can land on either side (for the same
+    dsclient code, 0.97x in one invocation and 1.37x in another). Over every round each leg
+    pays for the collections its own calls bring on."""
     plain = [r for r in rows if r["leg"] in PLAIN and "rps" in r]
     if not plain:
         return
