@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import ssl
 import time
 import urllib.parse
@@ -100,6 +101,9 @@ class Wire:
         self._targets: dict[str, _Target] = {}
         self._blocks: dict[RawHeaders, bytes] = {}
         self._closed = False
+        #: The loop the connections belong to: a client used on a new loop (``asyncio.run``
+        #: again) starts afresh, as an old loop's connection would never hear its answer.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @staticmethod
     def takes(url: str) -> bool:
@@ -128,6 +132,9 @@ class Wire:
         """
         if self._closed:
             raise RuntimeError("the transport is closed")
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._move_to(loop)
         target = self._targets.get(url) or self._target(url)
         block = self._blocks.get(headers)
         if block is None:
@@ -136,7 +143,7 @@ class Wire:
         connection = self._reuse(target.key)
         if connection is None:
             connection = await self._connect(target.key, connect_timeout)
-        waiter = connection.send(request, read_up_to, read_timeout)
+        waiter = connection.send(loop, request, read_up_to, read_timeout)
         try:
             return await waiter
         except BaseException:
@@ -144,6 +151,16 @@ class Wire:
             raise
 
     # -- connections ---------------------------------------------------------------------------
+    def _move_to(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Let go of the connections of the loop before, which cannot be used on ``loop``."""
+        for connection in list(self._open):
+            # Its loop may be closed: then the socket goes with the transport.
+            with contextlib.suppress(RuntimeError):
+                connection.abort()
+        self._open.clear()
+        self._idle.clear()
+        self._loop = loop
+
     def _reuse(self, key: tuple[str, str, int]) -> _Connection | None:
         idle = self._idle.get(key)
         if not idle:
@@ -306,11 +323,10 @@ class _Connection(asyncio.Protocol):
 
     # -- the exchange ----------------------------------------------------------------------------
     def send(
-        self, request: bytes, cap: int, read_timeout: float | None
+        self, loop: asyncio.AbstractEventLoop, request: bytes, cap: int, read_timeout: float | None
     ) -> asyncio.Future[Read | httpx.Response]:
-        """Write ``request``; the answer's future."""
+        """Write ``request``; the answer's future (on ``loop``, the running one)."""
         assert self.transport is not None
-        loop = asyncio.get_running_loop()
         self._waiter = waiter = loop.create_future()
         self._state = _HEAD
         self._cap = cap

@@ -244,6 +244,20 @@ async def test_a_cancelled_call_frees_its_slot(url):
         assert (await client.generate("after", max_tokens=1)).text == " the sea"
 
 
+def test_a_client_used_again_on_a_new_event_loop_answers_there(url):
+    # asyncio.run() once per cell, as a notebook or a script may do: the connections of the
+    # loop before cannot hear an answer on this one, so they are let go, not reused (a hang).
+    client = AsyncClient(url, limit=2, timeout=10)
+    for _ in range(3):
+        assert asyncio.run(client.generate("x", max_tokens=1)).text == " the sea"
+    # A closed loop's transports cannot be closed from another loop (asyncio closes a socket on
+    # its own loop's next turn), nor can aiohttp's session: they go with the collector, here.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        del client
+        gc.collect()
+
+
 @pytest.mark.anyio
 async def test_generate_hands_the_transport_its_parts_and_gets_the_answer_read(url, monkeypatch):
     answers: list[str] = []
