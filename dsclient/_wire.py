@@ -38,6 +38,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ipaddress
+import socket
 import ssl
 import time
 import urllib.parse
@@ -69,6 +71,9 @@ _MAX_IDLE = 1024
 ERROR_BODY_BYTES = 64 * 1024
 #: Longest status line and header block read before the answer is called malformed.
 _MAX_HEAD = 64 * 1024
+
+#: Seconds a host name's addresses are kept (aiohttp's default too).
+_DNS_TTL = 10.0
 
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _UNTIL_CLOSE, _DONE = range(8)
 
@@ -104,6 +109,8 @@ class Wire:
         #: The loop the connections belong to: a client used on a new loop (``asyncio.run``
         #: again) starts afresh, as an old loop's connection would never hear its answer.
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: (host, port) -> (until when, the lookup): see :meth:`_addresses`.
+        self._dns: dict[tuple[str, int], tuple[float, asyncio.Task[list[tuple[int, str]]]]] = {}
 
     @staticmethod
     def takes(url: str) -> bool:
@@ -159,6 +166,7 @@ class Wire:
                 connection.abort()
         self._open.clear()
         self._idle.clear()
+        self._dns.clear()
         self._loop = loop
 
     def _reuse(self, key: tuple[str, str, int]) -> _Connection | None:
@@ -174,31 +182,64 @@ class Wire:
         return None
 
     async def _connect(self, key: tuple[str, str, int], timeout: float | None) -> _Connection:
-        scheme, host, port = key
-        loop = asyncio.get_running_loop()
-        tls = scheme == "https"
-        context: ssl.SSLContext | None = None
-        if tls:
-            if not isinstance(self._ssl, ssl.SSLContext):
-                self._ssl = ssl.create_default_context() if self._ssl is None else self._ssl()
-            context = self._ssl
-        opening = loop.create_connection(
-            lambda: _Connection(self, key),
-            host,
-            port,
-            ssl=context,
-            server_hostname=host if tls else None,
-        )
+        _, host, port = key
         try:
-            _, connection = await asyncio.wait_for(opening, timeout)
+            return await asyncio.wait_for(self._open_to(key), timeout)
         except asyncio.TimeoutError as exc:
             raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from exc
         except (OSError, ssl.SSLError) as exc:
             raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
-        if self._closed:  # closed while connecting
-            connection.abort()
-            raise RuntimeError("the transport is closed")
-        return connection
+
+    async def _open_to(self, key: tuple[str, str, int]) -> _Connection:
+        """A new connection to the server of ``key``: to each of its addresses in turn, as
+        aiohttp does, until one answers (the last one's error if none does)."""
+        scheme, host, port = key
+        loop = asyncio.get_running_loop()
+        context: ssl.SSLContext | None = None
+        if scheme == "https":
+            if not isinstance(self._ssl, ssl.SSLContext):
+                self._ssl = ssl.create_default_context() if self._ssl is None else self._ssl()
+            context = self._ssl
+        failed: OSError | None = None
+        for family, address in await self._addresses(host, port):
+            try:
+                _, connection = await loop.create_connection(
+                    lambda: _Connection(self, key),
+                    address,
+                    port,
+                    family=family,
+                    ssl=context,
+                    server_hostname=host if context is not None else None,
+                )
+            except OSError as exc:  # ssl.SSLError is one too
+                failed = exc
+                continue
+            if self._closed:  # closed while connecting
+                connection.abort()
+                raise RuntimeError("the transport is closed")
+            return connection
+        assert failed is not None  # getaddrinfo gives at least one address or raises
+        raise failed
+
+    async def _addresses(self, host: str, port: int) -> list[tuple[int, str]]:
+        """The addresses of ``host``: itself if it is one; else what the resolver said in the
+        last :data:`_DNS_TTL` seconds, one lookup shared by the connections opened meanwhile
+        (a thousand calls at once open a thousand connections; each asking the resolver
+        queued them behind a handful of threads)."""
+        if _is_address(host):
+            return [(socket.AF_INET6 if ":" in host else socket.AF_INET, host)]
+        now = time.monotonic()
+        known = self._dns.get((host, port))
+        if known is None or known[0] < now:
+            loop = asyncio.get_running_loop()
+            lookup = loop.create_task(_lookup(loop, host, port))
+            known = self._dns[(host, port)] = (now + _DNS_TTL, lookup)
+        try:
+            return await asyncio.shield(known[1])  # one waiter cancelled is not all of them
+        except OSError:
+            if self._dns.get((host, port)) is known:
+                del self._dns[(host, port)]  # a failed lookup is asked again next time
+            raise
 
     def _release(self, connection: _Connection) -> None:
         """``connection`` finished an exchange and may take another."""
@@ -536,3 +577,20 @@ class _Connection(asyncio.Protocol):
     def _timed_out(self) -> None:
         self._timer = None
         self._fail(httpx.ReadTimeout(f"no answer within {self._read_timeout} s"))
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+async def _lookup(loop: asyncio.AbstractEventLoop, host: str, port: int) -> list[tuple[int, str]]:
+    """``host``'s addresses for a TCP connection, in the resolver's order, each once."""
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    seen: dict[tuple[int, str], None] = {}
+    for family, _, _, _, sockaddr in infos:
+        seen[(family, str(sockaddr[0]))] = None
+    return list(seen)

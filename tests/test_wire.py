@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx2 as httpx
 import pytest
 
+from dsclient import _wire as wire_module
 from dsclient._exceptions import ERROR_BODY_BYTES
 from dsclient._wire import ERROR_BODY_BYTES as WIRE_ERROR_BYTES
 from dsclient._wire import Read, Wire
@@ -267,6 +268,29 @@ async def test_a_refused_connection_is_a_connect_error(wire):
         port = s.getsockname()[1]
     with pytest.raises(httpx.ConnectError):
         await _post(wire, f"http://127.0.0.1:{port}/ok")
+
+
+async def test_a_host_name_is_looked_up_once_for_the_connections_opened_together(
+    served, wire, monkeypatch
+):
+    server, url = served
+    lookups: list[str] = []
+    lookup = wire_module._lookup
+
+    async def counted(loop: asyncio.AbstractEventLoop, host: str, port: int) -> object:
+        lookups.append(host)
+        return await lookup(loop, host, port)
+
+    monkeypatch.setattr(wire_module, "_lookup", counted)
+    named = url.replace("127.0.0.1", "localhost")
+    answers = await asyncio.gather(*(_post(wire, named + "/ok") for _ in range(5)))
+    assert [a.content for a in answers] == [BODY] * 5
+    assert lookups == ["localhost"] and server.connections == 5
+    with pytest.raises(httpx.ConnectError, match="no-such-host.invalid"):
+        await _post(wire, "http://no-such-host.invalid:80/ok")
+    with pytest.raises(httpx.ConnectError):  # a failed lookup is not kept: asked again
+        await _post(wire, "http://no-such-host.invalid:80/ok")
+    assert lookups == ["localhost"] + ["no-such-host.invalid"] * 2
 
 
 async def test_a_cancelled_call_closes_its_connection(served, wire):
