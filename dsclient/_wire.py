@@ -176,7 +176,13 @@ class Wire:
         oldest = time.monotonic() - self._keepalive
         while idle:
             connection = idle.pop()  # the most recently used: the least likely to be closing
-            if connection.usable and connection.idle_since > oldest:
+            transport = connection.transport
+            if (
+                connection.usable
+                and connection.idle_since > oldest
+                and transport is not None
+                and not transport.is_closing()
+            ):
                 return connection
             connection.abort()
         return None
@@ -266,7 +272,8 @@ class Wire:
         """Close every connection, idle or in use."""
         self._closed = True
         for connection in list(self._open):
-            connection.abort()
+            with contextlib.suppress(RuntimeError):  # a closed loop's: see _move_to
+                connection.abort()
         self._idle.clear()
         if self._open:
             await asyncio.sleep(0)  # the loop closes the sockets on its next turn
@@ -348,7 +355,8 @@ class _Connection(asyncio.Protocol):
             self._fail(httpx.RemoteProtocolError(why))
 
     def eof_received(self) -> bool:
-        return False  # close our side too: connection_lost follows
+        self.usable = False  # at once: connection_lost comes on the loop's next turn
+        return False  # close our side too
 
     def data_received(self, data: bytes) -> None:
         if self._waiter is None:  # bytes nobody asked for: not a connection to reuse
