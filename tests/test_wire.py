@@ -8,6 +8,8 @@ import asyncio
 import gzip
 import json
 import socket
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx2 as httpx
@@ -353,3 +355,30 @@ def test_what_a_url_comes_to_on_the_wire():
     assert wire._target("https://example.com/v1").key == ("https", "example.com", 443)
     assert wire._target("http://example.com").start == (b"POST / HTTP/1.1\r\nHost: example.com\r\n")
     assert Wire.takes("http://x") and Wire.takes("https://x") and not Wire.takes("unix:///s")
+
+
+async def test_https_verifies_the_servers_certificate_and_name(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    make = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+    make += ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"]
+    make += ["-addext", "subjectAltName=DNS:localhost"]
+    subprocess.run(make, check=True, capture_output=True)
+    serving = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    serving.load_cert_chain(cert, key)
+    server = Server()
+    listening = await asyncio.start_server(server.handle, "127.0.0.1", 0, ssl=serving)
+    port = listening.sockets[0].getsockname()[1]
+    trusting = ssl.create_default_context(cafile=str(cert))
+    wire = Wire(lambda: trusting)  # made on the first https connection
+    try:
+        answer = await _post(wire, f"https://localhost:{port}/ok")
+        assert isinstance(answer, Read) and answer.content == BODY
+        with pytest.raises(httpx.ConnectError, match="certificate"):  # not the name it is for
+            await _post(wire, f"https://127.0.0.1:{port}/ok")
+        with pytest.raises(httpx.ConnectError, match="certificate"):  # nobody vouches for it
+            await _post(Wire(), f"https://localhost:{port}/ok")
+    finally:
+        await wire.aclose()
+        for writer in server.writers:
+            writer.close()
+        listening.close()
