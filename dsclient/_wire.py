@@ -39,6 +39,7 @@ import asyncio
 import collections
 import contextlib
 import ipaddress
+import re
 import socket
 import ssl
 import time
@@ -72,6 +73,8 @@ ERROR_BODY_BYTES = 64 * 1024
 #: Longest status line and header block read before the answer is called malformed.
 _MAX_HEAD = 64 * 1024
 
+#: A chunk's size: hex digits, no sign, prefix or underscore (which ``int(x, 16)`` would take).
+_CHUNK_SIZE_DIGITS = re.compile(rb"[0-9A-Fa-f]{1,16}")
 #: Seconds a host name's addresses are kept (aiohttp's default too).
 _DNS_TTL = 10.0
 
@@ -439,6 +442,17 @@ class _Connection(asyncio.Protocol):
         self._size += len(piece)
         return True
 
+    def _take_counted(self) -> bool:
+        """Move the buffer's next bytes, up to ``_left`` (a declared length's, or a chunk's),
+        into the body; ``False`` when that went over the cap and the answer is finished, cut."""
+        left = self._left
+        piece, self._buffer = self._buffer[:left], self._buffer[left:]
+        self._left = left - len(piece)
+        if self._keep_body(piece):
+            return True
+        self._finish(whole=False, reuse=False)
+        return False
+
     def _parse(self) -> None:
         while True:
             state = self._state
@@ -452,12 +466,7 @@ class _Connection(asyncio.Protocol):
                 self._buffer = buffer[end + 4 :]
                 self._head(buffer[:end])
             elif state == _LENGTH:
-                if not buffer:
-                    return
-                piece, self._buffer = buffer[: self._left], buffer[self._left :]
-                self._left -= len(piece)
-                if not self._keep_body(piece):
-                    self._finish(whole=False, reuse=False)
+                if not buffer or not self._take_counted():
                     return
                 if self._left == 0:
                     self._finish(whole=True, reuse=not self._buffer)
@@ -469,21 +478,13 @@ class _Connection(asyncio.Protocol):
                         raise httpx.RemoteProtocolError("a chunk size line is too long")
                     return
                 size = buffer[:end].split(b";", 1)[0].strip()
-                try:
-                    self._left = int(size, 16)
-                except ValueError:
-                    raise httpx.RemoteProtocolError(f"bad chunk size {size[:20]!r}") from None
-                if self._left < 0:
+                if _CHUNK_SIZE_DIGITS.fullmatch(size) is None:
                     raise httpx.RemoteProtocolError(f"bad chunk size {size[:20]!r}")
+                self._left = int(size, 16)
                 self._buffer = buffer[end + 2 :]
                 self._state = _CHUNK_DATA if self._left else _TRAILER
             elif state == _CHUNK_DATA:
-                if not buffer:
-                    return
-                piece, self._buffer = buffer[: self._left], buffer[self._left :]
-                self._left -= len(piece)
-                if not self._keep_body(piece):
-                    self._finish(whole=False, reuse=False)
+                if not buffer or not self._take_counted():
                     return
                 if self._left == 0:
                     self._state = _CHUNK_END

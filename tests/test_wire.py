@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import itertools
 import json
 import socket
 import ssl
@@ -14,6 +15,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx2 as httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dsclient import _wire as wire_module
 from dsclient._exceptions import ERROR_BODY_BYTES
@@ -96,6 +99,9 @@ SCRIPTS: dict[str, Script] = {
     "/error-page": lambda w, r: _write(_ok(b"e" * 100_000, status=b"500 Oops"), w),
     "/gzip": lambda w, r: _write(_ok(gzip.compress(BODY), b"content-encoding: gzip\r\n"), w),
     "/garbage": lambda w, r: _write(b"SSH-2.0-OpenSSH\r\n\r\n", w),
+    "/bad-chunk": lambda w, r: _write(
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0x5\r\nhello\r\n0\r\n\r\n", w
+    ),
     "/extra": lambda w, r: _write(_ok() + b"HTTP/1.1 200 OK\r\n", w),
     "/silent": _silent,
     "/slow-body": _slow_body,
@@ -245,6 +251,7 @@ async def test_an_encoded_answer_is_left_for_httpx_to_decode(served, wire):
         ("/hang-up", httpx.RemoteProtocolError),
         ("/cut", httpx.RemoteProtocolError),
         ("/garbage", httpx.RemoteProtocolError),
+        ("/bad-chunk", httpx.RemoteProtocolError),
     ],
 )
 async def test_a_broken_answer_is_httpxs_error_and_the_next_call_gets_a_new_connection(
@@ -382,3 +389,73 @@ async def test_https_verifies_the_servers_certificate_and_name(tmp_path):
         for writer in server.writers:
             writer.close()
         listening.close()
+
+
+class _Transport(asyncio.Transport):
+    """Enough of a transport for a connection fed by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = b""
+        self.aborted = False
+
+    def write(self, data: bytes) -> None:  # type: ignore[override]
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return self.aborted
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def _fed(answer: bytes, cuts: list[int], cap: int = 10_000) -> tuple[object, bool]:
+    """What a connection makes of ``answer`` arriving in pieces cut at ``cuts``, and whether
+    it would be reused."""
+    loop = asyncio.new_event_loop()
+    try:
+        wire = Wire()
+        connection = wire_module._Connection(wire, ("http", "h", 80))
+        transport = _Transport()
+        connection.connection_made(transport)
+        waiter = connection.send(loop, b"POST / HTTP/1.1\r\n\r\n", cap, None)
+        edges = [0, *sorted(set(cuts)), len(answer)]
+        for start, end in itertools.pairwise(edges):
+            if start < end and not waiter.done():
+                connection.data_received(answer[start:end])
+        if not waiter.done():
+            connection.connection_lost(None)
+        result = waiter.exception() or waiter.result()
+        return result, not transport.aborted
+    finally:
+        loop.close()
+
+
+@given(
+    body=st.binary(max_size=300),
+    sizes=st.lists(st.integers(1, 40), max_size=12),
+    cuts=st.lists(st.integers(0, 2000), max_size=30),
+)
+def test_an_answer_in_any_pieces_reads_the_same(body, sizes, cuts):
+    chunks, rest = [], body
+    for size in sizes:  # the body in chunks of these sizes, the rest in one
+        chunks.append(rest[:size])
+        rest = rest[size:]
+    chunks = [c for c in [*chunks, rest] if c]
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
+    answers = {
+        "length": (_ok(body), True),
+        "chunked": (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + chunked, True),
+        "to the end": (b"HTTP/1.1 200 OK\r\n\r\n" + body, False),
+    }
+    for answer, reused in answers.values():
+        result, kept = _fed(answer, [c % (len(answer) + 1) for c in cuts])
+        assert isinstance(result, Read) and result.content == body
+        assert kept == reused
+
+
+@given(cut=st.integers(1, 200))
+def test_an_answer_cut_short_is_an_error_not_a_shorter_answer(cut):
+    answer = _ok(BODY)
+    result, kept = _fed(answer[: min(cut, len(answer) - 1)], [])
+    assert isinstance(result, httpx.RemoteProtocolError) and not kept
