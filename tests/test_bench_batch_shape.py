@@ -91,6 +91,18 @@ def test_goals_are_checked_per_run():
     assert any(line.startswith("- plain, makespan") and "**not met**" in line for line in lines)
 
 
+def test_with_four_runs_or_more_the_makespan_goal_is_also_judged_on_the_sums():
+    plain = [
+        {"leg": leg, "run": run, "workload": "plain", "makespan_s": m}
+        for run, (a, b) in enumerate([(10.5, 10.0), (9.0, 10.0), (10.0, 10.0), (10.1, 10.0)], 1)
+        for leg, m in (("shape", a), ("input", b))
+    ]
+    lines = bench.goal_lines(plain)
+    assert any(line.startswith("- plain, makespan") and "**not met**" in line for line in lines)
+    assert "  - over the 4 runs together (sum / sum): 0.990x: met" in lines
+    assert not any("together" in line for line in bench.goal_lines(rows()))  # two runs: no sums
+
+
 def test_render_has_a_table_per_workload_and_the_conditions():
     record = {
         "benchmark": "batch-shape",
