@@ -325,13 +325,13 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         self._closed = True
+        if isinstance(self._wire, Wire):
+            await self._wire.aclose()
         session, self._session = self._session, None
         if session is not None:
             await session.close()
         if self._fallback is not None:
             await self._fallback.aclose()
-        if isinstance(self._wire, Wire):
-            await self._wire.aclose()
 
 
 def _response(response: Any, request: httpx.Request | None) -> httpx.Response:

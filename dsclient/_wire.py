@@ -117,8 +117,13 @@ class Wire:
 
     @staticmethod
     def takes(url: str) -> bool:
-        """Whether ``url`` is one this wire sends to (``http`` or ``https``)."""
-        return url.startswith(("http://", "https://"))
+        """Whether ``url`` is one this wire sends to: ``http`` or ``https``, in ASCII, with no
+        user name in it. Others go through aiohttp, which encodes international names and
+        paths and sends a URL's credentials as basic auth."""
+        if not (url.isascii() and url.startswith(("http://", "https://"))):
+            return False
+        authority = url.split("://", 1)[1].split("/", 1)[0]
+        return "@" not in authority
 
     async def post(
         self,
@@ -196,7 +201,7 @@ class Wire:
             return await asyncio.wait_for(self._open_to(key), timeout)
         except asyncio.TimeoutError as exc:
             raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from exc
-        except (OSError, ssl.SSLError) as exc:
+        except (OSError, UnicodeError) as exc:  # UnicodeError: a name the resolver refuses
             raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
 
     async def _open_to(self, key: tuple[str, str, int]) -> _Connection:

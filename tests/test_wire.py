@@ -361,7 +361,10 @@ def test_what_a_url_comes_to_on_the_wire():
     )
     assert wire._target("https://example.com/v1").key == ("https", "example.com", 443)
     assert wire._target("http://example.com").start == (b"POST / HTTP/1.1\r\nHost: example.com\r\n")
-    assert Wire.takes("http://x") and Wire.takes("https://x") and not Wire.takes("unix:///s")
+    assert Wire.takes("http://x") and Wire.takes("https://x:8443/v1?a=b@c")
+    assert not Wire.takes("unix:///s")
+    assert not Wire.takes("http://user:key@x/v1")  # aiohttp sends it as basic auth
+    assert not Wire.takes("http://bücher.example/v1")  # aiohttp encodes the name
 
 
 async def test_https_verifies_the_servers_certificate_and_name(tmp_path):
