@@ -7,7 +7,7 @@
 
 A call of dsclient's own (``generate``, ``chat``, ``map()``, embeddings) is one POST of a JSON
 body whose answer is read whole. aiohttp's ``ClientSession`` spent about 85 us of CPU on each
-(its request and response objects, cookie, redirect and tracing hooks, its timers), about twice
+(its request and response objects, cookie, redirect and tracing hooks, its timers), more than
 the rest of the call, governor included (``python -m benchmarks client-scale``,
 ``docs/transport.md``). This module sends just that: the request in one write on a kept-alive
 connection, the answer's status line and headers parsed, its body framed by ``Content-Length``,
