@@ -537,7 +537,9 @@ class _Connection(asyncio.Protocol):
         for field in lines[1:]:
             name, colon, value = field.partition(b":")
             if not colon or not name or name != name.strip():
-                raise httpx.RemoteProtocolError(f"bad header line {field[:40]!r}")
+                # The name only: a server that echoes the request's headers may echo its key.
+                shown = field.partition(b":")[0][:40]
+                raise httpx.RemoteProtocolError(f"bad header line starting {shown!r}")
             name = name.lower()
             value = value.strip()
             headers.append((name, value))

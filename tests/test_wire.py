@@ -103,6 +103,9 @@ SCRIPTS: dict[str, Script] = {
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0x5\r\nhello\r\n0\r\n\r\n", w
     ),
     "/extra": lambda w, r: _write(_ok() + b"HTTP/1.1 200 OK\r\n", w),
+    "/echo-key": lambda w, r: _write(
+        b"HTTP/1.1 200 OK\r\n Authorization: Bearer sk-secret-key\r\n\r\n", w
+    ),
     "/silent": _silent,
     "/slow-body": _slow_body,
     "/hang-up": _hang_up,
@@ -262,6 +265,13 @@ async def test_a_broken_answer_is_httpxs_error_and_the_next_call_gets_a_new_conn
         await _post(wire, url + path)
     assert (await _post(wire, url + "/ok")).content == BODY
     assert server.connections == 2
+
+
+async def test_a_malformed_header_is_named_without_its_value(served, wire):
+    _, url = served
+    with pytest.raises(httpx.RemoteProtocolError) as bad:
+        await _post(wire, url + "/echo-key")
+    assert "Authorization" in str(bad.value) and "sk-secret-key" not in str(bad.value)
 
 
 async def test_bytes_after_the_answer_close_the_connection(served, wire):
