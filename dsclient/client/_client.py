@@ -123,9 +123,10 @@ class AsyncClient:
         transport: any ``httpx.AsyncBaseTransport``, of the ``httpx2`` package or of ``httpx``
             (tests pass ``httpx.MockTransport``); default: ``http_stack``'s.
         http_stack: how requests are sent when no ``transport`` is given: ``"aiohttp"``
-            (default: aiohttp's connection pool under httpx2's API; httpx2's own under trio),
-            ``"httpx2"`` or ``"httpx"`` (their own pools, several times the CPU per request at
-            hundreds in flight: ``docs/transport.md``).
+            (default: the client's own calls over dsclient's own HTTP/1.1 connections, streams
+            and other SDKs' requests over aiohttp's pool under httpx2's API; httpx2's own pool
+            under trio), ``"httpx2"`` or ``"httpx"`` (their own pools for everything, several
+            times the CPU per request at hundreds in flight: ``docs/transport.md``).
         max_num_seqs: the server's batch size, if you know it better than discovery.
         server_priority: whether the server reorders by the request field ``priority``
             (vLLM ``--scheduling-policy priority``, SGLang ``--enable-priority-scheduling``):
