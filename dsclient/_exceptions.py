@@ -29,6 +29,7 @@ from typing import Any
 
 from ._http import httpx
 from ._retry_after import parse_retry_after_header
+from ._wire import ERROR_BODY_BYTES as _WIRE_ERROR_BODY_BYTES
 
 __all__ = [
     "ERROR_BODY_BYTES",
@@ -54,8 +55,9 @@ __all__ = [
 _BODY_KEEP = 4000  # characters of a refused body kept on the exception
 
 #: Bytes of an error body read: every known server's refusal is under 1 KiB, a proxy's HTML error
-#: page tens of KiB; the rest is never read (a server must not make the client buffer it).
-ERROR_BODY_BYTES = 64 * 1024
+#: page tens of KiB; the rest is never read (a server must not make the client buffer it). One
+#: number, defined by the wire (dsclient/_wire.py), which reads dsclient's own answers.
+ERROR_BODY_BYTES = _WIRE_ERROR_BODY_BYTES
 
 
 class DSClientError(Exception):

@@ -50,7 +50,7 @@ from typing import NamedTuple
 import httpx2 as httpx
 from multidict import CIMultiDict
 
-__all__ = ["Read", "Wire"]
+__all__ = ["ERROR_BODY_BYTES", "Read", "Wire"]
 
 RawHeaders = tuple[tuple[bytes, bytes], ...]
 
@@ -67,8 +67,9 @@ class Read(NamedTuple):
 _OWN = frozenset((b"host", b"content-length", b"transfer-encoding"))
 #: Most idle connections kept for one server; beyond them a finished connection is closed.
 _MAX_IDLE = 1024
-#: Most bytes of an error's body read: what an error message keeps of it
-#: (``dsclient._exceptions.ERROR_BODY_BYTES``, which imports this module's package).
+#: Most bytes of an error's body read: what an error message keeps of it. Defined here, with the
+#: reader that enforces it first; ``dsclient._exceptions`` (which imports this module through
+#: ``_http``) takes it from here.
 ERROR_BODY_BYTES = 64 * 1024
 #: Longest status line and header block read before the answer is called malformed.
 _MAX_HEAD = 64 * 1024
@@ -340,6 +341,7 @@ class _Connection(asyncio.Protocol):
         self._size = 0  # body bytes kept
         self._left = 0  # of a Content-Length body, or of the chunk being read
         self._keep = True
+        self._encoded = False
         self._read_timeout: float | None = None
         self._timer: asyncio.TimerHandle | None = None
 
@@ -429,7 +431,7 @@ class _Connection(asyncio.Protocol):
         if waiter is None or waiter.done():
             return
         answer: Read | httpx.Response
-        if whole and 200 <= status < 300 and not any(n == b"content-encoding" for n, _ in headers):
+        if whole and 200 <= status < 300 and not self._encoded:
             named = CIMultiDict((n.decode("latin-1"), v.decode("latin-1")) for n, v in headers)
             answer = Read(status, named, body)
         else:
@@ -532,14 +534,14 @@ class _Connection(asyncio.Protocol):
             return  # an interim answer (100 Continue, 103 Early Hints): the final one follows
         headers: list[tuple[bytes, bytes]] = []
         length: int | None = None
-        chunked = False
+        chunked = coded = False  # chunked framing; any transfer coding at all
+        encoded = False  # a Content-Encoding: the body is httpx's to decode
         keep = line[7:8] == b"1"  # HTTP/1.1 keeps the connection unless told otherwise
         for field in lines[1:]:
             name, colon, value = field.partition(b":")
             if not colon or not name or name != name.strip():
                 # The name only: a server that echoes the request's headers may echo its key.
-                shown = field.partition(b":")[0][:40]
-                raise httpx.RemoteProtocolError(f"bad header line starting {shown!r}")
+                raise httpx.RemoteProtocolError(f"bad header line starting {name[:40]!r}")
             name = name.lower()
             value = value.strip()
             headers.append((name, value))
@@ -548,9 +550,12 @@ class _Connection(asyncio.Protocol):
                     raise httpx.RemoteProtocolError(f"bad Content-Length {value[:20]!r}")
                 length = int(value)
             elif name == b"transfer-encoding":
+                coded = True
                 chunked = value.lower().rsplit(b",", 1)[-1].strip() == b"chunked"
                 if not chunked:  # a coding without chunked framing: read to the end
                     keep = False
+            elif name == b"content-encoding":
+                encoded = True
             elif name == b"connection":
                 tokens = {t.strip() for t in value.lower().split(b",")}
                 if b"close" in tokens:
@@ -560,6 +565,7 @@ class _Connection(asyncio.Protocol):
         self._status = status
         self._headers = headers
         self._keep = keep
+        self._encoded = encoded
         self._size = 0
         if status >= 400:  # only an error message's first bytes are read (read_prefix)
             self._cap = min(self._cap, ERROR_BODY_BYTES)
@@ -567,7 +573,7 @@ class _Connection(asyncio.Protocol):
             self._finish(whole=True, reuse=not self._buffer)
         elif chunked:
             self._state = _CHUNK_SIZE
-        elif length is not None and not any(n == b"transfer-encoding" for n, _ in headers):
+        elif length is not None and not coded:
             self._left = length
             self._state = _LENGTH
             if length == 0:
