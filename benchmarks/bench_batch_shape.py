@@ -29,9 +29,13 @@ another's prefixes in the cache. Outputs are fixed-length (``ignore_eos``, tempe
 Measured per leg: the makespan (the map() call, from its start to its last result), failures,
 and vLLM's prefix-cache hit rate over the leg: the increase of ``vllm:prefix_cache_hits_total``
 over that of ``vllm:prefix_cache_queries_total`` (tokens), summed over the replicas, read before
-and after; for the shape leg, how many items it started at another place than input order
-(:func:`moved`, computed without a server). Goals (issue 27), against each other leg:
-prefix-heavy hit rate >= 1.5x and makespan <= 0.85x; mixed makespan <= 0.9x; plain within 3%.
+and after; vLLM's engine steps over the leg (``vllm:iteration_tokens_total_count``, summed): how
+many batches the server ran for the leg, which a busy machine moves less than the makespan (a
+schedule that keeps the server's batch fuller takes fewer steps; the page shows their ratios
+beside the goals, :func:`step_lines`); for the shape leg, how many items it started at another
+place than input order (:func:`moved`, computed without a server). Goals (issue 27), against
+each other leg: prefix-heavy hit rate >= 1.5x and makespan <= 0.85x; mixed makespan <= 0.9x;
+plain within 3%.
 One summary row per leg and run is kept in ``benchmarks/results/batch-shape/<UTC start>.json``
 (:mod:`benchmarks._results`); the page shows the latest invocation per number of servers.
 """
@@ -128,8 +132,8 @@ def leg_order(legs: Sequence[str], run: int) -> list[str]:
     return [*legs[k:], *legs[:k]]
 
 
-def hit_rate(before: tuple[float, float], after: tuple[float, float]) -> float | None:
-    """Hits over queries (prompt tokens) between two ``(hits, queries)`` readings."""
+def hit_rate(before: Sequence[float], after: Sequence[float]) -> float | None:
+    """Hits over queries (prompt tokens) between two ``(hits, queries, ...)`` readings."""
     queries = after[1] - before[1]
     return round((after[0] - before[0]) / queries, 4) if queries > 0 else None
 
@@ -178,6 +182,25 @@ def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def step_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Per workload and peer, shape's engine steps over the peer's, per run and summed: not a
+    goal, the makespan's companion that the machine's load moves less (rows before the steps
+    were counted have none, and give no line)."""
+    lines = []
+    peers = [leg for leg in LEGS if leg != "shape" and any(r["leg"] == leg for r in rows)]
+    for workload in WORKLOADS:
+        for peer in peers:
+            found = ratios(rows, workload, "engine_steps", peer)
+            if not found:
+                continue
+            shown = ", ".join(f"{x:.2f}x" for x in found)
+            line = f"- {workload}, engine steps: shape / {peer} = {shown}"
+            if len(found) >= 4:
+                line += f" (sum / sum: {summed(rows, workload, 'engine_steps', peer):.3f}x)"
+            lines.append(line)
+    return lines
+
+
 def summed(rows: Sequence[dict[str, Any]], workload: str, key: str, peer: str) -> float:
     """Shape's figure summed over the runs that have both legs, over ``peer``'s."""
     mine = theirs = 0.0
@@ -191,23 +214,26 @@ def summed(rows: Sequence[dict[str, Any]], workload: str, key: str, peer: str) -
     return round(mine / theirs, 3) if theirs else float("nan")
 
 
-async def metrics(urls: Sequence[str]) -> tuple[float, float]:
-    """``(hits, queries)`` of vLLM's prefix cache, summed over ``urls``."""
+async def metrics(urls: Sequence[str]) -> tuple[float, float, float]:
+    """``(hits, queries, steps)``: vLLM's prefix cache (tokens) and engine steps, summed over
+    ``urls``."""
     import httpx
 
-    hits = queries = 0.0
+    hits = queries = steps = 0.0
     async with httpx.AsyncClient(timeout=30.0) as http:
         for url in urls:
             text = (await http.get(url + "/metrics")).text
             hits += gauge(text, "vllm:prefix_cache_hits_total")
             queries += gauge(text, "vllm:prefix_cache_queries_total")
-    return hits, queries
+            steps += gauge(text, "vllm:iteration_tokens_total_count")
+    return hits, queries, steps
 
 
 async def run_leg(
     urls: Sequence[str], items: list[dict[str, Any]], leg: str, router: Path | None = None
 ) -> dict[str, Any]:
-    """One map() of ``items``; its makespan, failures and the servers' hit rate over it."""
+    """One map() of ``items``; its makespan, failures, and the servers' hit rate and engine
+    steps over it."""
     before = await metrics(urls)
     if leg == "router-cache":
         from benchmarks.bench_routing import running_router
@@ -218,7 +244,7 @@ async def run_leg(
     else:
         found = await send(list(urls) if len(urls) > 1 else urls[0], items, leg)
     after = await metrics(urls)
-    return {**found, "hit_rate": hit_rate(before, after)}
+    return {**found, "hit_rate": hit_rate(before, after), "engine_steps": after[2] - before[2]}
 
 
 async def send(url: str | list[str], items: list[dict[str, Any]], order: str) -> dict[str, Any]:
@@ -361,6 +387,7 @@ def main(argv: list[str] | None = None) -> None:
 TABLE = (
     report_.Column("makespan s", "makespan_s"),
     report_.Column("prefix hit rate", "hit_rate", 3),
+    report_.Column("engine steps", "engine_steps", 0),
     report_.Column("failed", "failed", 0),
 )
 
@@ -404,6 +431,9 @@ def render(records: Sequence[dict[str, Any]]) -> str:
         goals = goal_lines(rows)
         if goals:
             parts.append("Against the issue's goals, per run:\n\n" + "\n".join(goals))
+        steps = step_lines(rows)
+        if steps:
+            parts.append("The server's engine steps, per run (not a goal):\n\n" + "\n".join(steps))
         parts.append(report_.conditions(record, mine))
         sections.append("\n\n".join(parts))
     return "\n\n".join(sections)

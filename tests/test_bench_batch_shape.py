@@ -169,3 +169,19 @@ def test_render_shows_how_many_items_shape_moved():
     }
     text = bench.render([record])
     assert "Items that shape started at another place than input order, per run: 0, 0 of 200." in text
+
+
+def test_engine_steps_are_shown_beside_the_goals_and_older_rows_give_no_line():
+    assert bench.step_lines(rows()) == []  # rows from before the steps were counted
+    mixed = [
+        {"leg": leg, "run": run, "workload": "mixed", "makespan_s": 7.0, "engine_steps": steps}
+        for run, (a, b) in enumerate([(2000, 2500), (3000, 2500), (2600, 2600), (2400, 2400)], 1)
+        for leg, steps in (("shape", a), ("input", b))
+    ]
+    assert bench.step_lines(mixed) == [
+        "- mixed, engine steps: shape / input = 0.80x, 1.20x, 1.00x, 1.00x (sum / sum: 1.000x)"
+    ]
+    record = {"benchmark": "batch-shape", "_file": "x.json", "rows": mixed, "params": {}}
+    text = bench.render([record])
+    assert "The server's engine steps, per run (not a goal):" in text
+    assert "| leg | runs | makespan s | prefix hit rate | engine steps | failed |" in text
