@@ -380,12 +380,30 @@ def loads(record: Mapping[str, Any]) -> list[float]:
     return [float(x) for x in found]
 
 
-def busy(record: Mapping[str, Any]) -> bool:
-    """Whether the machine was busy: the median 1-minute load over the rows above its cores."""
-    values = [r.get("load_1min") for r in record.get("rows", [])]
-    found = summary(values)
+#: Other work's median CPU (cores) over the legs at which a run's machine counts as busy, where
+#: the rows measured it (``others_cores``: the machine's CPU less the client's and the server's).
+BUSY_OTHERS = 0.5
+
+
+def busy(record: Mapping[str, Any]) -> str | None:
+    """Why the machine counts as busy during ``record``'s legs, or ``None``: where the rows
+    measured other work's CPU (``others_cores``), its median over them is at least
+    :data:`BUSY_OTHERS` cores; else the median 1-minute load is above the cores (a load that
+    counts the benchmark's own client and server too)."""
+    rows = record.get("rows", [])
     cores = record.get("host", {}).get("cores") or 1
-    return found is not None and found[0] > cores
+    others = summary([r.get("others_cores") for r in rows])
+    if others is not None:
+        if others[0] < BUSY_OTHERS:
+            return None
+        return (
+            f"other work (not the clients or the server) took a median of {others[0]:.2f} of "
+            f"the {cores} cores during the legs"
+        )
+    found = summary([r.get("load_1min") for r in rows])
+    if found is None or found[0] <= cores:
+        return None
+    return "the median load over the legs was above the core count, so other work shared the CPUs"
 
 
 def conditions(record: Mapping[str, Any], records: Sequence[Mapping[str, Any]] = ()) -> str:
@@ -414,11 +432,9 @@ def conditions(record: Mapping[str, Any], records: Sequence[Mapping[str, Any]] =
         f"Python {host.get('python')}, {host.get('cpu', host.get('machine'))}; {versions}; "
         f"{load}.",
     ]
-    if busy(record):
-        lines.append(
-            "**Busy machine:** the median load over the legs was above the core count, so other "
-            "work shared the CPUs; read these figures as this machine on that day."
-        )
+    why = busy(record)
+    if why:
+        lines.append(f"**Busy machine:** {why}; read these figures as this machine on that day.")
     earlier = [r.get("_file") for r in records if r is not record]
     if earlier:
         lines.append("Earlier invocations kept: " + ", ".join(f"`{e}`" for e in earlier) + ".")

@@ -266,3 +266,24 @@ def test_the_opening_table_holds_only_figures_of_three_runs_or_more(tmp_path: Pa
     block = report.render_block(report.HEADLINE, tmp_path)
     assert "| blackbox" not in block
     assert "fewer than 3 runs" in block and "`blackbox`" in block
+
+
+def test_busy_is_judged_on_other_works_cpu_where_the_rows_measured_it() -> None:
+    from benchmarks._report import busy
+
+    host = {"cores": 2}
+    # The benchmark's own client and server make a load of 2.5 on 2 cores: not busy, when the
+    # rows say what other work took.
+    quiet = {"host": host, "rows": [{"load_1min": 2.5, "others_cores": 0.01}] * 3}
+    assert busy(quiet) is None
+    shared = {
+        "host": host,
+        "rows": [{"load_1min": 2.5, "others_cores": c} for c in (1.1, 1.3, 0.2)],
+    }
+    assert busy(shared) == (
+        "other work (not the clients or the server) took a median of 1.10 of the 2 cores "
+        "during the legs"
+    )
+    # Rows without it: the load rule.
+    assert busy({"host": host, "rows": [{"load_1min": 2.5}]}) is not None
+    assert busy({"host": host, "rows": [{"load_1min": 1.5}]}) is None
