@@ -1322,3 +1322,31 @@ async def test_a_batchs_short_items_wait_beside_its_long_ones_where_only_the_bat
         await crowd.release("s1")
         assert crowd.admitted[-1] == "s11"
         await crowd.release_all()
+
+
+async def test_once_the_batchs_long_calls_give_their_own_pace_their_growth_follows_it() -> None:
+    """Short answers at 0.01 s a token, the batch's long ones at 0.005 (a short call's time
+    includes its prompt and its queue): three long items started together are at 230 of 640
+    tokens after 0.65 s on their own pace, where the fourth fits as they grow (after 1.3 s on
+    the shorts' pace, the test above)."""
+    governor, now = _growing(8, 23)
+    await _paced(governor, now, 0.01)
+    for _ in range(8):  # eight long answers of 540 tokens at 0.005 s a token
+        slot = await governor.acquire(**LONG)  # type: ignore[arg-type]
+        now[0] += 540 * 0.005
+        slot.work = 540
+        slot.release()
+    assert governor._long_pace.latest == pytest.approx(0.005)
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        await crowd.add("s0", batch=True, tokens=100)
+        for i in range(4):
+            await crowd.add(f"L{i}", **LONG)  # type: ignore[arg-type]
+        assert crowd.admitted == ["s0", "L0", "L1", "L2"]
+        now[0] += 0.6  # at 220 tokens on their own pace: not yet
+        await _look(governor)
+        assert crowd.admitted == ["s0", "L0", "L1", "L2"]
+        now[0] += 0.05  # at 230
+        await _look(governor)
+        assert crowd.admitted == ["s0", "L0", "L1", "L2", "L3"]
+        await crowd.release_all()

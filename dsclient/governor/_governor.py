@@ -75,26 +75,27 @@ starting them first gained nothing over input order (0.97x in the median of six 
 calls that are not a batch's keep every rule above, so a batch does not hold up the calls
 someone waits on; where the cache is not known, a batch's items are ordinary calls.
 
-**Growth.** A call's KV cache tokens grow as it answers: its prompt at first, one more a step,
-all of them (prompt + ``max_tokens``) only at its end. Where the cache is known and its prompt
-is (``prompt_tokens=``), a batch's long item is admitted, within the lane's share or beyond it,
-while the cache holds it at every point before it ends: each long call of the batch in flight
-counted at what it holds then (its prompt plus its time in flight over the pace, the short
-calls' latest time per output token, a bound since a short call's time includes its prompt),
-and gone at its end; the batch's other calls at their ``tokens``, as many as fill the server's
-batch beside the long ones. Once 4 of the batch's long answers are in, a call's end is taken at
-the longest of its latest 16 (at most its ``max_tokens``). Until the pace is known, every call
-counts whole. Where the batch's short items run (so that slots free, and waiters are looked at,
-every few steps), its long items also start one at a time, a long call's expected time over the
-server's batch less one apart: started together, long calls reach their largest together, and
-the cache holds fewer of them. While a long item waits for the cache, the batch's short items
-fill the limit, not the server's batch (no slot that frees would start the long item). On a vLLM
-of 23 usable blocks of 128 tokens (8 sequences), a batch of 200 with about 20 items of 512
-tokens out (5 blocks each) ran its long items 4 at a time in waves, preempting at the top of each
-wave; counted as they grow and started apart, 5-6 ran, and in 6 paired runs the batch took
-0.74x-0.97x as long in input order and 0.70x-1.02x in shape order (``docs/governor.md``). A call
-past the point at which it was expected to end counts whole until it ends. Beyond 64 long calls
-in flight (the check walks them at each point) the share rules apply instead.
+**Growth.** A call's KV cache tokens grow as it answers: its prompt at first, one more a step, all
+of them (prompt + ``max_tokens``) only at its end. Where the cache is known and its prompt is
+(``prompt_tokens=``), a batch's long item is admitted, within the lane's share or beyond it, while
+the cache holds it at every point before it ends: each long call of the batch in flight counted at
+what it holds then (its prompt plus its time in flight over the pace: the batch's long calls' latest
+time per output token, the calls being counted, once 8 have ended; before that the short calls', a
+bound since a short call's time includes its prompt and its wait in the server's queue), and gone at
+its end; the batch's other calls at their ``tokens``, as many as fill the server's batch beside the
+long ones. Once 4 of the batch's long answers are in, a call's end is taken at the longest of its
+latest 16 (at most its ``max_tokens``). Until the pace is known, every call counts whole. Where the
+batch's short items run (so that slots free, and waiters are looked at, every few steps), its long
+items also start one at a time, a long call's expected time over the server's batch less one apart:
+started together, long calls reach their largest together, and the cache holds fewer of them. While
+a long item waits for the cache, the batch's short items fill the limit, not the server's batch (no
+slot that frees would start the long item). On a vLLM of 23 usable blocks of 128 tokens (8
+sequences), a batch of 200 with about 20 items of 512 tokens out (5 blocks each) ran its long items
+4 at a time in waves, preempting at the top of each wave; counted as they grow and started apart,
+5-6 ran, and in 6 paired runs the batch took 0.74x-0.97x as long in input order and 0.70x-1.02x in
+shape order (``docs/governor.md``). A call past the point at which it was expected to end counts
+whole until it ends. Beyond 64 long calls in flight (the check walks them at each point) the share
+rules apply instead.
 
 **Urgency, not priority.** Among waiters, higher ``urgency`` is admitted first, FIFO within
 equal urgency. It is deliberately not called ``priority``: vLLM's own request field ``priority``
@@ -969,9 +970,13 @@ class Governor:
         fill = max(others, (seats - len(ramps) - 1) * each) if shorts else others
         if self._tokens - others + tokens + fill <= kv:
             return False  # every call at its whole size fits
-        # Seconds per output token: a short call's (a bound: its time includes its prompt), else
-        # the batch's long calls'.
-        pace = self._short_pace.latest or self._long_pace.latest
+        # Seconds per output token: the batch's long calls' own, else a short call's (a bound:
+        # its time includes its prompt and its wait in the server's queue). Taken from the
+        # shorts while long calls' answers were in, on a vLLM of 23 blocks the pace was 1.6-2.1x
+        # the long calls' own: the check saw the running long calls as younger than they were,
+        # and once the batch's short items had ended ran its long ones 4.2-4.6 at a time with
+        # the cache 56-61% full (4.7-5.3 and up to 70% on their own pace).
+        pace = self._long_pace.latest or self._short_pace.latest
         if not pace:
             return True  # how fast the calls grow is not known yet
         outputs = self._long_outputs
