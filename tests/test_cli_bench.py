@@ -639,3 +639,18 @@ def test_bound_reason_names_the_bound():
     assert _bound_reason("closed", [1, 2, 3], 256, 3) == ("max-steps", "ran --max-steps 3")
     assert _bound_reason("open", [1.0, 2.0], 256, None)[0] == "rates"
     assert _bound_reason("open", [1.0, 2.0], 256, 2)[0] == "max-steps"
+
+
+def test_the_url_may_come_as_map_takes_it_or_not_at_all(capsys, monkeypatch):
+    from dsclient.cli import main
+
+    monkeypatch.delenv("DSCLIENT_URL", raising=False)
+    assert main(["bench", "--step-seconds", "1"]) == 2
+    assert (
+        capsys.readouterr().err == "dsclient bench: no server: pass its URL or set DSCLIENT_URL\n"
+    )
+    assert main(["bench", "--url", "http://127.0.0.1:9", "--step-seconds", "1"]) == 2
+    assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
+    monkeypatch.setenv("DSCLIENT_URL", "http://127.0.0.1:9")
+    assert main(["bench", "--step-seconds", "1"]) == 2
+    assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().err

@@ -76,3 +76,27 @@ def test_probe_json_names_the_mode_and_signal(blackbox_url, capsys):
         "throughput",
     )
     assert out["queue_metrics"] is None
+
+
+def test_the_command_says_its_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import dsclient
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == f"dsclient {dsclient.__version__}"
+
+
+def test_probe_takes_the_url_as_map_does_or_from_the_environment(
+    blackbox_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert main(["probe", "--url", blackbox_url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == "m"
+    monkeypatch.setenv("DSCLIENT_URL", f"{blackbox_url},http://127.0.0.1:1")
+    assert main(["probe", "--json"]) == 0  # the first of the environment's
+    assert json.loads(capsys.readouterr().out)["model"] == "m"
+    monkeypatch.delenv("DSCLIENT_URL")
+    assert main(["probe"]) == 2
+    assert "no server: pass its URL or set DSCLIENT_URL" in capsys.readouterr().err
+    assert main(["probe", blackbox_url, "--url", "http://127.0.0.1:1"]) == 2
+    assert "two URLs given" in capsys.readouterr().err

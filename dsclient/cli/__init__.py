@@ -24,6 +24,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from .._exceptions import DSClientError
+from .._version import __version__
 from ._common import err as _err
 from .install_server import _add_install_server, _install_server
 from .probe import _add_probe
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="dsclient: an async SDK for self-hosted LLM servers, and its tools.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
+    parser.add_argument("-V", "--version", action="version", version=f"dsclient {__version__}")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     for add in _COMMANDS:
         add(sub)

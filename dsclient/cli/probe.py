@@ -10,6 +10,7 @@ import urllib.request
 from typing import Any
 
 from .._urls import root_url
+from ._common import URL_ENV, add_url, given_url
 
 
 def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -24,7 +25,7 @@ def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         epilog="example:\n  dsclient probe http://127.0.0.1:8000 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("url", help="the server's URL, with or without /v1")
+    add_url(p)
     p.add_argument("--model", help="the model to check (default: the server's only one)")
     p.add_argument("--api-key", help="bearer token (default: $DSCLIENT_API_KEY, $OPENAI_API_KEY)")
     p.add_argument("--headroom", type=float, default=0.7, help="cap = headroom x max_num_seqs")
@@ -49,6 +50,15 @@ def _unreachable(url: str, timeout: float = 5.0) -> str | None:
 def _run_probe(args: argparse.Namespace) -> int:
     import anyio
 
+    try:
+        url = given_url(args)
+    except ValueError as exc:
+        print(f"dsclient probe: {exc}", file=sys.stderr)
+        return 2
+    if url is None:
+        print(f"dsclient probe: no server: pass its URL or set {URL_ENV}", file=sys.stderr)
+        return 2
+    args.url = url
     why = _unreachable(args.url)
     if why is not None:
         print(f"dsclient probe: nothing answers at {args.url}: {why}", file=sys.stderr)

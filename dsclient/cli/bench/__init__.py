@@ -45,6 +45,7 @@ from typing import IO, Any
 import anyio
 
 from ..._http import httpx, transport_for
+from .._common import URL_ENV, add_url, given_url
 from .policy import (
     DEFAULT_TOKENS_PER_WORD,
     KNEE_FRACTION,
@@ -151,7 +152,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("url", help="the server's URL, with or without /v1")
+    add_url(parser)
     parser.add_argument("--model", help="the model to ask for (default: the server's only one)")
     steps = parser.add_argument_group("steps")
     steps.add_argument("--start", type=_positive_int, default=1, help="first concurrency (1)")
@@ -227,7 +228,10 @@ def run(
         return code
 
     try:
-        url = root_url(args.url)
+        given = given_url(args)
+        if given is None:
+            return fail(f"no server: pass its URL or set {URL_ENV}")
+        url = root_url(given)
         if args.factor <= 1:
             raise ValueError(f"--factor must be > 1, got {args.factor:g}")
         if args.max_concurrency < args.start:
@@ -272,7 +276,8 @@ def run(
         "settings": {
             key: value
             for key, value in vars(args).items()
-            if key not in ("func", "extra_args", "verbose", "url") and not callable(value)
+            if key not in ("func", "extra_args", "verbose", "url", "url_option")
+            and not callable(value)
         },
         "workload": {"kind": "synthetic", **dataclasses.asdict(mix)}
         if file_requests is None
