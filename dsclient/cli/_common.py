@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-__all__ = ["add_url", "err", "given_url"]
+__all__ = ["URL_ENV", "add_url", "err", "given_url"]
 
 #: Where the server's URL comes from when none is given (``dsclient map`` takes a list).
 URL_ENV = "DSCLIENT_URL"
@@ -28,10 +28,16 @@ def add_url(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", dest="url_option", metavar="URL", help=argparse.SUPPRESS)
 
 
-def given_url(args: argparse.Namespace) -> str | None:
+def given_url(args: argparse.Namespace) -> str:
     """The URL :func:`add_url` was given: the positional one, else ``--url``, else the
-    environment's; ``None`` when there is none."""
+    environment's.
+
+    Raises:
+        ValueError: none was given, or two different ones.
+    """
     if args.url and args.url_option and args.url != args.url_option:
         raise ValueError(f"two URLs given: {args.url} and --url {args.url_option}")
     found = args.url or args.url_option or os.environ.get(URL_ENV, "").split(",")[0].strip()
-    return found or None
+    if not found:
+        raise ValueError(f"no server: pass its URL or set {URL_ENV}")
+    return str(found)

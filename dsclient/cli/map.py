@@ -41,6 +41,7 @@ from .._models import ChatResult, CompletionResult, Failure, Result, Usage
 from ..batch._batch import InvalidItem, Outcome, _Options, _run_direct
 from ..batch._jsonl import JsonlStore, derive_id, explicit_id
 from ..client._client import USE_DEFAULT, AsyncClient
+from ._common import URL_ENV
 
 __all__ = ["BATCH_RECORDS", "BatchRecords", "add_map_parser", "main", "read_requests", "run"]
 
@@ -281,10 +282,10 @@ def run(
     def report(message: str) -> None:
         print(f"dsclient map: {message}", file=err, flush=True)
 
-    given = args.url or os.environ.get("DSCLIENT_URL", "").split(",")
+    given = args.url or os.environ.get(URL_ENV, "").split(",")
     urls = [u.strip() for u in given if u.strip()]
     if not urls:
-        report("no server: pass --url or set DSCLIENT_URL")
+        report(f"no server: pass --url or set {URL_ENV}")
         return 2
     url: str | list[str] = urls[0] if len(urls) == 1 else urls
     if args.max_tokens is not None and args.max_tokens < 1:

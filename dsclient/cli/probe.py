@@ -10,7 +10,7 @@ import urllib.request
 from typing import Any
 
 from .._urls import root_url
-from ._common import URL_ENV, add_url, given_url
+from ._common import add_url, given_url
 
 
 def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -55,20 +55,16 @@ def _run_probe(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"dsclient probe: {exc}", file=sys.stderr)
         return 2
-    if url is None:
-        print(f"dsclient probe: no server: pass its URL or set {URL_ENV}", file=sys.stderr)
-        return 2
-    args.url = url
-    why = _unreachable(args.url)
+    why = _unreachable(url)
     if why is not None:
-        print(f"dsclient probe: nothing answers at {args.url}: {why}", file=sys.stderr)
+        print(f"dsclient probe: nothing answers at {url}: {why}", file=sys.stderr)
         return 1
 
     from ..client._client import AsyncClient
 
     async def probe() -> tuple[Any, Any, Any]:
         async with AsyncClient(
-            args.url, model=args.model, api_key=args.api_key, headroom=args.headroom
+            url, model=args.model, api_key=args.api_key, headroom=args.headroom
         ) as client:
             return await client.discover(), client.stats().control, client.servers[0].load
 

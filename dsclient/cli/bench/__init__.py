@@ -45,7 +45,7 @@ from typing import IO, Any
 import anyio
 
 from ..._http import httpx, transport_for
-from .._common import URL_ENV, add_url, given_url
+from .._common import add_url, given_url
 from .policy import (
     DEFAULT_TOKENS_PER_WORD,
     KNEE_FRACTION,
@@ -228,10 +228,7 @@ def run(
         return code
 
     try:
-        given = given_url(args)
-        if given is None:
-            return fail(f"no server: pass its URL or set {URL_ENV}")
-        url = root_url(given)
+        url = root_url(given_url(args))
         if args.factor <= 1:
             raise ValueError(f"--factor must be > 1, got {args.factor:g}")
         if args.max_concurrency < args.start:
