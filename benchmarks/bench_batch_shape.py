@@ -9,8 +9,9 @@ One tiny vLLM (the launcher's), with prefix caching on and a **small KV cache**
 (``--num-gpu-blocks-override``, default 24 blocks of 128 tokens: 3072 tokens, the least that
 ``max_model_len`` 2048 allows with some room), so that the prefix-heavy batch's 20 prefixes
 (~400 tokens, 3 blocks each) do not all fit beside the requests running. (64 blocks held them:
-input order hit 82% of prompt tokens, the first kept invocation.) Three batches
-(:func:`make_batch`), each sent by one ``client.map()`` with client defaults:
+input order hit 82% of prompt tokens, the first kept invocation.) ``--max-num-seqs`` (8 by
+default) sets how many sequences it runs at once. Three batches (:func:`make_batch`), each sent
+by one ``client.map()`` with client defaults:
 
 - ``prefix-heavy``: 20 system prompts of ~1500 characters x 30 questions each, shuffled, 8
   tokens out;
@@ -25,6 +26,15 @@ vllm-router (pinned as in ``bench_routing``) with ``--policy cache_aware`` at it
 settings, started in front of the same replicas for the leg (the client sees one server: the
 router). Every prompt of a leg begins with a salt of its own (workload, leg, run), so no leg finds
 another's prefixes in the cache. Outputs are fixed-length (``ignore_eos``, temperature 0).
+
+How much any start order can gain depends on the server as much as on the batch: a mixed batch
+gains from longest first only where the server runs its long items beside one another. A model
+of vLLM's scheduler (:func:`model_steps`: first come, first served within the sequences and
+the blocks, preempting the latest start) given each run's whole batch at once puts shape
+order's engine steps at 0.89x-0.98x input order's on 8 sequences and 23 usable blocks (about 5
+long items at their largest), and at 0.76x-0.84x on 16 sequences and 47 blocks
+(``--max-num-seqs 16 --blocks 48``; seeds 28-33). The shape leg's row of one server keeps the
+model's ratio for its batch (``model_ratio``) and the page shows it beside the goals.
 
 Measured per leg: the makespan (the map() call, from its start to its last result), failures,
 and vLLM's prefix-cache hit rate over the leg: the increase of ``vllm:prefix_cache_hits_total``
@@ -48,6 +58,7 @@ import contextlib
 import random
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -99,10 +110,18 @@ def make_batch(workload: str, seed: int, salt: str, scale: float = 1.0) -> list[
 def moved(items: Sequence[dict[str, Any]]) -> int:
     """Items that ``order="shape"`` starts at another place than input order does.
 
-    The order map() gives a list of ``items``, computed as its batch runner does it (a window
-    of ``WINDOW`` read ahead, one read per start; prefixes and predicted tokens from the
-    prompt's bytes), without a server. The plain batch's goal (within 3% of input order) rests
-    on this being 0: a makespan then differs by the server's run-to-run noise only.
+    The plain batch's goal (within 3% of input order) rests on this being 0: a makespan then
+    differs by the server's run-to-run noise only.
+    """
+    return sum(1 for place, index in enumerate(shape_order(items)) if place != index)
+
+
+def shape_order(items: Sequence[dict[str, Any]]) -> list[int]:
+    """The indexes of ``items`` in the order ``order="shape"`` starts them.
+
+    Computed as map()'s batch runner does it (a window of ``WINDOW`` read ahead, one read per
+    start; prefixes and predicted tokens from the prompt's bytes), without a server and without
+    the runner's skipping of long items while its long ones wait for the cache.
     """
     from dsclient.batch._order import WINDOW, ItemShape, Lineup, predicted_tokens, prefix_of
     from dsclient.client._tokens import TokenCounter
@@ -123,7 +142,62 @@ def moved(items: Sequence[dict[str, Any]]) -> int:
         lineup.add(index, shape)
     while len(lineup):
         order.append(lineup.pop())
-    return sum(1 for place, index in enumerate(order) if place != index)
+    return order
+
+
+def model_steps(
+    sizes: Sequence[tuple[int, int]], seats: int, blocks: int, block_tokens: int = 128
+) -> int:
+    """The engine steps a model of vLLM's scheduler takes for ``sizes`` (prompt tokens, output
+    tokens) queued at once in that order: the best a start order can do on a server, not what
+    a client does.
+
+    Each step every running sequence adds a token; sequences start first come, first served
+    while fewer than ``seats`` run and their next token's blocks fit ``blocks``; a sequence that
+    needs a block the cache does not have preempts the one started last, which goes back to the
+    head of the queue keeping its tokens (vLLM's recompute, its prefill not counted). A
+    sequence's whole prompt is one step (chunked prefill, beside the others' decodes). No
+    prefix cache: the mixed batch shares no prefix.
+
+    ``model_steps([(30, 512)] * 2 + [(30, 32)] * 2, seats=2, blocks=99)`` is ``512 + 32``: the
+    two long ones first, the short ones after them.
+    """
+    queue: deque[list[int]] = deque([prompt, out, 0] for prompt, out in sizes)
+    running: list[list[int]] = []
+    steps = 0
+
+    def need(seq: list[int]) -> int:  # blocks for its next token
+        return -(-(seq[0] + seq[2] + 1) // block_tokens)
+
+    while queue or running:
+        while running and sum(need(seq) for seq in running) > blocks:
+            queue.appendleft(running.pop())
+        used = sum(need(seq) for seq in running)
+        while queue and len(running) < seats and used + need(queue[0]) <= blocks:
+            used += need(queue[0])
+            running.append(queue.popleft())
+        if not running:
+            raise ValueError(f"a sequence of {need(queue[0])} blocks does not fit {blocks}")
+        steps += 1
+        for seq in running:
+            seq[2] += 1
+        running = [seq for seq in running if seq[2] < seq[1]]
+    return steps
+
+
+def model_ratio(items: Sequence[dict[str, Any]], seats: int, blocks: int) -> float:
+    """:func:`model_steps` of ``items`` in shape order over input order: what the start order
+    alone gains on a server of ``seats`` and ``blocks`` (the usable blocks: vLLM keeps one), by
+    the model. Prompt tokens are predicted from bytes, as the order predicts them."""
+    from dsclient.batch._order import predicted_tokens
+    from dsclient.client._tokens import TokenCounter
+
+    counter = TokenCounter()
+    sizes = [
+        (predicted_tokens(item["prompt"], 0, counter), int(item["max_tokens"])) for item in items
+    ]
+    shaped = [sizes[i] for i in shape_order(items)]
+    return round(model_steps(shaped, seats, blocks) / model_steps(sizes, seats, blocks), 3)
 
 
 def leg_order(legs: Sequence[str], run: int) -> list[str]:
@@ -198,6 +272,21 @@ def step_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
             if len(found) >= 4:
                 line += f" (sum / sum: {summed(rows, workload, 'engine_steps', peer):.3f}x)"
             lines.append(line)
+    return lines
+
+
+def model_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Per workload, the model's shape / input step ratio of each run's batch (rows of one
+    server carry it, :func:`model_ratio`)."""
+    lines = []
+    for workload in WORKLOADS:
+        found = [
+            r["model_ratio"]
+            for r in sorted(rows, key=lambda r: r["run"])
+            if r.get("workload") == workload and r["leg"] == "shape" and "model_ratio" in r
+        ]
+        if found:
+            lines.append(f"- {workload}: " + ", ".join(f"{x:.2f}x" for x in found))
     return lines
 
 
@@ -281,6 +370,9 @@ async def run_all(
                 found = await run_leg(urls, items, leg, router)
                 if leg == "shape":
                     found["moved"] = moved(items)
+                    if workload != "prefix-heavy" and len(urls) == 1:
+                        usable = args.blocks - 1  # vLLM keeps one block
+                        found["model_ratio"] = model_ratio(items, args.max_num_seqs, usable)
                 row = run.add(leg=leg, run=n, workload=workload, servers=len(urls), **found)
                 say(f"  {row}")
 
@@ -402,18 +494,27 @@ def blocks_of(record: dict[str, Any]) -> int:
     return int(record.get("params", {}).get("blocks", 24))
 
 
+def setup_of(record: dict[str, Any]) -> tuple[int, int, int]:
+    """``(servers, max_num_seqs, KV blocks)`` of an invocation: the page keeps the latest of
+    each."""
+    seqs = int(record.get("params", {}).get("max_num_seqs", 8))
+    return servers_of(record), seqs, blocks_of(record)
+
+
 def render(records: Sequence[dict[str, Any]]) -> str:
-    """The latest invocation per number of servers and KV cache: per workload, one line per leg
+    """The latest invocation per server setup (:func:`setup_of`): per workload, one line per leg
     (median (range) over the runs), then the goals, then its conditions."""
     sections = []
-    setups = sorted({(servers_of(r), blocks_of(r)) for r in records})
-    for n, blocks in setups:
-        mine = [r for r in records if (servers_of(r), blocks_of(r)) == (n, blocks)]
+    setups = sorted({setup_of(r) for r in records})
+    for n, seqs, blocks in setups:
+        mine = [r for r in records if setup_of(r) == (n, seqs, blocks)]
         record = report_.latest(mine)
         assert record is not None
         rows = record["rows"]
         where = "One server" if n == 1 else f"{n} replicas"
-        parts = [f"*{where}, {blocks} KV blocks each:*"] if len(setups) > 1 else []
+        parts = (
+            [f"*{where}, {seqs} sequences and {blocks} KV blocks each:*"] if len(setups) > 1 else []
+        )
         for workload in WORKLOADS:
             these = report_.select(rows, workload=workload)
             if not these:
@@ -434,6 +535,13 @@ def render(records: Sequence[dict[str, Any]]) -> str:
         steps = step_lines(rows)
         if steps:
             parts.append("The server's engine steps, per run (not a goal):\n\n" + "\n".join(steps))
+        models = model_lines(rows)
+        if models:
+            parts.append(
+                "What the start order alone can gain on this server, by a model of vLLM's "
+                "scheduler given the whole batch at once (:func:`model_steps`; engine steps, "
+                "shape / input, per run):\n\n" + "\n".join(models)
+            )
         parts.append(report_.conditions(record, mine))
         sections.append("\n\n".join(parts))
     return "\n\n".join(sections)

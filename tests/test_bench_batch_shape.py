@@ -140,11 +140,11 @@ def test_goals_are_given_against_each_peer_and_invocations_per_server_count():
         "params": {"replicas": 2},
     }
     text = bench.render([one, pair])
-    assert "*One server, 24 KV blocks each:*" in text and "*2 replicas, 24 KV blocks" in text
+    assert "*One server, 8 sequences and 24 KV blocks each:*" in text and "*2 replicas, 8 sequences and 24 KV blocks" in text
     assert "*One server" not in bench.render([one])
     big = {**one, "_file": "3.json", "params": {"blocks": 64, "workloads": ["mixed"]}}
     text = bench.render([one, pair, big])
-    assert "*One server, 64 KV blocks each:*" in text and "*One server, 24 KV" in text
+    assert "*One server, 8 sequences and 64 KV blocks each:*" in text and "*One server, 8 sequences and 24 KV" in text
 
 
 def test_shape_moves_the_prefix_heavy_and_mixed_batches_and_leaves_the_plain_one_as_read():
@@ -185,3 +185,54 @@ def test_engine_steps_are_shown_beside_the_goals_and_older_rows_give_no_line():
     text = bench.render([record])
     assert "The server's engine steps, per run (not a goal):" in text
     assert "| leg | runs | makespan s | prefix hit rate | engine steps | failed |" in text
+
+
+def test_the_step_model_runs_first_come_first_served_within_seats_and_cache():
+    # Two seats: the long ones together (512 steps), then the short ones (32).
+    assert bench.model_steps([(30, 512)] * 2 + [(30, 32)] * 2, seats=2, blocks=99) == 544
+    # Input order with a long one last: it runs alone after the others.
+    assert bench.model_steps([(30, 32)] * 2 + [(30, 512)] * 2, seats=2, blocks=99) == 32 + 512
+    assert bench.model_steps([(30, 32), (30, 512), (30, 32), (30, 512)], 2, 99) == 32 + 512 + 32
+    # A cache of one block holds one sequence of up to 128 tokens at a time.
+    assert bench.model_steps([(30, 40)] * 3, seats=8, blocks=1) == 120
+    # Two sequences that each outgrow one block in a cache of two: the later one is preempted
+    # when the first needs its second block, and resumes where it was once the first ends.
+    assert bench.model_steps([(100, 100), (100, 100)], seats=2, blocks=2) > 100
+    import pytest
+
+    with pytest.raises(ValueError, match="does not fit"):
+        bench.model_steps([(300, 1)], seats=2, blocks=2)
+
+
+def test_the_model_finds_the_gain_of_longest_first_bounded_by_the_server():
+    # The mixed batch on a server that holds its long items beside each other gains from
+    # longest first; on the benchmark's first server (8 sequences, 23 usable blocks: about 5
+    # long items) much less; the plain batch nothing (shape order is input order).
+    mixed = bench.make_batch("mixed", 28, "mixed-shape-1")
+    roomy, tight = bench.model_ratio(mixed, 16, 47), bench.model_ratio(mixed, 8, 23)
+    assert roomy < 0.85 and roomy < tight
+    assert bench.model_ratio(bench.make_batch("plain", 28, "plain-shape-1"), 8, 23) == 1.0
+
+
+def test_the_page_shows_the_models_ratio_per_run_and_servers_apart_by_their_batch():
+    modelled = [
+        {**row, "model_ratio": 0.8 + row["run"] / 100}
+        if row["leg"] == "shape" and row["workload"] != "prefix-heavy"
+        else row
+        for row in rows()
+    ]
+    lines = bench.model_lines(modelled)
+    assert [line.split(":")[0] for line in lines] == ["- plain"]
+    assert all(line.endswith(": 0.81x, 0.82x") for line in lines)
+    assert bench.model_lines(rows()) == []
+    eight = {"benchmark": "batch-shape", "_file": "1.json", "rows": rows(), "params": {}}
+    sixteen = {
+        "benchmark": "batch-shape",
+        "_file": "2.json",
+        "rows": modelled,
+        "params": {"max_num_seqs": 16, "blocks": 48},
+    }
+    text = bench.render([eight, sixteen])
+    assert "*One server, 8 sequences and 24 KV blocks each:*" in text
+    assert "*One server, 16 sequences and 48 KV blocks each:*" in text
+    assert "by a model of vLLM's scheduler" in text
