@@ -318,6 +318,36 @@ async def metrics(urls: Sequence[str]) -> tuple[float, float, float]:
     return hits, queries, steps
 
 
+#: How many sequences :func:`step_cost` runs at once, in turn.
+STEP_COST_BATCHES = (1, 2, 4, 8, 16)
+
+
+async def step_cost(url: str, seqs: int, tokens: int = 256) -> dict[str, float]:
+    """Milliseconds an engine step of the server at ``url`` takes with 1, 2, 4 ... ``seqs``
+    sequences running (each ``tokens`` out, sent together, the server otherwise idle): the
+    makespan over the steps (:func:`metrics`). Whether fewer, fuller steps (longest first)
+    make a shorter batch depends on it: on a GPU's decode a step takes about as long full as
+    nearly empty; on this CPU it does not."""
+    import httpx
+
+    found: dict[str, float] = {}
+    async with httpx.AsyncClient(timeout=300.0) as http:
+        for n in [b for b in STEP_COST_BATCHES if b <= seqs]:
+            before = (await metrics([url]))[2]
+            t0 = time.perf_counter()
+            body = {"model": MODEL, "max_tokens": tokens, "ignore_eos": True, "temperature": 0}
+            calls = [
+                http.post(url + "/v1/completions", json={**body, "prompt": f"step cost {n} {i}"})
+                for i in range(n)
+            ]
+            for answer in await asyncio.gather(*calls):
+                answer.raise_for_status()
+            took = time.perf_counter() - t0
+            steps = (await metrics([url]))[2] - before
+            found[str(n)] = round(1000 * took / steps, 2) if steps else float("nan")
+    return found
+
+
 async def run_leg(
     urls: Sequence[str], items: list[dict[str, Any]], leg: str, router: Path | None = None
 ) -> dict[str, Any]:
@@ -470,6 +500,8 @@ def main(argv: list[str] | None = None) -> None:
                 "prefix_caching": True,
             },
         )
+        if len(urls) == 1:
+            run.fact("step_ms_by_sequences", asyncio.run(step_cost(urls[0], args.max_num_seqs)))
         asyncio.run(run_all(args, urls, run, router))
     path = run.save()
     say(f"kept {path}")
@@ -480,8 +512,26 @@ TABLE = (
     report_.Column("makespan s", "makespan_s"),
     report_.Column("prefix hit rate", "hit_rate", 3),
     report_.Column("engine steps", "engine_steps", 0),
+    report_.Column("tokens a step", "tokens_per_step", 1),
+    report_.Column("ms a step", "ms_per_step", 2),
     report_.Column("failed", "failed", 0),
 )
+
+
+def with_step_figures(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with what its engine steps held and took: output tokens a step (how full the
+    server's batch ran) and milliseconds a step (the makespan over the steps). A makespan
+    follows the steps only where a step takes as long full as nearly empty: on a GPU's decode,
+    not on this CPU, where a step of 16 sequences took 1.3-1.5x one of 1-8 (``docs``)."""
+    steps = row.get("engine_steps")
+    if not isinstance(steps, int | float) or steps <= 0:
+        return row
+    out = dict(row)
+    tokens = row.get("completion_tokens")
+    if isinstance(tokens, int | float):
+        out["tokens_per_step"] = tokens / steps
+    out["ms_per_step"] = 1000 * row["makespan_s"] / steps
+    return out
 
 
 def servers_of(record: dict[str, Any]) -> int:
@@ -510,7 +560,7 @@ def render(records: Sequence[dict[str, Any]]) -> str:
         mine = [r for r in records if setup_of(r) == (n, seqs, blocks)]
         record = report_.latest(mine)
         assert record is not None
-        rows = record["rows"]
+        rows = [with_step_figures(row) for row in record["rows"]]
         where = "One server" if n == 1 else f"{n} replicas"
         parts = (
             [f"*{where}, {seqs} sequences and {blocks} KV blocks each:*"] if len(setups) > 1 else []
@@ -541,6 +591,13 @@ def render(records: Sequence[dict[str, Any]]) -> str:
                 "What the start order alone can gain on this server, by a model of vLLM's "
                 "scheduler given the whole batch at once (:func:`model_steps`; engine steps, "
                 "shape / input, per run):\n\n" + "\n".join(models)
+            )
+        cost = record.get("facts", {}).get("step_ms_by_sequences")
+        if cost:
+            shown = ", ".join(f"{n}: {ms:.1f} ms" for n, ms in cost.items())
+            parts.append(
+                "The server's engine step, by the sequences it ran (256 tokens each, measured "
+                f"before the legs, :func:`step_cost`): {shown}."
             )
         parts.append(report_.conditions(record, mine))
         sections.append("\n\n".join(parts))

@@ -184,7 +184,8 @@ def test_engine_steps_are_shown_beside_the_goals_and_older_rows_give_no_line():
     record = {"benchmark": "batch-shape", "_file": "x.json", "rows": mixed, "params": {}}
     text = bench.render([record])
     assert "The server's engine steps, per run (not a goal):" in text
-    assert "| leg | runs | makespan s | prefix hit rate | engine steps | failed |" in text
+    heads = "| leg | runs | makespan s | prefix hit rate | engine steps | tokens a step | ms a step |"
+    assert heads in text
 
 
 def test_the_step_model_runs_first_come_first_served_within_seats_and_cache():
@@ -236,3 +237,27 @@ def test_the_page_shows_the_models_ratio_per_run_and_servers_apart_by_their_batc
     assert "*One server, 8 sequences and 24 KV blocks each:*" in text
     assert "*One server, 16 sequences and 48 KV blocks each:*" in text
     assert "by a model of vLLM's scheduler" in text
+
+
+def test_a_legs_steps_give_how_full_they_ran_and_how_long_each_took():
+    row = {"leg": "shape", "makespan_s": 6.0, "engine_steps": 1000.0, "completion_tokens": 14000}
+    assert bench.with_step_figures(row) == {**row, "tokens_per_step": 14.0, "ms_per_step": 6.0}
+    older = {"leg": "shape", "makespan_s": 6.0}  # before the steps were counted
+    assert bench.with_step_figures(older) == older
+    counted = [
+        {**r, "engine_steps": 100.0, "completion_tokens": 800} for r in rows() if "run" in r
+    ]
+    text = bench.render([{"benchmark": "batch-shape", "_file": "1.json", "rows": counted}])
+    assert "tokens a step" in text and "ms a step" in text and "| 8.0 |" in text
+
+
+def test_the_page_shows_the_servers_step_cost_by_sequences_when_measured():
+    record = {
+        "benchmark": "batch-shape",
+        "_file": "1.json",
+        "rows": rows(),
+        "facts": {"step_ms_by_sequences": {"1": 4.1, "8": 4.6, "16": 6.04}},
+    }
+    text = bench.render([record])
+    assert "by the sequences it ran" in text and "1: 4.1 ms, 8: 4.6 ms, 16: 6.0 ms." in text
+    assert "by the sequences it ran" not in bench.render([{**record, "facts": {}}])
