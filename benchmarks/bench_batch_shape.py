@@ -34,7 +34,10 @@ the blocks, preempting the latest start) given each run's whole batch at once pu
 order's engine steps at 0.89x-0.98x input order's on 8 sequences and 23 usable blocks (about 5
 long items at their largest), and at 0.76x-0.84x on 16 sequences and 47 blocks
 (``--max-num-seqs 16 --blocks 48``; seeds 28-33). The shape leg's row of one server keeps the
-model's ratio for its batch (``model_ratio``) and the page shows it beside the goals.
+model's ratio for its batch (``model_ratio``) and the page shows it beside the goals. Fewer
+steps are a shorter batch only where a full step takes about as long as a nearly empty one (a
+GPU's decode); before the legs, one server's step time is measured by the sequences it runs
+(:func:`step_cost`), and each leg's row gives its tokens and milliseconds a step.
 
 Measured per leg: the makespan (the map() call, from its start to its last result), failures,
 and vLLM's prefix-cache hit rate over the leg: the increase of ``vllm:prefix_cache_hits_total``
@@ -512,7 +515,7 @@ TABLE = (
     report_.Column("makespan s", "makespan_s"),
     report_.Column("prefix hit rate", "hit_rate", 3),
     report_.Column("engine steps", "engine_steps", 0),
-    report_.Column("tokens a step", "tokens_per_step", 1),
+    report_.Column("output tokens a step", "tokens_per_step", 1),
     report_.Column("ms a step", "ms_per_step", 2),
     report_.Column("failed", "failed", 0),
 )

@@ -184,7 +184,7 @@ def test_engine_steps_are_shown_beside_the_goals_and_older_rows_give_no_line():
     record = {"benchmark": "batch-shape", "_file": "x.json", "rows": mixed, "params": {}}
     text = bench.render([record])
     assert "The server's engine steps, per run (not a goal):" in text
-    heads = "| leg | runs | makespan s | prefix hit rate | engine steps | tokens a step | ms a step |"
+    heads = "| leg | runs | makespan s | prefix hit rate | engine steps | output tokens a step | ms a step |"
     assert heads in text
 
 
@@ -248,7 +248,7 @@ def test_a_legs_steps_give_how_full_they_ran_and_how_long_each_took():
         {**r, "engine_steps": 100.0, "completion_tokens": 800} for r in rows() if "run" in r
     ]
     text = bench.render([{"benchmark": "batch-shape", "_file": "1.json", "rows": counted}])
-    assert "tokens a step" in text and "ms a step" in text and "| 8.0 |" in text
+    assert "output tokens a step" in text and "ms a step" in text and "| 8.0 |" in text
 
 
 def test_the_page_shows_the_servers_step_cost_by_sequences_when_measured():
