@@ -49,8 +49,12 @@ beside the goals, :func:`step_lines`); for the shape leg, how many items it star
 place than input order (:func:`moved`, computed without a server). Goals (issue 27), against
 each other leg: prefix-heavy hit rate >= 1.5x and makespan <= 0.85x; mixed makespan <= 0.9x;
 plain within 3%.
-One summary row per leg and run is kept in ``benchmarks/results/batch-shape/<UTC start>.json``
-(:mod:`benchmarks._results`); the page shows the latest invocation per number of servers.
+
+Against servers given by ``--urls`` the model is not run (their batch and cache are not the
+flags'); a server without vLLM's ``/metrics`` gives no hit rate, steps or step time, only
+makespans. One summary row per leg and run is kept in
+``benchmarks/results/batch-shape/<UTC start>.json``
+(:mod:`benchmarks._results`); the page shows the latest invocation per server setup.
 """
 
 from __future__ import annotations
@@ -347,7 +351,9 @@ async def step_cost(url: str, seqs: int, tokens: int = 256) -> dict[str, float]:
                 answer.raise_for_status()
             took = time.perf_counter() - t0
             steps = (await metrics([url]))[2] - before
-            found[str(n)] = round(1000 * took / steps, 2) if steps else float("nan")
+            if not steps:
+                return {}  # a server that does not count its steps (no vLLM /metrics)
+            found[str(n)] = round(1000 * took / steps, 2)
     return found
 
 
@@ -366,7 +372,8 @@ async def run_leg(
     else:
         found = await send(list(urls) if len(urls) > 1 else urls[0], items, leg)
     after = await metrics(urls)
-    return {**found, "hit_rate": hit_rate(before, after), "engine_steps": after[2] - before[2]}
+    steps = after[2] - before[2]
+    return {**found, "hit_rate": hit_rate(before, after), "engine_steps": steps or None}
 
 
 async def send(url: str | list[str], items: list[dict[str, Any]], order: str) -> dict[str, Any]:
@@ -403,7 +410,7 @@ async def run_all(
                 found = await run_leg(urls, items, leg, router)
                 if leg == "shape":
                     found["moved"] = moved(items)
-                    if workload != "prefix-heavy" and len(urls) == 1:
+                    if workload != "prefix-heavy" and len(urls) == 1 and not args.urls:
                         usable = args.blocks - 1  # vLLM keeps one block
                         found["model_ratio"] = model_ratio(items, args.max_num_seqs, usable)
                 row = run.add(leg=leg, run=n, workload=workload, servers=len(urls), **found)
