@@ -599,15 +599,16 @@ def render(records: Sequence[dict[str, Any]]) -> str:
         if models:
             parts.append(
                 "What the start order alone can gain on this server, by a model of vLLM's "
-                "scheduler given the whole batch at once (:func:`model_steps`; engine steps, "
-                "shape / input, per run):\n\n" + "\n".join(models)
+                "scheduler given the whole batch at once (`model_steps` in "
+                "`benchmarks/bench_batch_shape.py`; engine steps, shape / input, per run):\n\n"
+                + "\n".join(models)
             )
         cost = record.get("facts", {}).get("step_ms_by_sequences")
         if cost:
             shown = ", ".join(f"{n}: {ms:.1f} ms" for n, ms in cost.items())
             parts.append(
                 "The server's engine step, by the sequences it ran (256 tokens each, measured "
-                f"before the legs, :func:`step_cost`): {shown}."
+                f"before the legs by `step_cost`): {shown}."
             )
         parts.append(report_.conditions(record, mine))
         sections.append("\n\n".join(parts))
