@@ -532,7 +532,7 @@ def with_step_figures(row: dict[str, Any]) -> dict[str, Any]:
     """``row`` with what its engine steps held and took: output tokens a step (how full the
     server's batch ran) and milliseconds a step (the makespan over the steps). A makespan
     follows the steps only where a step takes as long full as nearly empty: on a GPU's decode,
-    not on this CPU, where a step of 16 sequences took 1.3-1.5x one of 1-8 (``docs``)."""
+    not on this CPU (:func:`step_cost` measures it)."""
     steps = row.get("engine_steps")
     if not isinstance(steps, int | float) or steps <= 0:
         return row
