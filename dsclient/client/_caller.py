@@ -165,7 +165,9 @@ class Caller:
                         )
                         call = path.new_call(_admission(plan, urgency, group, prefix, batch))
                         answer = await path.send_json(plan.path, plan.body, call)
-            except builtins.TimeoutError as exc:
+            except TimeoutError:  # dsclient's, from inside (a read timeout): it says what
+                raise
+            except builtins.TimeoutError as exc:  # the call's own deadline
                 expired = TimeoutError(f"call did not finish within its timeout of {limit_s} s")
                 if call is not None and call.cut is not None:
                     expired.server = call.cut.url  # cut in flight there: its record names it
