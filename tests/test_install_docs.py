@@ -1,0 +1,86 @@
+"""What a newcomer reads first: the install paragraph, true addresses only (issue 45, item 1).
+
+There is no public repository or site yet, so no page may name one; the install paragraph is
+one text, on the home page and in the README, near the top; the other pages link to it rather
+than repeat it; what a plain install pulls in is said there, package by package.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXTS = [
+    ROOT / "README.md",
+    ROOT / "mkdocs.yml",
+    ROOT / "pyproject.toml",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "examples").glob("*.py")),
+]
+INVENTED = re.compile(r"github\.com/dsclient|dsclient\.github\.io|git\+https?://", re.I)
+
+
+def test_no_page_names_an_invented_address():
+    found = [
+        f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+        for p in TEXTS
+        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+        if INVENTED.search(line)
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_mkdocs_has_no_repository_or_site_address():
+    config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    assert not re.search(r"^(repo_url|repo_name|site_url|edit_uri):", config, flags=re.M)
+
+
+def _install_section(path: Path) -> str:
+    text = path.read_text(encoding="utf-8")
+    m = re.search(r"^## Install\n(.*?)(?=^## )", text, flags=re.M | re.S)
+    assert m, f"{path.name} has no ## Install section"
+    return m.group(1)
+
+
+def test_one_install_paragraph_in_the_readme_and_on_the_home_page():
+    readme = _install_section(ROOT / "README.md").replace("](docs/", "](")
+    home = _install_section(ROOT / "docs" / "index.md")
+    assert readme == home
+    assert "```bash\npip install .\n```" in home
+    assert "python -m build" in home
+    for extra in ("redis", "ray", "metrics", "tokenizers"):
+        assert f"`{extra}`" in home, extra
+
+
+def test_the_install_line_is_in_the_first_screen():
+    # At 1400 px the home page shows its title, the pitch and a dozen lines more; the results
+    # table used to push the install line below the fold.
+    for path in (ROOT / "README.md", ROOT / "docs" / "index.md"):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        first = "\n".join(lines[:12])
+        assert "`pip install .`" in first and "(#install)" in first, path.name
+        table = next(n for n, line in enumerate(lines) if line.startswith("| result"))
+        install = lines.index("## Install")
+        assert install < table, path.name
+
+
+def test_pages_that_install_something_link_to_the_paragraph():
+    pages = [p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "index.md"]
+    lacking = []
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        if re.search(r'pip install "?\.\[', text) and "index.md#install" not in text:
+            lacking.append(page.name)
+    assert not lacking, lacking
+
+
+def test_the_heavy_dependencies_are_each_explained():
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    block = re.search(r"^dependencies = \[(.*?)^\]", pyproject, flags=re.M | re.S)
+    assert block
+    names = re.findall(r'^\s*"([A-Za-z0-9_.-]+)', block[1], flags=re.M)
+    home = _install_section(ROOT / "docs" / "index.md")
+    # multidict and sniffio come with aiohttp and anyio; the rest is named with its use.
+    unexplained = [n for n in names if f"`{n}`" not in home and n not in ("multidict", "sniffio")]
+    assert not unexplained, unexplained
