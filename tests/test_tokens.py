@@ -427,7 +427,7 @@ def test_a_tokenizer_json_without_the_tokenizers_package_names_the_extra(
     path = tmp_path / "tokenizer.json"
     path.write_text("{}")
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if not installed
-    with pytest.raises(ImportError, match=r"pip install 'dsclient\[tokenizers\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'tokenizers>=0\.15' \(dsclient's 'tokenizers' extra"):
         TokenCounter(path)
 
 

@@ -192,9 +192,9 @@ def _need_tokenizers(path: str) -> None:
     except ImportError as exc:
         raise ImportError(
             f"counting tokens with {path!r} needs the 'tokenizers' package, which a plain "
-            "install leaves out: pip install 'dsclient[tokenizers]' (or pip install "
-            "tokenizers). Without a tokenizer.json, dsclient counts with tiktoken and the "
-            "server's /tokenize."
+            "install leaves out: pip install 'tokenizers>=0.15' (dsclient's 'tokenizers' "
+            "extra: pip install '.[tokenizers]' in your copy of dsclient). Without a "
+            "tokenizer.json, dsclient counts with tiktoken and the server's /tokenize."
         ) from exc
 
 
