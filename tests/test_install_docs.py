@@ -18,7 +18,12 @@ TEXTS = [
     *sorted((ROOT / "docs").glob("*.md")),
     *sorted((ROOT / "examples").glob("*.py")),
 ]
-INVENTED = re.compile(r"github\.com/dsclient|dsclient\.github\.io|git\+https?://", re.I)
+INVENTED = re.compile(
+    # An address that does not exist, or a package name pip would look up on PyPI, where
+    # dsclient has no release.
+    r"github\.com/dsclient|dsclient\.github\.io|git\+https?://|pip install ['\"]?dsclient\b",
+    re.I,
+)
 
 
 def test_no_page_names_an_invented_address():
