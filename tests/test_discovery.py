@@ -830,3 +830,16 @@ def test_unreachable_reads_the_cause_chain() -> None:
         unreachable(slow, "http://10.0.0.1:80/")
         == "10.0.0.1:80 did not answer in time (ConnectTimeout)"
     )
+
+
+@pytest.mark.anyio
+async def test_what_a_listing_answered_never_shows_the_api_key() -> None:
+    def echo(request: httpx.Request) -> httpx.Response:
+        page = f"<pre>GET /v1/models Authorization: {request.headers.get('authorization')}</pre>"
+        return httpx.Response(200, headers={"content-type": "text/html"}, text=page)
+
+    headers = {"Authorization": "Bearer sk-secret-123456"}
+    async with httpx.AsyncClient(transport=httpx.MockTransport(echo), headers=headers) as http:
+        info = await discover(http, URL, records=None)
+    said = info.sources["/v1/models"]
+    assert "sk-secret-123456" not in said and "Bearer ***" in said

@@ -533,9 +533,14 @@ def unreachable(exc: BaseException, url: str) -> str:
     return f"could not connect to {host}:{port} ({type(exc).__name__}: {text})"
 
 
-def _shown(body: bytes) -> str:
-    """The start of an answer that was not JSON, for an error message."""
-    text = " ".join(body[:200].decode("utf-8", "replace").split())
+def _shown(body: bytes, http: httpx.AsyncClient) -> str:
+    """The start of an answer that was not JSON, for an error message; the API key blanked
+    out, should the page echo the request's headers (a debugging proxy's does)."""
+    text = " ".join(body[:2000].decode("utf-8", "replace").split())
+    scheme, _, token = http.headers.get("authorization", "").partition(" ")
+    secret = token.strip() or scheme.strip()
+    if len(secret) >= 6:
+        text = text.replace(secret, "***")
     return repr(text[:80] + ("..." if len(text) > 80 else ""))
 
 
@@ -567,7 +572,7 @@ async def _get_json(
                 return parse_json(body), True, None
             except ValueError:
                 kind = response.headers.get("content-type", "no content-type").split(";")[0]
-                why = f"answered HTTP 200 {kind}, not JSON: {_shown(body)}"
+                why = f"answered HTTP 200 {kind}, not JSON: {_shown(body, http)}"
                 logger.debug("dsclient: probe %s %s", url, why)
                 return None, False, why
         except ResponseTooLarge as exc:
