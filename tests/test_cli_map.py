@@ -234,9 +234,12 @@ def test_order_flag_starts_the_longest_first_or_as_read(tmp_path, order, first):
 
 # --- limits, Ctrl-C, the resume line (issue 45) ---------------------------------------------------
 class SlowServer:
-    """A real HTTP server on a free port, answering completions after ``delay`` seconds."""
+    """A real HTTP server on a free port, answering completions after ``delay`` seconds (which
+    a test may change while it runs)."""
 
     def __init__(self, delay: float) -> None:
+        self.delay = delay
+        owner = self
         import threading
         import time
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -260,7 +263,7 @@ class SlowServer:
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                time.sleep(delay)
+                time.sleep(owner.delay)
                 choice = {"index": 0, "text": "ok " + body["prompt"], "finish_reason": "length"}
                 usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
                 self._send(200, {"id": "cmpl-1", "choices": [choice], "usage": usage})
@@ -269,6 +272,7 @@ class SlowServer:
                 pass
 
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.http.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.http.server_port}"
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
 
@@ -311,8 +315,11 @@ def test_ctrl_c_prints_one_line_with_the_resume_command_and_exits_130(tmp_path):
             not out.exists() or len(out.read_text().splitlines()) < 10
         ):
             time.sleep(0.05)
+        server.delay = 30.0  # what is still out stays out: Ctrl-C lands mid-run, every time
+        time.sleep(0.3)
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=60)
+        server.delay = 0.01
         assert proc.returncode == 130, stderr
         assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
         lines = stderr.strip().splitlines()
