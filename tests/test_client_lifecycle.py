@@ -217,3 +217,24 @@ async def test_a_server_seen_once_is_waited_for_past_the_first_wait():
         result = await client.generate("two", max_tokens=2)
         assert client.reachability.outages == 1 and not client.reachability.down
     assert result.text and sum(sleep.delays) > 5.0  # waited past FIRST_WAIT_S
+
+
+async def test_several_typod_urls_fail_in_seconds_each_with_its_reason():
+    import socket
+    import time
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    started = time.monotonic()
+    async with AsyncClient(urls, model="m") as client:
+        with pytest.raises(ConnectionError) as info:
+            await client.generate("hello", max_tokens=4)
+    assert time.monotonic() - started < 30
+    message = str(info.value)
+    assert "has not answered since the client started" in message
+    for url, port in zip(urls, ports):
+        assert f"{url}: nothing listens on 127.0.0.1:{port}" in message
