@@ -406,6 +406,32 @@ def busy(record: Mapping[str, Any]) -> str | None:
     return "the median load over the legs was above the core count, so other work shared the CPUs"
 
 
+def placement_line(record: Mapping[str, Any]) -> str:
+    """Where the client and the server's processes ran (``placement`` facts, one per server),
+    as found by :func:`benchmarks._common.placement_facts`; a run that did not record it may
+    have had the client on the server's CPUs, and the line says so."""
+    facts = record.get("facts", {})
+    found = {k.removeprefix("placement").strip(): v for k, v in facts.items()
+             if k.startswith("placement") and isinstance(v, Mapping)}  # fmt: skip
+    if not found:
+        return (
+            "**Placement not recorded:** the client may have shared the server's CPUs, taking "
+            "CPU the server would have had on two hosts."
+        )
+    parts = []
+    for server, place in found.items():
+        where = (
+            f"client on CPU {place.get('client_cpus')}, server's processes on CPU "
+            f"{place.get('server_cpus')}"
+            if place.get("server_cpus")
+            else f"client on CPU {place.get('client_cpus')}, server's processes not found here"
+        )
+        if not place.get("apart"):
+            where = f"**not apart**: {where}"
+        parts.append(f"{server}: {where}" if server else where)
+    return "Placement: " + "; ".join(parts) + "."
+
+
 def conditions(record: Mapping[str, Any], records: Sequence[Mapping[str, Any]] = ()) -> str:
     """Where the table's figures come from: file, commit, versions, machine, load."""
     code = record.get("code", {})
@@ -432,6 +458,7 @@ def conditions(record: Mapping[str, Any], records: Sequence[Mapping[str, Any]] =
         f"Python {host.get('python')}, {host.get('cpu', host.get('machine'))}; {versions}; "
         f"{load}.",
     ]
+    lines.append(placement_line(record))
     why = busy(record)
     if why:
         lines.append(f"**Busy machine:** {why}; read these figures as this machine on that day.")

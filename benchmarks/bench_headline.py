@@ -8,6 +8,11 @@
 LiteLLM is in the ``bench`` extra (``pip install -e '.[bench]'``); a client whose library is
 missing is skipped with a note.
 
+The server's processes (API server and engine) start on their own CPUs and the client runs on
+another (:func:`benchmarks._common.plan_placement`: on 2 cores, server on CPU 1, client on CPU 0;
+``--shared-cpus`` for the old mix); where each ran is in the results file's ``placement`` fact,
+and each row keeps the client's and the server's CPU (``own_cores``, ``server_cores``).
+
 Starts ONE vLLM server through ``dsclient.launcher`` (the tiny random Llama, ``max_num_seqs`` 8,
 ``max_model_len`` 2048, served as ``"tiny"``) with ``--scheduling-policy priority``, so that a
 client which sends vLLM's ``priority`` field (lower runs first) gets what it asks for; a request
@@ -71,9 +76,11 @@ from benchmarks._common import (
     client_facts,
     cpu_snapshot,
     cpu_split,
+    default_placement,
     engine_sampler,
     machine,
     percentile,
+    placement_facts,
     sample_every,
     say,
     server_group,
@@ -635,6 +642,11 @@ def main(argv: list[str] | None = None) -> None:
                         " (it must run with --scheduling-policy priority)")  # fmt: skip
     parser.add_argument("--no-save", action="store_true", help="keep no results file (a try-out)")
     parser.add_argument(
+        "--shared-cpus", action="store_true",
+        help="let the client share the server's CPUs (default: server on its own CPUs, client"
+        " on the first)",
+    )  # fmt: skip
+    parser.add_argument(
         "--wait-for-others",
         type=float,
         metavar="SECONDS",
@@ -662,6 +674,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     record.fact("legs", {name: ABOUT[name] for name in args.clients.split(",")})
     started = time.monotonic()
+    placement = default_placement(apart=not args.shared_cpus)
     with tiny_vllm(
         args.url,
         max_num_seqs=MAX_NUM_SEQS,
@@ -669,7 +682,9 @@ def main(argv: list[str] | None = None) -> None:
         wait_s=args.wait_for_others,
         startup_timeout=STARTUP_TIMEOUT_S,
         extra_args=() if args.url else SERVER_ARGS,
+        placement=placement,
     ) as url:
+        record.fact("placement", placement_facts(placement, [server_group(url)]))
         others_at_start = {"busiest": busiest_processes(), "vllm": vllm_processes()}
         record.fact("busiest_at_start", others_at_start["busiest"])
         if len(others_at_start["vllm"]) > 1:

@@ -63,9 +63,12 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks import _report as report_
 from benchmarks._common import (
     ROOT,
+    default_placement,
     engine_sampler,
     machine,
+    placement_facts,
     say,
+    server_group,
     tiny_vllm,
     words,
     write_results,
@@ -289,10 +292,16 @@ def main() -> None:
     # Ray's workers import dsclient from the venv; this checkout's `tests` (for redis_server)
     # is only needed in this process.
     sys.path.insert(0, str(ROOT))
+    placement = default_placement()
+    # vLLM on the server's CPUs; Redis and Ray's processes start after it, on the client's.
     with (
-        tiny_vllm(args.url, max_num_seqs=8, max_model_len=2048, wait_s=args.wait_for_others) as url,
+        tiny_vllm(
+            args.url, max_num_seqs=8, max_model_len=2048, wait_s=args.wait_for_others,
+            placement=placement,
+        ) as url,
         _redis() if not args.no_shared else _none() as redis_url,
     ):
+        record.fact("placement", placement_facts(placement, [server_group(url)]))
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             runs = [asyncio.run(_run_once(url, args, redis_url, i)) for i in range(args.runs)]

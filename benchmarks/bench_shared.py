@@ -65,9 +65,12 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks import _report as report_
 from benchmarks._common import (
     ROOT,
+    default_placement,
     engine_sampler,
     machine,
+    placement_facts,
     say,
+    server_group,
     spread,
     tiny_vllm,
     words,
@@ -461,12 +464,16 @@ def main(argv: list[str] | None = None) -> None:
         peers=["httpx", "redis"],
     )  # fmt: skip
     record.fact("legs", ABOUT)
+    placement = default_placement()
+    # vLLM first, on the server's CPUs; Redis and the four clients start after, on the client's.
     with (
-        redis_at(args.redis) as redis_url,
         tiny_vllm(
-            args.url, max_num_seqs=MAX_NUM_SEQS, max_model_len=2048, wait_s=args.wait_for_others
+            args.url, max_num_seqs=MAX_NUM_SEQS, max_model_len=2048, wait_s=args.wait_for_others,
+            placement=placement,
         ) as url,
+        redis_at(args.redis) as redis_url,
     ):
+        record.fact("placement", placement_facts(placement, [server_group(url)]))
         rows = asyncio.run(run_all(url, redis_url, args, record))
     summary = summarize(rows)
     payload = {"machine": began, "ended": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args)}
