@@ -416,6 +416,18 @@ HOME_PICKS: tuple[Pick, ...] = (
         "openai-python sending vLLM's `priority` (the server schedules by it)",
     ),
     Pick(
+        "Short requests' time to first token (p95), lengths spread lognormally, streamed",
+        "headline", "serving", "openai+priority", "short-request tail",
+        "headline-benchmark-one-vllm-batch-and-online",
+        "openai-python sending vLLM's `priority` (the server schedules by it)",
+    ),
+    Pick(
+        "Goodput (calls meeting TTFT and TPOT objectives per second), same workload",
+        "headline", "serving", "openai+priority", "other",
+        "headline-benchmark-one-vllm-batch-and-online",
+        "openai-python sending vLLM's `priority` (the server schedules by it)",
+    ),
+    Pick(
         "A batch of short requests, makespan",
         "headline", "batch", SEMAPHORES, "makespan",
         "headline-benchmark-one-vllm-batch-and-online",
@@ -517,7 +529,8 @@ def home_block(lines: Sequence[Versus], docs: str = "", root: str = "../") -> st
         raw = " ".join(
             f"[{n}]({root}{path})" for n, path in enumerate(v.files, 1)
         ) or NONE
-        out.append(f"| {what} | {ratio_cell(v.ratios)} | {named} | {len(v.ratios)} | {raw} |")
+        cell = ratio_cell(v.ratios) + (", higher is better" if v.higher_better else "")
+        out.append(f"| {what} | {cell} | {named} | {len(v.ratios)} | {raw} |")
     if len(out) == 2:
         return (
             "No results on today's request path yet: the [benchmarks page]"

@@ -140,6 +140,8 @@ class Outcome:
     error: str | None = None
     lane: str | None = None  # dsclient only
     queued_s: float | None = None  # dsclient only: time spent in the governor's queue
+    ttft: float | None = None  # streamed legs: first text, from submission
+    tokens: int | None = None  # streamed legs: output tokens (ignore_eos: as asked)
 
 
 def short_request(rng: random.Random, at: float) -> Request:

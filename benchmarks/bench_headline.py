@@ -87,9 +87,18 @@ from benchmarks._common import (
     spread,
     tiny_vllm,
     vllm_processes,
+    words,
     write_results,
 )
 from benchmarks._results import Run
+from benchmarks._serving import (
+    Timed,
+    distribution,
+    distribution_text,
+    lane_of,
+    lognormal_lengths,
+    serving_figures,
+)
 from benchmarks.bench_governor import (
     MODEL,
     WARM_UP,
@@ -101,6 +110,7 @@ from benchmarks.bench_governor import (
     short_request,
     warm_up,
 )
+from dsclient.cli.bench.goodput import Slo, parse_goodput
 
 MAX_NUM_SEQS = 8
 MAX_MODEL_LEN = 2048
@@ -124,8 +134,18 @@ STRATEGIES = (
 )
 #: Legs that only differ from another in the online workload (the batch is all short).
 ONLINE_ONLY = ("openai+priority",)
+#: The streamed legs of the serving workload: dsclient and every openai peer (httpx and LiteLLM
+#: are not streamed here).
+SERVING_LEGS = (
+    "dsclient",
+    "openai",
+    "openai+priority",
+    *(f"openai+priority+sem{n}" for n in SEMAPHORES),
+)
 BASELINE = "httpx"
-WORKLOADS = ("batch", "online")
+WORKLOADS = ("batch", "online", "serving")
+#: The serving workload's stated objective, as ``vllm bench serve --goodput`` takes it (ms).
+GOODPUT = "ttft:1000,tpot:50"
 TIMEOUT_S = 600.0
 #: vLLM took over 300 s (the launcher's default) to start beside other engineers' servers.
 STARTUP_TIMEOUT_S = 900.0
@@ -159,6 +179,7 @@ class Leg:
     call: Call
     info: Callable[[], dict[str, Any]] = dict
     batch: Callable[[list[Request]], Awaitable[tuple[list[Outcome], float]]] | None = None
+    stream: Call | None = None  # the serving workload: streamed, TTFT timed
 
 
 @contextlib.asynccontextmanager
@@ -198,10 +219,23 @@ async def dsclient_leg(url: str) -> AsyncIterator[Leg]:
                 )
             return outcomes, makespan
 
+        async def stream(request: Request) -> Outcome:
+            loop = asyncio.get_running_loop()
+            begun, ttft = loop.time(), None
+            async with client.stream(
+                request.prompt, max_tokens=request.max_tokens, ignore_eos=True
+            ) as answer:
+                async for delta in answer:
+                    if delta and ttft is None:
+                        ttft = loop.time() - begun
+            outcome = Outcome(request.kind, 0.0, 0.0, lane=answer.lane)
+            outcome.ttft, outcome.tokens = ttft, request.max_tokens
+            return outcome
+
         def info() -> dict[str, Any]:
             return {**client_facts(client), "limit_samples": spread(limits)}
 
-        yield Leg(call, info, batch)
+        yield Leg(call, info, batch, stream)
 
 
 @contextlib.asynccontextmanager
@@ -229,7 +263,30 @@ async def openai_leg(url: str, cap: int | None, priority: bool = False) -> Async
                 async with gate:
                     await send(request)
 
-        yield Leg(call, lambda: {"semaphore": cap, "priority": priority})
+        async def streamed(request: Request) -> Outcome:
+            loop = asyncio.get_running_loop()
+            begun, ttft = loop.time(), None
+            body: dict[str, Any] = {"ignore_eos": True}
+            if priority:
+                body["priority"] = PRIORITY[request.kind]
+            async with contextlib.AsyncExitStack() as stack:
+                if gate is not None:
+                    await stack.enter_async_context(gate)
+                chunks = await client.completions.create(
+                    model=MODEL,
+                    prompt=request.prompt,
+                    max_tokens=request.max_tokens,
+                    stream=True,
+                    extra_body=body,
+                )
+                async for chunk in chunks:
+                    if ttft is None and chunk.choices and chunk.choices[0].text:
+                        ttft = loop.time() - begun
+            outcome = Outcome(request.kind, 0.0, 0.0)
+            outcome.ttft, outcome.tokens = ttft, request.max_tokens
+            return outcome
+
+        yield Leg(call, lambda: {"semaphore": cap, "priority": priority}, stream=streamed)
 
 
 def litellm_model_list(url: str, cap: int | None) -> list[dict[str, Any]]:
@@ -382,6 +439,49 @@ def latency_figures(outcomes: Sequence[Outcome], kind: str) -> dict[str, Any]:
     return row
 
 
+def serving_row(outcomes: Sequence[Outcome], makespan: float, slo: Slo) -> dict[str, Any]:
+    """Makespan, failures, and per lane TTFT and TPOT p50 / p95 / p99 and goodput at ``slo``
+    over the makespan (the benchmark's duration, as ``vllm bench serve`` takes it)."""
+    timed = [
+        Timed(
+            o.kind,
+            o.error is None,
+            o.ttft,
+            o.latency if o.latency is not None else 0.0,
+            o.tokens or 0,
+        )
+        for o in outcomes
+    ]
+    return {
+        "makespan_s": round(makespan, 2),
+        "requests": len(outcomes),
+        "failures": sum(o.error is not None for o in outcomes),
+        **serving_figures(timed, slo, makespan),
+    }
+
+
+def serving_requests(
+    seed: int, args: argparse.Namespace, per_word: float
+) -> tuple[list[Request], list[tuple[int, int]]]:
+    """Poisson arrivals at ``--serving-rate`` for ``--serving-seconds`` (from ``--seed``: the
+    same in every run), each with lognormal lengths (from ``--seed`` too: the same spread in
+    every run and leg) and fresh words (from ``seed``). Prompts are sized with the server's
+    tokens per word, so their token counts are near, not at, the drawn ones."""
+    times = random.Random(args.seed)
+    arrivals = []
+    t = times.expovariate(args.serving_rate)
+    while t < args.serving_seconds:
+        arrivals.append(t)
+        t += times.expovariate(args.serving_rate)
+    lengths = lognormal_lengths(args.seed, len(arrivals))
+    text = random.Random(seed)
+    requests = [
+        Request(lane_of(prompt, out), at, words(text, max(1, round(prompt / per_word))), out)
+        for at, (prompt, out) in zip(arrivals, lengths, strict=True)
+    ]
+    return requests, lengths
+
+
 def online_row(outcomes: list[Outcome], makespan: float) -> dict[str, Any]:
     """Makespan, failures, and short and long latency figures of an online leg."""
     return {
@@ -412,16 +512,60 @@ ONLINE_COLUMNS = (
 )
 
 
+SERVING_COLUMNS = (
+    report.Column("short TTFT p50 s", "short_ttft_p50_s", 3),
+    report.Column("short TTFT p95 s", "short_ttft_p95_s", 3),
+    report.Column("short TTFT p99 s", "short_ttft_p99_s", 3),
+    report.Column("short TPOT p50 ms", "short_tpot_p50_ms", 1),
+    report.Column("short TPOT p95 ms", "short_tpot_p95_ms", 1),
+    report.Column("long TTFT p95 s", "long_ttft_p95_s", 3),
+    report.Column("long TTFT p99 s", "long_ttft_p99_s", 3),
+    report.Column("long TPOT p95 ms", "long_tpot_p95_ms", 1),
+    report.Column("goodput req/s", "goodput_rps", 2),
+    report.Column("good", "good", 0),
+    report.Column("makespan s", "makespan_s", 1),
+    report.Column("failures", "failures", 0),
+)
+
+
+def _in_ms(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """TPOT in milliseconds for the table (kept in seconds in the file)."""
+    out = []
+    for row in rows:
+        extra = {
+            key.replace("_s", "_ms"): None if row[key] is None else row[key] * 1000
+            for key in row
+            if "_tpot_" in key and key.endswith("_s")
+        }
+        out.append({**row, **extra})
+    return out
+
+
 def render(records: Sequence[dict[str, Any]]) -> str:
-    """The section's tables: batch, then online, one line per leg (median and range over runs)."""
+    """The section's tables: batch, online, then serving, one line per leg (median and range
+    over runs), and the serving workload's drawn lengths."""
     record = report.latest(records)
     assert record is not None
     rows = record["rows"]
-    about = record.get("facts", {}).get("legs", ABOUT)
+    facts = record.get("facts", {})
+    about = facts.get("legs", ABOUT)
     parts = []
-    for workload, columns in (("batch", BATCH_COLUMNS), ("online", ONLINE_COLUMNS)):
+    for workload, columns in (
+        ("batch", BATCH_COLUMNS),
+        ("online", ONLINE_COLUMNS),
+        ("serving", SERVING_COLUMNS),
+    ):
         mine = report.select(rows, workload=workload)
-        if mine:
+        if not mine:
+            continue
+        if workload == "serving":
+            slo = next((r.get("slo") for r in mine if r.get("slo")), GOODPUT)
+            title = f"**serving** (streamed; goodput at `--goodput {slo}`)"
+            parts.append(title + "\n\n" + report.leg_table(_in_ms(mine), columns, about=about))
+            if facts.get("serving_lengths"):
+                parts.append("Serving lengths drawn:\n\n"
+                             + distribution_text(facts["serving_lengths"]))  # fmt: skip
+        else:
             parts.append(f"**{workload}**\n\n" + report.leg_table(mine, columns, about=about))
     parts.append(report.conditions(record, records))
     return "\n\n".join(parts)
@@ -453,7 +597,20 @@ def headline(records: Sequence[dict[str, Any]]) -> list[report.Versus]:
                 found = report.ratios(rows, key, peer, workload=workload)
                 if found:
                     lines.append(report.Versus("headline", peer, column, found, label, workload))
-    for workload in ("batch", "online"):
+    serving = report.select(rows, workload="serving")
+    for peer in report.legs(serving):
+        if peer == "dsclient":
+            continue
+        for column, key, label, higher in (
+            ("short-request tail", "short_ttft_p95_s", "TTFT p95", False),
+            ("long-request tail", "long_ttft_p95_s", "TTFT p95", False),
+            ("other", "goodput_rps", "goodput (higher is better)", True),
+        ):
+            found = report.ratios(rows, key, peer, workload="serving")
+            if found:
+                lines.append(report.Versus("headline", peer, column, found, label, "serving",
+                                           higher_better=higher))  # fmt: skip
+    for workload in WORKLOADS:
         for peer in report.legs(report.select(rows, workload=workload)):
             if peer != "dsclient":
                 lines += report.failures(rows, "failures", peer, "headline", workload=workload)
@@ -500,22 +657,32 @@ def batch_requests(seed: int, n: int) -> list[Request]:
     return [short_request(rng, 0.0) for _ in range(n)]
 
 
-async def run_leg(url: str, plan: Plan, server_pgid: int | None) -> dict[str, Any]:
+async def run_leg(
+    url: str, plan: Plan, server_pgid: int | None, slo: Slo | None = None
+) -> dict[str, Any]:
     async with leg(plan.client, url) as client, engine_sampler(url) as engine:
         before = cpu_snapshot(server_pgid)
         if plan.workload == "batch" and client.batch is not None:
             outcomes, makespan = await client.batch(plan.requests)
+        elif plan.workload == "serving":
+            assert client.stream is not None, f"{plan.client} has no streamed leg"
+            outcomes, makespan = await execute(client.stream, plan.requests)
         else:
             outcomes, makespan = await execute(client.call, plan.requests)
         after = cpu_snapshot(server_pgid)
         details = client.info()
-    summary = batch_row if plan.workload == "batch" else online_row
+    if plan.workload == "serving":
+        figures = serving_row(outcomes, makespan, slo or parse_goodput(GOODPUT))
+    elif plan.workload == "batch":
+        figures = batch_row(outcomes, makespan)
+    else:
+        figures = online_row(outcomes, makespan)
     errors = sorted({o.error for o in outcomes if o.error})
     return {
         "workload": plan.workload,
         "run": plan.run,
         "client": plan.client,
-        **summary(outcomes, makespan),
+        **figures,
         **{f"engine_{key}": value for key, value in engine.items()},
         "cpu": cpu_split(before, after),
         "details": details,
@@ -572,13 +739,25 @@ async def bench(url: str, args: argparse.Namespace, record: Run) -> dict[str, An
 
         per_word = [1.5]
         plans: list[Plan] = []
+        if "serving" in workloads:  # the server's tokens per word, before any prompt is sized
+            sample = words(random.Random(args.seed), 400)
+            per_word[0] = await count(sample) / 400
         for workload in workloads:
-            here = [n for n in names if workload == "online" or n not in ONLINE_ONLY]
+            if workload == "serving":
+                here = [n for n in names if n in SERVING_LEGS]
+            else:
+                here = [n for n in names if workload == "online" or n not in ONLINE_ONLY]
             for run in range(1, args.runs + 1):
                 for name in leg_order(here, run):
                     seed = args.seed + 7919 * (len(plans) + 1)
                     if workload == "batch":
                         requests = batch_requests(seed, args.batch)
+                    elif workload == "serving":
+                        requests, lengths = serving_requests(seed, args, per_word[0])
+                        if "serving_lengths" not in record.facts:
+                            drawn = distribution(lengths)
+                            record.fact("serving_lengths", drawn)
+                            say("serving lengths drawn:\n" + distribution_text(drawn))
                     else:
                         requests = await online_workload(
                             seed, online_args, count, per_word, args.rate
@@ -593,7 +772,7 @@ async def bench(url: str, args: argparse.Namespace, record: Run) -> dict[str, An
         kinds = {k: sum(r.kind == k for r in plan.requests) for k in ("short", "long")}
         say(f"{plan.workload} run {plan.run} {plan.client}: {kinds['short']} short, "
             f"{kinds['long']} long ...")  # fmt: skip
-        row = await run_leg(url, plan, server_pgid)
+        row = await run_leg(url, plan, server_pgid, args.goodput)
         say("  " + json.dumps({k: v for k, v in row.items() if k not in ("details", "outcomes")}))
         rows.append(row)
         record.add(leg=plan.client, run=plan.run, **kept_row(row))
@@ -636,6 +815,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rate", type=float, default=8.0, help="online short arrivals per second")
     parser.add_argument("--online-seconds", type=float, default=16.0)
     parser.add_argument("--burst", type=int, default=40, help="long requests in the online burst")
+    parser.add_argument("--serving-rate", type=float, default=4.0,
+                        help="serving workload: arrivals per second")  # fmt: skip
+    parser.add_argument("--serving-seconds", type=float, default=20.0)
+    parser.add_argument(
+        "--goodput", type=parse_goodput, default=parse_goodput(GOODPUT), metavar="ttft:MS,tpot:MS",
+        help="the serving workload's objectives, as vllm bench serve --goodput (default "
+        f"{GOODPUT})",
+    )  # fmt: skip
     parser.add_argument("--pause", type=float, default=2.0, help="idle seconds between legs")
     parser.add_argument("--seed", type=int, default=20261203)
     parser.add_argument("--url", help="use this running server instead of launching one"
@@ -656,6 +843,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.runs, args.batch, args.online_seconds, args.burst = 1, 200, 8.0, 20
+        args.serving_seconds = 8.0
     for name in args.clients.split(","):
         if name not in STRATEGIES:
             parser.error(f"unknown client {name!r}")
@@ -664,7 +852,8 @@ def main(argv: list[str] | None = None) -> None:
     record = Run.begin(
         "headline",
         params={
-            **{k: v for k, v in vars(args).items() if k != "no_save"},
+            **{k: v for k, v in vars(args).items() if k not in ("no_save", "goodput")},
+            "goodput": args.goodput.text(),
             "max_num_seqs": MAX_NUM_SEQS,
             "max_model_len": MAX_MODEL_LEN,
             "server_args": list(SERVER_ARGS),
@@ -693,7 +882,7 @@ def main(argv: list[str] | None = None) -> None:
     payload.update(
         machine=machine(),
         at_start=others_at_start,
-        args=vars(args),
+        args={**vars(args), "goodput": args.goodput.text()},
         wall_s=round(time.monotonic() - started, 1),
     )
     trace = write_results("headline", payload)
