@@ -452,9 +452,9 @@ HOME_PICKS: tuple[Pick, ...] = (
     ),
     Pick(
         "Four processes on one server, makespan",
-        "shared (four-shared)", "", ("four-own", "four-static"), "makespan",
+        "shared (four-shared)", "", ("four-static", "four-static-2x"), "makespan",
         "shared-budget-four-processes-one-server",
-        "four processes without coordination or with a static split, the faster",
+        "four processes with a static split at 1x or 2x `max_num_seqs / 4`, the faster",
     ),
     Pick(
         "A Ray Data job, makespan",

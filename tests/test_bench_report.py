@@ -436,3 +436,22 @@ def test_the_opening_table_pools_every_current_invocation_set_up_alike_and_drops
     assert said.startswith("No results on today's request path yet.")
     assert "`headline`" in said
     assert "**Stale:**" in report.render_block("headline", stale_only)
+
+
+def test_the_static_split_runs_at_the_even_share_and_at_its_best_twice_that() -> None:
+    from benchmarks import bench_shared
+
+    assert bench_shared.STATIC_SPLITS == {
+        "four-static": bench_shared.MAX_NUM_SEQS // 4,
+        "four-static-2x": bench_shared.MAX_NUM_SEQS // 2,
+    }
+    assert set(bench_shared.STATIC_SPLITS) <= set(bench_shared.LEGS)
+    assert set(bench_shared.STATIC_SPLITS) <= set(bench_shared.ABOUT)
+    rows = [
+        {"leg": leg, "run": run, "makespan_s": m, "queue_p90": 1}
+        for run in (1, 2, 3)
+        for leg, m in (("four-shared", 8.0), ("four-static", 16.0), ("four-static-2x", 7.0))
+    ]
+    lines = bench_shared.headline([{"rows": rows}])
+    pick = next(p for p in report.HOME_PICKS if p.benchmark == "shared (four-shared)")
+    assert report.hardest(lines, pick) == "four-static-2x"  # the faster split is the peer
