@@ -170,6 +170,14 @@ async def long_request(
     return Request("long", at, " ".join(body) + ".", LONG_TOKENS_OUT, prompt_tokens=tokens)
 
 
+def burst_times(args: argparse.Namespace) -> list[float]:
+    """When the long requests arrive: ``burst`` of them from ``burst_at``, evenly over
+    ``burst_window`` seconds (0, or absent: all at once)."""
+    window = float(getattr(args, "burst_window", 0.0) or 0.0)
+    n = int(args.burst)
+    return [args.burst_at + (window * i / n if n else 0.0) for i in range(n)]
+
+
 async def online_workload(
     seed: int,
     args: argparse.Namespace,
@@ -188,8 +196,8 @@ async def online_workload(
         t += times.expovariate(rate)
     requests += await asyncio.gather(
         *(
-            long_request(random.Random(seed * 1000 + i), args.burst_at, count, per_word)
-            for i in range(args.burst)
+            long_request(random.Random(seed * 1000 + i), at, count, per_word)
+            for i, at in enumerate(burst_times(args))
         )
     )
     requests.sort(key=lambda r: r.at)

@@ -39,9 +39,16 @@ Workloads, every request with ``ignore_eos`` so output lengths are exactly what 
 * **batch**: ``--batch`` (400) short completions (20 words, 16-32 tokens out) at once:
   makespan and failures.
 * **online**: the governor benchmark's mixed traffic: short requests as a Poisson stream at
-  ``--rate`` (8/s) for ``--online-seconds`` (16), and at t = 1 s a burst of ``--burst`` (40)
-  long requests (~1000-token prompts, 256 out): short and long latency from submission (p50, p95,
+  ``--rate`` (8/s) for ``--online-seconds`` (16), and from t = 1 s ``--burst`` (40) long
+  requests (~1000-token prompts, 256 out) arriving evenly over ``--burst-window`` (4 s; a burst
+  all at t = 1 s, the old workload, with 0): short and long latency from submission (p50, p95,
   p99, max and the count), makespan.
+
+* **serving**: streamed, Poisson arrivals at ``--serving-rate`` (4/s) for
+  ``--serving-seconds`` (20) with seeded lognormal prompt and output lengths
+  (:mod:`benchmarks._serving`; the drawn distribution goes into the results file): per lane TTFT
+  and TPOT p50/p95/p99 and goodput at ``--goodput`` (``ttft:1000,tpot:50``), for dsclient
+  (``client.stream``) and the openai legs (``stream=True``).
 
 Legs run interleaved (every leg once per round, ``--runs`` rounds, 3 by default, each round
 starting one leg later), each with fresh prompts of the same sizes. The conditions (commit,
@@ -730,7 +737,7 @@ async def bench(url: str, args: argparse.Namespace, record: Run) -> dict[str, An
     say("calibrating prompts with /tokenize ...")
     online_args = argparse.Namespace(
         seed=args.seed, online_seconds=args.online_seconds, burst=args.burst, burst_at=1.0,
-        batch=WARM_UP,
+        burst_window=args.burst_window, batch=WARM_UP,
     )  # fmt: skip
     async with dsclient.AsyncClient(url) as counter:
 
@@ -815,6 +822,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rate", type=float, default=8.0, help="online short arrivals per second")
     parser.add_argument("--online-seconds", type=float, default=16.0)
     parser.add_argument("--burst", type=int, default=40, help="long requests in the online burst")
+    parser.add_argument(
+        "--burst-window", type=float, default=4.0, metavar="SECONDS",
+        help="the long requests arrive evenly over this window from t = 1 s (0: all at once)",
+    )  # fmt: skip
     parser.add_argument("--serving-rate", type=float, default=4.0,
                         help="serving workload: arrivals per second")  # fmt: skip
     parser.add_argument("--serving-seconds", type=float, default=20.0)

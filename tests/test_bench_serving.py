@@ -118,3 +118,12 @@ def test_the_headline_serving_row_table_and_lines() -> None:
     good = [v for v in lines if v.workload == "serving" and v.column == "other"]
     assert good[0].higher_better and good[0].ratios == (round((2 / 6) / (1 / 9), 3),)
     assert "better" in report.verdict(good)
+
+
+def test_long_arrivals_spread_evenly_over_the_window_or_all_at_once() -> None:
+    from benchmarks.bench_governor import burst_times
+
+    spread = argparse.Namespace(burst=4, burst_at=1.0, burst_window=4.0)
+    assert burst_times(spread) == [1.0, 2.0, 3.0, 4.0]
+    at_once = argparse.Namespace(burst=3, burst_at=1.0)  # the governor benchmark: no window
+    assert burst_times(at_once) == [1.0, 1.0, 1.0]
