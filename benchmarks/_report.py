@@ -402,6 +402,7 @@ class Pick:
 #: measured on that workload (one peer per claim: its gain and its cost against the same one);
 #: each links to its section of the benchmarks page and to its raw files.
 SEMAPHORES = tuple(f"openai+priority+sem{n}" for n in (5, 8, 16))
+ROUTERS = ("router-rr", "router-cache", "router-p2", "router-cache+priority")
 HOME_PICKS: tuple[Pick, ...] = (
     Pick(
         "Short requests' p95 latency during a burst of long ones",
@@ -442,13 +443,13 @@ HOME_PICKS: tuple[Pick, ...] = (
     ),
     Pick(
         "Two replicas, one slowed: short requests' p95 latency",
-        "routing", "", ("router-rr", "router-cache", "router-p2"), "short-request tail",
-        "routing-two-replicas-one-slowed", "vllm-router, the policy with the best makespan",
+        "routing", "", ROUTERS, "short-request tail",
+        "routing-two-replicas-one-slowed", "vllm-router (with or without `priority`), the leg with the best makespan",
     ),
     Pick(
         "Two replicas, one slowed: makespan",
-        "routing", "", ("router-rr", "router-cache", "router-p2"), "makespan",
-        "routing-two-replicas-one-slowed", "vllm-router, the policy with the best makespan",
+        "routing", "", ROUTERS, "makespan",
+        "routing-two-replicas-one-slowed", "vllm-router (with or without `priority`), the leg with the best makespan",
     ),
     Pick(
         "Four processes on one server, makespan",
