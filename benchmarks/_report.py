@@ -444,12 +444,14 @@ HOME_PICKS: tuple[Pick, ...] = (
     Pick(
         "Two replicas, one slowed: short requests' p95 latency",
         "routing", "", ROUTERS, "short-request tail",
-        "routing-two-replicas-one-slowed", "vllm-router (with or without `priority`), the leg with the best makespan",
+        "routing-two-replicas-one-slowed",
+        "vllm-router (with or without `priority`), the leg with the best makespan",
     ),
     Pick(
         "Two replicas, one slowed: makespan",
         "routing", "", ROUTERS, "makespan",
-        "routing-two-replicas-one-slowed", "vllm-router (with or without `priority`), the leg with the best makespan",
+        "routing-two-replicas-one-slowed",
+        "vllm-router (with or without `priority`), the leg with the best makespan",
     ),
     Pick(
         "Four processes on one server, makespan",

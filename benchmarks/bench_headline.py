@@ -32,7 +32,10 @@ its settings:
 * ``litellm+retries``: ``litellm.Router`` with one ``hosted_vllm/`` deployment,
   ``num_retries=3`` and a ``RetryPolicy`` that retries timeouts, 429, 500 and 503 three times
   and never a 400, 401 or 404, through ``router.atext_completion``;
-* ``litellm+retries+cap5``: the same with the deployment's ``max_parallel_requests=5``.
+* ``litellm+retries+cap5``: the same with the deployment's ``max_parallel_requests=5``;
+* ``litellm+scheduler+cap16``: the same at ``max_parallel_requests=16`` with LiteLLM's request
+  prioritization scheduler as its docs set it up (``polling_interval=0.03``,
+  ``routing_strategy="simple-shuffle"``), each call with ``priority`` 0 (short) or 1 (long).
 
 Workloads, every request with ``ignore_eos`` so output lengths are exactly what was asked:
 
@@ -138,6 +141,7 @@ STRATEGIES = (
     *(f"openai+priority+sem{n}" for n in SEMAPHORES),
     "litellm+retries",
     f"litellm+retries+cap{CAP}",
+    f"litellm+scheduler+cap{2 * MAX_NUM_SEQS}",
 )
 #: Legs that only differ from another in the online workload (the batch is all short).
 ONLINE_ONLY = ("openai+priority",)
@@ -172,6 +176,10 @@ ABOUT = {
     "litellm+retries": f"LiteLLM `Router`, `num_retries={LITELLM_RETRIES}` + `RetryPolicy`, no cap",
     f"litellm+retries+cap{CAP}": f"LiteLLM `Router`, retries as above, "
     f"`max_parallel_requests={CAP}`",
+    f"litellm+scheduler+cap{2 * MAX_NUM_SEQS}": "LiteLLM `Router` with its request "
+    "prioritization scheduler as its docs set it (`polling_interval=0.03`, `simple-shuffle`), "
+    f"`max_parallel_requests={2 * MAX_NUM_SEQS}` (2x max_num_seqs), retries as above, `priority` "
+    "0 for shorts and 1 for longs",
 }
 
 
@@ -328,7 +336,7 @@ def litellm_retry_policy(retries: int = LITELLM_RETRIES) -> dict[str, int]:
 
 
 @contextlib.asynccontextmanager
-async def litellm_leg(url: str, cap: int | None) -> AsyncIterator[Leg]:
+async def litellm_leg(url: str, cap: int | None, scheduler: bool = False) -> AsyncIterator[Leg]:
     # The cost map is fetched from the network at import unless this is set (none here).
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     import litellm
@@ -341,18 +349,31 @@ async def litellm_leg(url: str, cap: int | None) -> AsyncIterator[Leg]:
         num_retries=LITELLM_RETRIES,
         retry_policy=RetryPolicy(**litellm_retry_policy()),
         timeout=TIMEOUT_S,
+        **litellm_scheduler_settings(scheduler),
     )
 
     async def call(request: Request) -> None:
+        extra = {"priority": PRIORITY[request.kind]} if scheduler else {}
         await router.atext_completion(
             model=MODEL,
             prompt=request.prompt,
             max_tokens=request.max_tokens,
             ignore_eos=True,
+            **extra,
         )
 
     version = getattr(litellm, "version", None) or _version("litellm")
-    yield Leg(call, lambda: {"max_parallel_requests": cap, "litellm": version})
+    yield Leg(
+        call, lambda: {"max_parallel_requests": cap, "litellm": version, "scheduler": scheduler}
+    )
+
+
+def litellm_scheduler_settings(scheduler: bool) -> dict[str, Any]:
+    """The Router settings LiteLLM's request-prioritization docs give (docs/scheduler): poll the
+    queue every 30 ms, ``simple-shuffle`` routing (their recommendation for speed)."""
+    if not scheduler:
+        return {}
+    return {"polling_interval": 0.03, "routing_strategy": "simple-shuffle"}
 
 
 @contextlib.asynccontextmanager
@@ -403,6 +424,8 @@ def leg(name: str, url: str) -> contextlib.AbstractAsyncContextManager[Leg]:
         return litellm_leg(url, None)
     if name.startswith("litellm+retries+cap"):
         return litellm_leg(url, int(name.removeprefix("litellm+retries+cap")))
+    if name.startswith("litellm+scheduler+cap"):
+        return litellm_leg(url, int(name.removeprefix("litellm+scheduler+cap")), scheduler=True)
     raise ValueError(f"unknown client {name!r}")
 
 

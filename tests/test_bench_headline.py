@@ -207,3 +207,15 @@ def test_litellm_is_pointed_at_vllm_as_an_openai_compatible_deployment() -> None
     assert params["max_parallel_requests"] == 5
     (uncapped,) = litellm_model_list("http://127.0.0.1:8011", None)
     assert "max_parallel_requests" not in uncapped["litellm_params"]
+
+
+def test_litellm_scheduler_leg_is_set_up_as_its_docs_say_and_sends_priority() -> None:
+    from benchmarks.bench_headline import MAX_NUM_SEQS, litellm_scheduler_settings
+
+    name = f"litellm+scheduler+cap{2 * MAX_NUM_SEQS}"
+    assert name in STRATEGIES and "priority" in ABOUT[name]
+    assert litellm_scheduler_settings(True) == {
+        "polling_interval": 0.03,
+        "routing_strategy": "simple-shuffle",
+    }
+    assert litellm_scheduler_settings(False) == {}
