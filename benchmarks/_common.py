@@ -201,6 +201,7 @@ class CpuSnapshot:
     own: float
     server: float
     loadavg: float
+    children: float = 0.0  # client processes this one started and waited for (their CPU)
 
 
 def parse_proc_stat(text: str, ticks_per_s: float) -> float:
@@ -251,11 +252,22 @@ def cpu_snapshot(server_pgid: int | None, proc: Path = Path("/proc")) -> CpuSnap
         own=time.process_time(),
         server=server,
         loadavg=os.getloadavg()[0],
+        children=_children_cpu_s(),
     )
 
 
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's children that ended and were waited for (a benchmark's
+    client worker processes; the server, still running, is not among them)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def cpu_split(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float]:
-    """Cores in use on average between two snapshots: machine, this process, server, others.
+    """Cores in use on average between two snapshots: machine, the client (this process and
+    the client processes it waited for), server, others.
 
     ``others_cores`` is what the rest of the machine used (other engineers' servers and tests);
     it can dip slightly below 0 from rounding, and is clamped there. A server whose processes
@@ -265,7 +277,7 @@ def cpu_split(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float]:
     if wall <= 0:
         return {}
     machine_ = (after.machine - before.machine) / wall
-    own = (after.own - before.own) / wall
+    own = (after.own - before.own + after.children - before.children) / wall
     server = (after.server - before.server) / wall
     return {
         "wall_s": round(wall, 2),

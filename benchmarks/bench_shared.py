@@ -67,6 +67,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks import _report as report_
 from benchmarks._common import (
     ROOT,
+    cpu_snapshot,
+    cpu_split,
     default_placement,
     engine_sampler,
     machine,
@@ -320,6 +322,8 @@ async def leg(url: str, name: str, n: int, redis_url: str, seed: int, run: int) 
     static = STATIC_SPLITS.get(name, 0)
     start_at = time.time() + 6.0  # time to import dsclient, discover, take a first lease
     before = loadavg()
+    pgid = server_group(url)
+    cpu_before = cpu_snapshot(pgid)
     async with engine_sampler(url) as engine:
         procs = []
         for i, size in enumerate(sizes):
@@ -334,6 +338,7 @@ async def leg(url: str, name: str, n: int, redis_url: str, seed: int, run: int) 
                 )
             )
         outputs = await asyncio.gather(*(p.communicate() for p in procs))
+    cpu = cpu_split(cpu_before, cpu_snapshot(pgid))  # the workers were waited for: counted
     workers = []
     for proc, (stdout, _) in zip(procs, outputs, strict=True):
         if proc.returncode != 0:
@@ -353,6 +358,9 @@ async def leg(url: str, name: str, n: int, redis_url: str, seed: int, run: int) 
         "running_mean": engine.get("running_mean"),
         "load_before": before,
         "load_after": loadavg(),
+        "own_cores": cpu.get("own_cores"),  # this process and its worker processes
+        "server_cores": cpu.get("server_cores"),
+        "others_cores": cpu.get("others_cores"),
         "workers": workers,
     }
 
@@ -420,7 +428,7 @@ def leg_order(legs: Sequence[str], run: int) -> list[str]:
 def kept(row: dict[str, Any]) -> dict[str, Any]:
     """A leg's summary as :meth:`Run.add` keeps it (no per-worker detail)."""
     keys = ("processes", "makespan_s", "ok", "failed", "queue_p90", "queue_mean", "queue_max",
-            "running_mean")  # fmt: skip
+            "running_mean", "own_cores", "server_cores", "others_cores")  # fmt: skip
     return {key: row.get(key) for key in keys}
 
 
