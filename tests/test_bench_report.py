@@ -455,3 +455,18 @@ def test_the_static_split_runs_at_the_even_share_and_at_its_best_twice_that() ->
     lines = bench_shared.headline([{"rows": rows}])
     pick = next(p for p in report.HOME_PICKS if p.benchmark == "shared (four-shared)")
     assert report.hardest(lines, pick) == "four-static-2x"  # the faster split is the peer
+
+
+def test_ray_has_a_map_batches_gather_leg_and_the_home_line_takes_the_fastest_peer() -> None:
+    from benchmarks import bench_ray
+
+    assert bench_ray.gather_split(16, 2) == 8 and bench_ray.gather_split(3, 8) == 1
+    rows = [
+        {"leg": leg, "run": run, "makespan_s": m}
+        for run in (1, 2, 3)
+        for leg, m in (("dsclient", 10.0), ("ray-http-actors8", 20.0), ("ray-gather16", 9.0))
+    ]
+    lines = bench_ray.headline([{"rows": rows}])
+    assert {v.peer for v in lines} == {"ray-http-actors8", "ray-gather16"}
+    pick = next(p for p in report.HOME_PICKS if p.benchmark == "ray")
+    assert report.hardest(lines, pick) == "ray-gather16"
