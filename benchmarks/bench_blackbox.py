@@ -561,6 +561,8 @@ def _started(server: str, args: argparse.Namespace, run: Run) -> Iterator[Target
     try:
         wait_for_no_vllm(args.wait_for_others)
     except SystemExit as exc:
+        if not isinstance(exc.code, str):  # a signal's exit (kill), not the wait running out
+            raise
         run.note(f"another vLLM still ran when {server} started: {exc}")
     handle = launch(
         model,

@@ -164,7 +164,7 @@ STARTUP_TIMEOUT_S = 900.0
 SEMAPHORE_LABEL = {CAP: "0.7x", MAX_NUM_SEQS: "1x", 2 * MAX_NUM_SEQS: "2x"}
 #: What each leg is, for the tables.
 ABOUT = {
-    "dsclient": "`AsyncClient(url)` defaults (`map` / `generate`)",
+    "dsclient": "`AsyncClient(url)` defaults (`map` / `generate` / `stream`)",
     "httpx": "`asyncio.gather` of httpx POSTs, unbounded, no retries",
     "openai": "`AsyncOpenAI` defaults, `asyncio.gather`, unbounded",
     "openai+priority": "`AsyncOpenAI`, unbounded, `priority` 0 for shorts, 1 for longs",
