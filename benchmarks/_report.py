@@ -324,9 +324,13 @@ def _changed_since(commit: str, repo: Path) -> str | None:
 def staleness(record: Mapping[str, Any]) -> str | None:
     """Why ``record`` did not run on HEAD's request path, or ``None`` when it did.
 
-    Stale: no commit recorded; a tree whose request-path files differed from its commit (what
-    ran is known nowhere); a commit whose request path differs from HEAD's (``git diff``).
+    Stale: an aborted run (kept with its reason); no commit recorded; a tree whose request-path
+    files differed from its commit (what ran is known nowhere); a commit whose request path
+    differs from HEAD's (``git diff``).
     """
+    aborted = (record.get("facts") or {}).get("aborted")
+    if aborted:
+        return f"the run was aborted ({aborted})"
     code = record.get("code") or {}
     commit = code.get("commit")
     if not commit:

@@ -685,13 +685,15 @@ def main(argv: list[str] | None = None) -> None:
     run = Run.begin("blackbox", params=params, peers=["httpx"], versions=server_versions())
     run.fact("legs", ABOUT)
     begun = time.monotonic()
-    for server in args.servers:
-        say(f"== {server}")
-        with started(server, args, run) as target:
-            asyncio.run(bench_server(target, args, run))
-    run.fact("wall_s", round(time.monotonic() - begun, 1))
     # A smoke test's figures are not results: they go to a temporary folder, not the kept ones.
-    path = run.save(Path(tempfile.mkdtemp(prefix="bench-blackbox-quick-")) if args.quick else None)
+    where = Path(tempfile.mkdtemp(prefix="bench-blackbox-quick-")) if args.quick else None
+    with run.kept_if_aborted(where):
+        for server in args.servers:
+            say(f"== {server}")
+            with started(server, args, run) as target:
+                asyncio.run(bench_server(target, args, run))
+    run.fact("wall_s", round(time.monotonic() - begun, 1))
+    path = run.save(where)
     print(render([{**run.payload(), "_file": path.name}]))
     print(f"\nwrote {path}")
 

@@ -912,7 +912,8 @@ def main(argv: list[str] | None = None) -> None:
         record.fact("busiest_at_start", others_at_start["busiest"])
         if len(others_at_start["vllm"]) > 1:
             record.note(f"{len(others_at_start['vllm'])} vLLM servers ran on the machine")
-        payload = asyncio.run(bench(url, args, record))
+        with contextlib.nullcontext() if args.no_save else record.kept_if_aborted():
+            payload = asyncio.run(bench(url, args, record))
     payload.update(
         machine=machine(),
         at_start=others_at_start,
