@@ -64,11 +64,14 @@ from benchmarks._common import (
     WORDS,
     busiest_processes,
     client_facts,
+    default_placement,
     engine_sampler,
     machine,
     percentile,
+    placement_facts,
     sample_every,
     say,
+    server_group,
     spread,
     tiny_vllm,
     vllm_processes,
@@ -656,6 +659,7 @@ def main(argv: list[str] | None = None) -> None:
     record.fact("legs", {name: ABOUT.get(name, f"dsclient options {dsclient_options(name)}")
                          for name in names})  # fmt: skip
     started = time.monotonic()
+    placement = default_placement()  # the server's processes on their own CPUs
     with tiny_vllm(
         args.url,
         max_num_seqs=MAX_NUM_SEQS,
@@ -663,7 +667,9 @@ def main(argv: list[str] | None = None) -> None:
         wait_s=args.wait_for_others,
         startup_timeout=STARTUP_TIMEOUT_S,
         extra_args=() if args.url else SERVER_ARGS,
+        placement=placement,
     ) as url:
+        record.fact("placement", placement_facts(placement, [server_group(url)]))
         at_start = {"busiest": busiest_processes(), "vllm": vllm_processes()}
         record.fact("busiest_at_start", at_start["busiest"])
         if len(at_start["vllm"]) > 1:
