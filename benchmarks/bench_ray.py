@@ -309,9 +309,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument(
         "--qps",
-        type=lambda s: [int(x) for x in s.split(",")],
+        type=lambda s: [int(x) for x in s.split(",") if x],
         default=[40],
-        help="Ray HTTP processor legs with --actors actors: qps, comma-separated (default 40)",
+        help="Ray HTTP processor legs with --actors actors: qps, comma-separated (default 40;"
+        " empty: none)",
     )
     parser.add_argument(
         "--wide",
@@ -327,6 +328,7 @@ def main() -> None:
         " over the --actors actors (default 16 = 2x max_num_seqs; empty: none)",
     )
     parser.add_argument("--no-shared", action="store_true", help="leave out the Redis leg")
+    parser.add_argument("--no-save", action="store_true", help="keep no results file (a try-out)")
     parser.add_argument(
         "--blocks",
         type=int,
@@ -342,7 +344,12 @@ def main() -> None:
 
     record = Run.begin(
         "ray",
-        params={**vars(args), "max_num_seqs": 8, "max_tokens": MAX_TOKENS, "ray_num_cpus": 2},
+        params={
+            **{k: v for k, v in vars(args).items() if k != "no_save"},
+            "max_num_seqs": 8,
+            "max_tokens": MAX_TOKENS,
+            "ray_num_cpus": 2,
+        },
         peers=["ray"],
     )
     record.fact("legs", {
@@ -394,7 +401,7 @@ def main() -> None:
     for run in runs:
         for leg in run["legs"]:
             record.add(leg=leg["leg"], run=run["run"], **kept(leg))
-    say(f"results: {path}; kept: {record.save()}")
+    say(f"results: {path}" + ("" if args.no_save else f"; kept: {record.save()}"))
     for run in runs:
         say(f"run {run['run']}: {run['uptime_before']}")
         for leg in run["legs"]:
