@@ -224,10 +224,38 @@ def process_cpu_s(stat: str, ticks_per_s: float) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks_per_s
 
 
+def listening_pid(port: int, proc: Path = Path("/proc")) -> int | None:
+    """The process that listens on TCP ``port`` here (``/proc/net/tcp{,6}``, then the socket's
+    inode among the processes' open files), or ``None``."""
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in (proc / "net" / table).read_text().splitlines()[1:]:
+                fields = line.split()
+                local, state = fields[1], fields[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (entry / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd) in inodes:
+                        return int(entry.name)
+    return None
+
+
 def server_group(url: str) -> int | None:
-    """The process group of the server listening at ``url`` on this machine, found by the
-    ``--port`` in its command line (vLLM's API server, ``transformers serve``)."""
+    """The process group of the server listening at ``url`` on this machine: the process that
+    holds the port's listening socket, else the one with that ``--port`` in its command line
+    (vLLM's API server, ``transformers serve``)."""
     port = url.rstrip("/").rsplit(":", 1)[-1]
+    if port.isdigit() and (pid := listening_pid(int(port))) is not None:
+        with contextlib.suppress(ProcessLookupError):
+            return os.getpgid(pid)
     done = subprocess.run(
         ["pgrep", "-af", "--", "--port"], capture_output=True, text=True, check=False
     )

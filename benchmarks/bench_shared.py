@@ -109,6 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--cost", action="store_true", help="CPU per request only (mock server, real Redis)"
     )
+    p.add_argument("--no-save", action="store_true", help="keep no results file (a try-out)")
     p.add_argument("--rounds", type=int, default=5, help="--cost: interleaved rounds")
     p.add_argument(
         "--callgrind", action="store_true", help="--cost: in callgrind instructions instead"
@@ -473,7 +474,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     record = Run.begin(
         "shared",
-        params={**vars(args), "max_num_seqs": MAX_NUM_SEQS, "target_queue": TARGET,
+        params={**{k: v for k, v in vars(args).items() if k != "no_save"},
+                "max_num_seqs": MAX_NUM_SEQS, "target_queue": TARGET,
                 "static_split": STATIC_SPLIT, "static_splits": STATIC_SPLITS,
                 "tokens_out": TOKENS_OUT},
         peers=["httpx", "redis"],
@@ -489,14 +491,14 @@ def main(argv: list[str] | None = None) -> None:
         redis_at(args.redis) as redis_url,
     ):
         record.fact("placement", placement_facts(placement, [server_group(url)]))
-        rows = asyncio.run(run_all(url, redis_url, args, record))
+        with contextlib.nullcontext() if args.no_save else record.kept_if_aborted():
+            rows = asyncio.run(run_all(url, redis_url, args, record))
     summary = summarize(rows)
     payload = {"machine": began, "ended": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args)}
     payload.update(target=TARGET, summary=summary, rows=rows)
     path = write_results("shared", payload)
     print(report(summary))
-    kept_path = record.save()
-    say(f"raw results: {path}; kept: {kept_path}")
+    say(f"raw results: {path}" + ("" if args.no_save else f"; kept: {record.save()}"))
 
 
 ABOUT = {

@@ -260,3 +260,37 @@ def test_server_group_finds_a_local_server_by_the_port_in_its_command_line():
     finally:
         child.kill()
         child.wait()
+
+
+def test_server_group_prefers_the_process_that_holds_the_listening_socket():
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks._common import listening_pid, server_group
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    listen = (
+        "import socket, time\ns = socket.socket()\n"
+        f"s.bind(('127.0.0.1', {port}))\ns.listen()\ntime.sleep(30)"
+    )
+    server = subprocess.Popen([sys.executable, "-c", listen], start_new_session=True)
+    # A decoy naming the same port in its command line, as a failed second server would.
+    decoy = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)", "--port", str(port)],
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while listening_pid(port) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert listening_pid(port) == server.pid
+        assert server_group(f"http://127.0.0.1:{port}") == os.getpgid(server.pid)
+    finally:
+        for child in (server, decoy):
+            child.kill()
+            child.wait()
