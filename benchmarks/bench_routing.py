@@ -984,6 +984,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pause", type=float, default=3.0, help="seconds between legs")
     p.add_argument("--router-venv", type=Path, default=ROUTER_VENV)
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--no-save", action="store_true", help="keep no results file (a try-out)")
     return p.parse_args(argv)
 
 
@@ -995,7 +996,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     record = Run.begin(
         "routing",
-        params={k: (os.fspath(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        params={k: (os.fspath(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                if k != "no_save"},
         versions={"vllm-router": router_version(args.router_venv) if router else None},
     )
     record.fact("legs", {leg: ABOUT[leg] for leg in args.legs if leg in ABOUT})
@@ -1022,7 +1024,7 @@ def main(argv: list[str] | None = None) -> None:
     }  # fmt: skip
     path = write_results(f"routing-{time.strftime('%Y%m%d-%H%M%S')}", payload)
     print(report(rows, summary))
-    say(f"raw results: {path}; kept: {record.save()}")
+    say(f"raw results: {path}" + ("" if args.no_save else f"; kept: {record.save()}"))
 
 
 ABOUT = {
