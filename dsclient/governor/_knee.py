@@ -84,6 +84,7 @@ _FAST: Final = 3.0
 #: Slow start never goes past this many times what the server is seen to run: a step from
 #: there leaves at most one batch waiting (2.5 left a server of 256 seats 310 waiting).
 _REACH: Final = 2.0
+_FREE_REACH: Final = 3.0
 #: An epoch sets the guard's unqueued time only if its mean in flight reached this share of
 #: its limit.
 _FILLED: Final = 0.9
@@ -103,7 +104,7 @@ _MAX_WINDOW_S: Final = 60.0
 _FULL_SHARE: Final = 0.7
 #: A probe above the guard's cap is tried at most once in this many seconds; each such probe
 #: that bought nothing doubles the wait (up to :data:`_ABOVE_GUARD_MAX_S`).
-_ABOVE_GUARD_S: Final = 10.0
+_ABOVE_GUARD_S: Final = 30.0
 _ABOVE_GUARD_MAX_S: Final = 480.0
 #: Epochs the hold phase rests at a base it just confirmed (doubling, up to the most).
 _REST_FIRST: Final = 2
@@ -429,15 +430,20 @@ class KneeFinder:
                 self.reason = f"slow start ends at what the server states: limit -> {stated}"
                 return max(limit, stated)
             seen = self.guard.seen_running()
-            if seen is None or strong:
-                # Throughput rose in proportion: nothing waits yet, whatever the count says.
+            if seen is None:
                 return wanted
-            wanted = min(wanted, max(limit + 1, math.floor(_REACH * seen)))
             queued = epoch.in_flight - seen
+            waits = queued > max(1.0, _QUEUED_SHARE * limit)
+            # Throughput rose in proportion and nothing waits: x3, up to three times what the
+            # server runs (at most two batches waiting, if the batch fills within the step).
+            # Otherwise no further than twice what it runs (at most one batch waiting).
+            reach = _FREE_REACH if strong and not waits else _REACH
+            wanted = min(wanted, max(limit + 1, math.floor(reach * seen)))
             if (
                 cap is not None
                 and wanted > cap
-                and queued > max(1.0, _QUEUED_SHARE * limit)
+                and waits
+                and not strong
             ):
                 # A queue stands and the step bought little: the batch filled within it. More
                 # would only queue: no further than the guard's cap. (A step that bought much,
