@@ -122,6 +122,8 @@ _KEEPALIVE_SHARE = 0.8
 _KEEPALIVE_MAX_S = 60.0
 #: Seconds before the next address is tried while one is still connecting (aiohttp's too).
 HAPPY_EYEBALLS_DELAY_S = 0.25
+#: The most seconds between two looks at the answers waited for under a read timeout.
+_WATCH_TICK_S = 1.0
 #: Seconds a host name's addresses are kept (aiohttp's default too).
 DNS_TTL_S = 10.0
 
@@ -180,6 +182,12 @@ class Wire:
         self._blocks: dict[RawHeaders, tuple[bytes, bool]] = {}
         self._closed = False
         self._sweep: asyncio.TimerHandle | None = None
+        #: The connections waiting for an answer under a read timeout, and the one timer that
+        #: looks at them every ``_tick`` seconds (a timer per request cost a fifth of the
+        #: wire's CPU per request).
+        self._watched: set[_Connection] = set()
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._tick = _WATCH_TICK_S
         self._poll = select.poll()
         #: The loop the connections belong to: a client used on a new loop (``asyncio.run``
         #: again) starts afresh, as an old loop's connection would never hear its answer.
@@ -257,7 +265,9 @@ class Wire:
         self._open.clear()
         self._idle.clear()
         self._dns.clear()
-        self._sweep = None
+        self._sweep = self._watchdog = None
+        self._watched.clear()
+        self._tick = _WATCH_TICK_S
         self._loop = loop
 
     def _reuse(self, key: tuple[str, str, int]) -> _Connection | None:
@@ -396,6 +406,30 @@ class Wire:
         if nearest is not None and self._loop is not None and not self._closed:
             self._sweep = self._loop.call_later(nearest - now, self._expire)
 
+    def _watch(self, connection: _Connection, timeout: float) -> None:
+        """Look at ``connection``'s read timeout until its answer is in: every quarter of the
+        shortest timeout (at most every :data:`_WATCH_TICK_S`), so a timeout fires at most a
+        quarter late."""
+        self._watched.add(connection)
+        tick = timeout / 4
+        if tick < self._tick:
+            self._tick = tick
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+                self._watchdog = None
+        if self._watchdog is None and self._loop is not None:
+            self._watchdog = self._loop.call_later(self._tick, self._look)
+
+    def _look(self) -> None:
+        self._watchdog = None
+        if not self._watched or self._loop is None:
+            return
+        now = self._loop.time()
+        for connection in list(self._watched):
+            connection._read_timed_out(now)  # a failed answer leaves the set
+        if self._watched:
+            self._watchdog = self._loop.call_later(self._tick, self._look)
+
     def _forget(self, connection: _Connection) -> None:
         """``connection`` is closed."""
         self._open.discard(connection)
@@ -406,9 +440,10 @@ class Wire:
     async def aclose(self) -> None:
         """Close every connection, idle or in use."""
         self._closed = True
-        if self._sweep is not None:
-            self._sweep.cancel()
-            self._sweep = None
+        for timer in (self._sweep, self._watchdog):
+            if timer is not None:
+                timer.cancel()
+        self._sweep = self._watchdog = None
         for connection in list(self._open):
             with contextlib.suppress(RuntimeError):  # a closed loop's: see _move_to
                 connection.abort()
@@ -490,7 +525,6 @@ class _Connection(asyncio.Protocol):
         self._read_timeout: float | None = None
         self._last = 0.0  # when the last byte came (the loop's clock)
         self._clock: Callable[[], float] = time.monotonic
-        self._timer: asyncio.TimerHandle | None = None
 
     # -- asyncio's side --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -503,7 +537,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.usable = False
-        self._stop_timer()
+        self.wire._watched.discard(self)
         self.wire._forget(self)
         waiter = self._waiter
         if waiter is None or waiter.done():
@@ -525,7 +559,7 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         self._heard = True
-        if self._timer is not None:
+        if self._read_timeout is not None:
             self._last = self._clock()
         before = self._size, self._head_done
         try:
@@ -654,7 +688,7 @@ class _Connection(asyncio.Protocol):
         if read_timeout is not None:
             self._clock = loop.time
             self._last = loop.time()
-            self._timer = loop.call_at(self._last + read_timeout, self._timed_out)
+            self.wire._watch(self, read_timeout)
         self.transport.write(request)
         return waiter
 
@@ -665,7 +699,7 @@ class _Connection(asyncio.Protocol):
 
     def _fail(self, exc: Exception) -> None:
         waiter, self._waiter = self._waiter, None
-        self._stop_timer()
+        self.wire._watched.discard(self)
         self.abort()
         self._body, self._headers = [], []
         if waiter is not None and not waiter.done():
@@ -675,7 +709,7 @@ class _Connection(asyncio.Protocol):
         """The answer is in: its body ``whole``, or cut at the cap; the connection may take
         another request if ``reuse`` (and neither side said ``Connection: close``)."""
         waiter, self._waiter = self._waiter, None
-        self._stop_timer()
+        self.wire._watched.discard(self)
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         headers, status = self._headers, self._status
         self._body, self._headers = [], []
@@ -714,23 +748,11 @@ class _Connection(asyncio.Protocol):
         return self.wire._keepalive
 
     # -- the read timeout --------------------------------------------------------------------
-    def _stop_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _timed_out(self) -> None:
-        """The timer fired: the answer failed if no byte came for ``read_timeout`` seconds,
-        else the timer is set again from the last byte (one timer an answer, not one a read)."""
+    def _read_timed_out(self, now: float) -> None:
+        """Fail the answer if no byte of it came for ``read_timeout`` seconds."""
         timeout = self._read_timeout
-        assert timeout is not None
-        loop = asyncio.get_running_loop()
-        due = self._last + timeout
-        if loop.time() < due:
-            self._timer = loop.call_at(due, self._timed_out)
-            return
-        self._timer = None
-        self._fail(httpx.ReadTimeout(f"no byte of the answer for {timeout} s"))
+        if timeout is not None and now - self._last >= timeout:
+            self._fail(httpx.ReadTimeout(f"no byte of the answer for {timeout} s"))
 
 
 class _Stop(Exception):
