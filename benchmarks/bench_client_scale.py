@@ -15,14 +15,16 @@ once behind a semaphore of ``concurrency`` (dsclient: behind its own governor,
 
 The legs of one ``n`` and concurrency run paired: all their processes are alive at once and take
 turns, one repetition of each leg a round (:func:`round_order`), so that a neighbour's burst falls
-on every leg of a round alike. Each dsclient leg's ratios to the fastest plain client are those
-of their totals over every round (``rate_ratio``, ``cpu_ratio`` in the results, with the rounds'
-lowest and highest CPU ratio; see :func:`_pair`), and the goals are judged on them: on this
-shared 2-core machine one repetition's CPU moved by a third between neighbouring minutes, more
-than the differences measured. (Two invocations on 2026-12-06, ``"method": "paired"``, took the
-median round's ratio instead.) ``--sequential`` runs each leg's repetitions in a row, one leg
-after another, as the results without a ``method`` were taken (their ratios are of the legs'
-medians).
+on every leg of a round alike; each repetition is preceded by ``concurrency`` uncounted requests
+(``"rewarm": true`` in the results' parameters), so that a pool that let its idle connections go
+while the other legs ran (dsclient's after 4 s) starts warm, as under a steady load. Each dsclient
+leg's ratios to the fastest plain client are those of their totals over every round (``rate_ratio``,
+``cpu_ratio`` in the results, with the rounds' lowest and highest CPU ratio; see :func:`_pair`), and
+the goals are judged on them: on this shared 2-core machine one repetition's CPU moved by a third
+between neighbouring minutes, more than the differences measured. (Two invocations on 2026-12-06,
+``"method": "paired"``, took the median round's ratio instead.) ``--sequential`` runs each leg's
+repetitions in a row, one leg after another, as the results without a ``method`` were taken (their
+ratios are of the legs' medians).
 
 Measured in the leg: wall seconds and ``time.process_time()`` over the ``n`` of the median
 repetition by CPU (client CPU only: the server is another process), the lowest and highest
@@ -218,8 +220,14 @@ async def _timed(
     peak = 0
     go = _told_to_go if PAIRED else None
     for number in range(REPEAT) if go is None else itertools.count():
-        if go is not None and not await go():
-            break
+        if go is not None:
+            if not await go():
+                break
+            # Paired, a leg waits while the others take their turns: longer than a client's
+            # keep-alive (dsclient's wire lets an idle connection go after 4 s, under uvicorn's
+            # 5 s) on a busy machine. The connections open again uncounted, so that every leg's
+            # repetition starts on the warm pool a steady load would keep.
+            await run(concurrency, -(10**9), Meter())
         meter = Meter()
         gc.collect()
         wall, cpu = time.perf_counter(), time.process_time()
@@ -892,6 +900,8 @@ def _measure(args: argparse.Namespace, url: str) -> None:
         "repeat": args.repeat,
         "method": "sequential" if args.sequential else "paired-totals",
     }
+    if not args.sequential:
+        params["rewarm"] = True
     if args.baseline:
         params["baseline"] = {"ref": args.baseline, "commit": args.baseline_commit}
     run = Run.begin("client-scale", params=params, peers=PEERS)
