@@ -122,6 +122,9 @@ _KEEPALIVE_SHARE = 0.8
 _KEEPALIVE_MAX_S = 60.0
 #: Seconds before the next address is tried while one is still connecting (aiohttp's too).
 HAPPY_EYEBALLS_DELAY_S = 0.25
+#: Seconds idle after which a connection's socket is checked before reuse: under any server's
+#: keep-alive (uvicorn takes whole seconds).
+_CHECK_IDLE_S = 1.0
 #: The most seconds between two looks at the answers waited for under a read timeout.
 _WATCH_TICK_S = 1.0
 #: Seconds a host name's addresses are kept (aiohttp's default too).
@@ -290,6 +293,10 @@ class Wire:
                 # The loop hears of a server's FIN only when it reads the socket: one that
                 # closed while the loop was busy reads as open. A readable idle socket holds a
                 # FIN, a reset or bytes nobody asked for: none is a connection to send on.
+                # Asked (a syscall) only of a connection idle long enough for a server's
+                # keep-alive to have closed it; a sooner close is met by the resend in post().
+                if now - connection.idle_since < _CHECK_IDLE_S:
+                    return connection
                 poll.register(connection.fd, select.POLLIN)
                 try:
                     readable = poll.poll(0)
@@ -387,7 +394,8 @@ class Wire:
         if len(idle) >= _MAX_IDLE:
             connection.abort()
             return
-        connection.expires = time.monotonic() + keep_s
+        connection.idle_since = now = time.monotonic()
+        connection.expires = now + keep_s
         idle.append(connection)
         if self._sweep is None and self._loop is not None:
             self._sweep = self._loop.call_later(keep_s, self._expire)
@@ -501,6 +509,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.fd = -1
         self.usable = False
+        self.idle_since = 0.0
         self.expires = 0.0
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[Read | httpx.Response] | None = None

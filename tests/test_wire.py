@@ -624,7 +624,7 @@ async def test_chunks_of_one_byte_are_read_in_linear_time(served, wire):
     assert time.process_time() - cpu < 0.5  # ~0.05 s here; the server's writing counted in it
 
 
-async def test_a_connection_the_server_closed_while_the_loop_was_busy_is_not_reused():
+async def test_a_connection_the_server_closed_while_the_loop_was_busy_is_not_reused(monkeypatch):
     """The server (a thread) closes the idle connection while the loop is blocked: the wire's
     flags still say open, the socket says readable; the call goes on a new connection."""
     closed, connections = threading.Event(), []
@@ -650,12 +650,23 @@ async def test_a_connection_the_server_closed_while_the_loop_was_busy_is_not_reu
     thread.start()
     url = f"http://127.0.0.1:{listener.getsockname()[1]}/ok"
     wire = Wire()
+    sent_on: list[object] = []
+    send = wire_module._Connection.send
+
+    def recorded(self, *args):
+        sent_on.append(self)
+        return send(self, *args)
+
+    monkeypatch.setattr(wire_module._Connection, "send", recorded)
     try:
         assert (await _post(wire, url)).content == BODY
         closed.wait(5)  # blocking, on purpose: the loop does not hear the FIN
-        time.sleep(0.05)
+        time.sleep(wire_module._CHECK_IDLE_S)  # idle long enough to be checked
         assert (await _post(wire, url)).content == BODY
         assert len(connections) == 2
+        # Not sent on the closed connection and then again (the resend would also answer):
+        # the check took it out before anything was written.
+        assert len(sent_on) == 2 and sent_on[0] is not sent_on[1]
     finally:
         await wire.aclose()
         listener.close()
