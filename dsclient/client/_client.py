@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import sniffio
 
-from .._http import httpx, transport_for
+from .._http import READ_TIMEOUT_S, httpx, transport_for
 from .._models import ChatResult, CompletionResult, Failure, Result
 from .._observe import Observer
 from .._streaming import MAX_BODY_BYTES
@@ -125,8 +125,8 @@ class AsyncClient:
         http_stack: how requests are sent when no ``transport`` is given: ``"aiohttp"``
             (default: the client's own calls over dsclient's own HTTP/1.1 connections, streams
             and other SDKs' requests over aiohttp's pool under httpx2's API; httpx2's own pool
-            under trio), ``"httpx2"`` or ``"httpx"`` (their own pools for everything, several
-            times the CPU per request at hundreds in flight: the guide "The HTTP stack").
+            under trio) or ``"httpx2"`` (its own pool for everything, several times the CPU per
+            request at hundreds in flight: the guide "The HTTP stack").
         max_num_seqs: the server's batch size, if you know it better than discovery.
         server_priority: whether the server reorders by the request field ``priority``
             (vLLM ``--scheduling-policy priority``, SGLang ``--enable-priority-scheduling``):
@@ -285,14 +285,14 @@ class AsyncClient:
             request_headers["Authorization"] = f"Bearer {self._api_key.reveal()}"
         # The governor is the only concurrency limit: the pool must never be the tighter one,
         # so it is unbounded; keep-alive connections cover a large limit without reconnects.
-        # Reads get no timeout of their own: each call's deadline (its own timeout, or the
-        # client's) bounds the whole call. A read timeout of the client's value cut every attempt
-        # of a call whose own timeout was longer (or None) short, and the call failed after its
-        # retries although the server was answering. Connecting stays bounded per attempt.
+        # Each call's deadline (its own timeout, or the client's) bounds the whole call. A read
+        # waits at most READ_TIMEOUT_S for the next byte, as long as a whole completion may take
+        # to come back: a read timeout of the client's timeout cut every attempt of a call whose
+        # own timeout was longer (or None) short. Connecting stays bounded per attempt.
         self._http = httpx.AsyncClient(
             transport=transport_for(http_stack, transport),
             headers=request_headers,
-            timeout=httpx.Timeout(None, connect=_CONNECT_TIMEOUT_S),
+            timeout=httpx.Timeout(None, connect=_CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
         )
         self._sleep = sleep or anyio.sleep
