@@ -19,9 +19,11 @@ latest epoch at the lowest limit measured on at least :data:`BASE_SAMPLES` answe
 lowest limit has the shortest queue (slow start starts low; the hold phase probes down). Not
 the quickest answer, nor the quickest of many epochs' medians: with noisy service times (x1.6
 either way) those are a fraction of the usual time, and they read a server of 8 seats as
-running 4, and cut it there. ``R`` counts what the server is *seen* to run: where a request takes longer in a
-fuller batch (a GPU's step grows with the batch) ``R`` comes out under the truth, so the guard
-errs towards a shorter queue, never a longer one.
+running 4, and cut it there. An epoch that did not keep its limit full sets nothing (the
+client's own start-up slowed its first answers by half). ``R`` counts what the server is
+*seen* to run: where a request takes longer in a fuller batch (a GPU's step grows with the
+batch) ``R`` comes out under the truth, so the guard errs towards a shorter queue; the knee
+finder lets a step that bought throughput in proportion pass it.
 
 **Why it cannot run away.** ``X`` comes from completions, and a flat server's completions do not
 rise with the limit: doubling what is in flight doubles ``L`` and leaves ``R``, so the estimated
@@ -136,9 +138,9 @@ class QueueGuard:
         ``step_from``: what was in flight and the throughput in the epoch before, where this
         one is a step up from it that bought throughput (what the step proves)."""
         base = self._base
-        if per_work > 0 and math.isfinite(per_work) and samples >= BASE_SAMPLES:
-            if base is None or limit <= base[0]:
-                self._base = (limit, per_work)
+        well = per_work > 0 and math.isfinite(per_work) and samples >= BASE_SAMPLES
+        if well and (base is None or limit <= base[0]):
+            self._base = (limit, per_work)
         unqueued = self.unqueued
         if unqueued is not None and throughput > 0:
             now = min(in_flight, throughput * unqueued)

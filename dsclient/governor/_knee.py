@@ -439,12 +439,7 @@ class KneeFinder:
             # Otherwise no further than twice what it runs (at most one batch waiting).
             reach = _FREE_REACH if strong and not waits else _REACH
             wanted = min(wanted, max(limit + 1, math.floor(reach * seen)))
-            if (
-                cap is not None
-                and wanted > cap
-                and waits
-                and not strong
-            ):
+            if cap is not None and wanted > cap and waits and not strong:
                 # A queue stands and the step bought little: the batch filled within it. More
                 # would only queue: no further than the guard's cap. (A step that bought much,
                 # e >= 0.5, went on above: a GPU's answers slow as its batch fills, so Little's

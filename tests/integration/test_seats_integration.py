@@ -17,72 +17,17 @@ Each row prints what it measured (``-s`` shows it).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
-import time
-from dataclasses import dataclass
 
 import pytest
 
-import dsclient
-from tests.seat_server import SeatServer, Shape
+from tests.seat_server import SeatServer, Shape, run_leg
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
 #: Transit and scheduling on top of the service times, on a loaded machine.
 SLACK_S = 0.15
-
-
-@dataclass
-class Leg:
-    makespan: float
-    steady: float  # calls a second over the second half of the batch
-    urgent: list[float]
-    stats: dict[str, object]
-    reason: str
-    errors: int
-
-
-async def _leg(server: SeatServer, n: int, *, urgent_every: float | None, **options: object) -> Leg:
-    async with dsclient.AsyncClient(server.url, **options) as client:  # type: ignore[arg-type]
-        await client.generate("warm", max_tokens=4)
-        server.reset()
-        done_at: list[float] = []
-        urgent: list[float] = []
-        finished = asyncio.Event()
-        errors = 0
-
-        async def one(i: int) -> None:
-            nonlocal errors
-            try:
-                await client.generate(f"prompt {i}", max_tokens=4)
-            except dsclient.DSClientError:
-                errors += 1
-            done_at.append(time.monotonic())
-
-        async def urgent_calls() -> None:
-            assert urgent_every is not None
-            while not finished.is_set():
-                await asyncio.sleep(urgent_every)
-                if finished.is_set():
-                    return
-                t = time.monotonic()
-                await client.generate("urgent", max_tokens=4, urgency=10)
-                urgent.append(time.monotonic() - t)
-
-        t0 = time.monotonic()
-        side = asyncio.create_task(urgent_calls()) if urgent_every else None
-        await asyncio.gather(*(one(i) for i in range(n)))
-        makespan = time.monotonic() - t0
-        finished.set()
-        if side is not None:
-            await side
-        half = t0 + makespan / 2
-        steady = sum(1 for t in done_at if t >= half) / (makespan / 2)
-        return Leg(
-            makespan, steady, urgent, server.stats(), client.stats().control.reason, errors
-        )
 
 
 def _p99(values: list[float]) -> float:
@@ -101,8 +46,8 @@ async def test_the_server_queue_stays_short_at_full_speed(
 ) -> None:
     with SeatServer(Shape(seats=seats, service=service, states=states)) as server:
         # The same workload, urgent calls included, at the best fixed limit.
-        best = await _leg(server, n, urgent_every=0.5, limit=seats)
-        governed = await _leg(server, n, urgent_every=0.5)
+        best = await run_leg(server, n, urgent_every=0.5, limit=seats)
+        governed = await run_leg(server, n, urgent_every=0.5)
     stats = governed.stats
     row = {
         "seats": seats,
@@ -124,9 +69,11 @@ async def test_the_server_queue_stays_short_at_full_speed(
 
 
 @pytest.mark.parametrize(("seats", "cap", "service", "n"), [(8, 12, 0.1, 320), (64, 80, 0.2, 1920)])
-async def test_a_stated_hard_cap_is_never_passed(seats: int, cap: int, service: float, n: int) -> None:
+async def test_a_stated_hard_cap_is_never_passed(
+    seats: int, cap: int, service: float, n: int
+) -> None:
     with SeatServer(Shape(seats=seats, service=service, states="tgi", cap=cap)) as server:
-        governed = await _leg(server, n, urgent_every=None)
+        governed = await run_leg(server, n, urgent_every=None)
     stats = governed.stats
     row = {
         "seats": seats,
