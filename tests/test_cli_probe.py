@@ -74,10 +74,11 @@ def test_probe_json_names_the_mode_and_signal(blackbox_url, capsys):
     assert (out["kind"], out["model"]) == ("openai-compatible", "m")
     assert out["sources"]["max_num_seqs"] == "default"
     assert (out["dsclient_limit"], out["limit_mode"], out["limit_signal"]) == (
-        5,
+        1,
         "throughput",
         "throughput",
     )
+    assert out["limit_bound"].startswith("no batch stated")
     assert out["queue_metrics"] is None
 
 

@@ -71,9 +71,11 @@ def test_the_install_line_is_in_the_first_screen():
         lines = path.read_text(encoding="utf-8").splitlines()
         first = "\n".join(lines[:12])
         assert "`pip install .`" in first and "(#install)" in first, path.name
-        table = next(n for n, line in enumerate(lines) if line.startswith("| result"))
+        # The results table, where there is one (it is empty until results on today's
+        # request path are committed), comes after the install paragraph.
+        table = next((n for n, line in enumerate(lines) if line.startswith("| result")), None)
         install = lines.index("## Install")
-        assert install < table, path.name
+        assert table is None or install < table, path.name
 
 
 def test_pages_that_install_something_link_to_the_paragraph():

@@ -185,7 +185,8 @@ async def test_load_refusals_are_not_charged_to_the_budget_under_an_adaptive_lim
     )
     sleep = SlotWatchingSleep()
     retry = Retry(attempts=4, budget_ratio=0.0, budget_floor=5)
-    async with make_client(fake, sleep, retry=retry, adaptive=adaptive) as client:
+    # A stated batch of 8 (a black box would start at 1, where a cut leaves nothing to see).
+    async with make_client(fake, sleep, retry=retry, adaptive=adaptive, max_num_seqs=8) as client:
         sleep.client = client
         result = await client.generate("x", max_tokens=1)
         assert result.attempts == 3

@@ -17,7 +17,8 @@ def test_sync_client_generate_chat_stream():
         assert client.generate("x", max_tokens=3).text == "abc"
         assert client.server is not None and client.model == "tiny"
         # floor(0.7 x 8): the default max_num_seqs, as the fake server states none
-        assert client.limit == 5 == client.aclient.limit
+        # The fake server states no batch: the limit starts at 1 (issue 41).
+        assert client.limit == 1 == client.aclient.limit
     fake = FakeServer(script=[httpx.Response(200, json=chat_body("hey"))])
     with dsclient.Client("http://127.0.0.1:8000", transport=fake.transport) as client:
         assert client.chat([{"role": "user", "content": "hi"}], max_tokens=3).text == "hey"
