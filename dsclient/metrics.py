@@ -470,7 +470,7 @@ class Collector:
                 yield family
 
 
-def _tenant_families(core: Any) -> tuple[Metric, ...]:
+def _tenant_families(core: Any) -> tuple[Any, ...]:
     """The ``dsclient_tenant_*`` families, empty: tokens, in flight, waiting, p99, counter,
     weight (in that order, as :func:`_add_tenants` fills them)."""
     labels = ["server", "tenant"]
@@ -498,7 +498,7 @@ def _tenant_families(core: Any) -> tuple[Metric, ...]:
     )
 
 
-def _add_tenants(families: tuple[Metric, ...], server: str, tenants: Any) -> None:
+def _add_tenants(families: tuple[Any, ...], server: str, tenants: Any) -> None:
     """One server's tenants into :func:`_tenant_families`' families."""
     tokens, in_flight, waiting, p99, counter, weight = families
     for name, stats in sorted(tenants.items(), key=lambda item: item[0] or ""):
