@@ -284,6 +284,11 @@ class Fair:
         pending, self._pending = self._pending, {}
         return pending
 
+    def restore_pending(self, deltas: Mapping[str | None, float]) -> None:
+        """Changes taken by :meth:`take_pending` that did not reach the shared counters."""
+        for name, delta in deltas.items():
+            self._pending[name] = self._pending.get(name, 0.0) + delta
+
     def absorb(
         self,
         counters: Mapping[str | None, float],
