@@ -33,6 +33,7 @@ EXPECTED = {
     "ServerInfo",
     "Stream",
     "SyncStream",
+    "TenantStats",
     "TimeoutError",
     "TransportError",
     "Usage",
