@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals a leg")
     p.add_argument("--grace", type=float, default=10.0, help="seconds to finish after them")
     p.add_argument("--window", type=float, default=10.0, help="seconds per fairness window")
-    p.add_argument("--light-rate", type=float, default=2.0, help="light's calls a second")
+    p.add_argument("--light-rate", type=float, default=3.0, help="light's calls a second")
     p.add_argument("--long-words", type=int, default=600)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=44)
@@ -220,8 +220,9 @@ def plan_leg(name: str, args: argparse.Namespace, url: str, redis_url: str) -> l
     """The worker jobs of leg ``name`` (one per process)."""
     base = {"url": url, "duration": args.duration, "grace": args.grace, "seed": args.seed,
             "long_words": args.long_words}  # fmt: skip
-    flood_n = int(args.duration * 12)  # more than a leg serves (checked: both stay backlogged)
-    light_n = int(args.duration * 60)
+    # More than a leg serves (the figures say whether both stayed backlogged: "backlogged").
+    flood_n = int(args.duration * 25)
+    light_n = int(args.duration * 120)
     grouped = {"group": "flood"}, {"group": "light"}
     if name == "light-solo":
         return [{**base, "client": "dsclient", "tenants": [_tenant("light", args, **grouped[1])]}]
