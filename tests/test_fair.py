@@ -381,3 +381,14 @@ async def test_client_charges_each_group_its_tokens_and_reports_them() -> None:
     assert tenants["chat"].input_tokens > 0
     with pytest.raises(ValueError, match=r"group_weights\['x'\]"):
         AsyncClient("http://127.0.0.1:8000", transport=fake.transport, group_weights={"x": -1})
+
+
+async def test_a_call_refused_by_max_queue_leaves_its_tenant_idle() -> None:
+    from dsclient._exceptions import Overloaded
+
+    governor = Governor(1, max_queue=0)
+    slot = await governor.acquire(group="a", input_tokens=10)
+    with pytest.raises(Overloaded):
+        await governor.acquire(group="b", input_tokens=10)
+    slot.release()
+    assert governor.fair.active_names() == []

@@ -1188,6 +1188,9 @@ class Governor:
         a future of the running asyncio loop, else an ``anyio.Event``), or raise
         :class:`~dsclient._exceptions.Overloaded` when ``max_queue`` waiters are already in."""
         if self._max_queue is not None and self._waiting >= self._max_queue:
+            tenant = slot._tenant
+            assert tenant is not None
+            self._fair.leave(tenant)  # it arrived, and leaves without waiting
             raise Overloaded(
                 0,
                 message=(
