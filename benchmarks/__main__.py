@@ -18,6 +18,7 @@
     python -m benchmarks blackbox             # nginx'd vLLM, transformers serve, vLLM priority
     python -m benchmarks batch-shape          # map(): prefix groups, longest first vs input order
     python -m benchmarks seats                # servers with seats and a queue: their own queue
+    python -m benchmarks tenants              # a flooding tenant beside a light one (real, Redis)
     python -m benchmarks governor --help      # each benchmark's own options
     python -m benchmarks report               # docs/benchmarks.md's tables from the kept results
     python -m benchmarks report --check       # exit 1 if the page is behind them
@@ -103,6 +104,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "seats": (
         "benchmarks.bench_seats",
         "servers with seats and a first-come queue (1-256): the server's own queue, throughput",
+    ),
+    "tenants": (
+        "benchmarks.bench_tenants",
+        "a flooding tenant beside a light one: FIFO, vLLM priority, group caps, VTC (and Redis)",
     ),
 }
 

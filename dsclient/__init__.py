@@ -30,6 +30,7 @@ from .client._retry import Retry, compute_backoff
 from .client._sync import Client, SyncStream
 from .governor._control import ControlStats
 from .governor._endpoint import ServerView
+from .governor._fair import TenantStats
 from .governor._governor import GovernorStats, LaneStats
 from .governor._health import Reachability
 from .governor._load import Load
@@ -68,6 +69,7 @@ __all__ = [
     "ServerView",
     "Stream",
     "SyncStream",
+    "TenantStats",
     "TimeoutError",
     "TransportError",
     "Usage",

@@ -36,7 +36,18 @@ family                                   type       what
 ``dsclient_queue_seconds``               histogram  time waiting for a slot by ``lane``
 ``dsclient_retries_total``               counter    attempts beyond the first
 ``dsclient_tokens_total{kind}``          counter    ``prompt`` / ``completion`` tokens
+``dsclient_tenant_tokens_total``         counter    tokens served a tenant, by ``tenant``, ``kind``
+``dsclient_tenant_in_flight``            gauge      a tenant's calls holding a slot
+``dsclient_tenant_waiting``              gauge      a tenant's calls queued in the client
+``dsclient_tenant_latency_p99_seconds``  gauge      p99 of a tenant's latest calls (waiting incl.)
+``dsclient_tenant_counter``              gauge      its virtual token counter (lowest goes next)
+``dsclient_tenant_weight``               gauge      its weight (``group_weights``)
 =======================================  =========  ==============================================
+
+The ``dsclient_tenant_*`` families have a ``tenant`` label: the calls' ``group`` (empty for calls
+without one), read from the governor's per-tenant stats (``client.stats().tenants``); tokens are
+the input (planner's count) and output (``usage``) tokens of its ended calls. Keep group names to
+a small set: each is a label value.
 
 ``dsclient_limit_signal`` has one series a server, value 1, whose labels say how the limit is
 driven: ``mode`` (``metrics``: the server's queue; ``throughput``: no queue signal, the knee found
@@ -377,6 +388,7 @@ class Collector:
             "Tokens the server reported (streams: text deltas received).",
             labels=["server", "kind"],
         )
+        tenant_families = _tenant_families(core)
         if with_samples:
             fmt = self._format.floatToGoString
             for tally in self._tallies:
@@ -407,6 +419,7 @@ class Collector:
                     if info is not None:
                         source = info.sources.get("max_num_seqs", "unknown")
                         max_num_seqs.add_metric([*label, source], info.max_num_seqs)
+                    _add_tenants(tenant_families, label[0], view.stats.tenants)
                 with tally.lock:  # copy under the lock, format outside it
                     counts = list(tally.requests.items())
                     lat = [(k, h.cumulative(fmt), h.total) for k, h in tally.latency.items()]
@@ -449,11 +462,55 @@ class Collector:
             queue,
             retries,
             tokens,
+            *tenant_families,
         )
         for family in families:
             # An unknown server gauge is left out, not reported as 0.
             if family.samples or not with_samples:
                 yield family
+
+
+def _tenant_families(core: Any) -> tuple[Any, ...]:
+    """The ``dsclient_tenant_*`` families, empty: tokens, in flight, waiting, p99, counter,
+    weight (in that order, as :func:`_add_tenants` fills them)."""
+    labels = ["server", "tenant"]
+    gauge = core.GaugeMetricFamily
+    return (
+        core.CounterMetricFamily(
+            "dsclient_tenant_tokens",
+            "Tokens served a tenant (its calls' group): input (the planner's count) and output "
+            "(the answers' usage).",
+            labels=["server", "tenant", "kind"],
+        ),
+        gauge("dsclient_tenant_in_flight", "A tenant's calls holding a slot now.", labels=labels),
+        gauge("dsclient_tenant_waiting", "A tenant's calls waiting for a slot.", labels=labels),
+        gauge(
+            "dsclient_tenant_latency_p99_seconds",
+            "p99 of a tenant's latest calls, from asking for a slot to the end.",
+            labels=labels,
+        ),
+        gauge(
+            "dsclient_tenant_counter",
+            "A tenant's virtual token counter: service over weight; the lowest waiting goes next.",
+            labels=labels,
+        ),
+        gauge("dsclient_tenant_weight", "A tenant's weight (group_weights).", labels=labels),
+    )
+
+
+def _add_tenants(families: tuple[Any, ...], server: str, tenants: Any) -> None:
+    """One server's tenants into :func:`_tenant_families`' families."""
+    tokens, in_flight, waiting, p99, counter, weight = families
+    for name, stats in sorted(tenants.items(), key=lambda item: item[0] or ""):
+        label = [server, name or ""]
+        tokens.add_metric([*label, "input"], stats.input_tokens)
+        tokens.add_metric([*label, "output"], stats.output_tokens)
+        in_flight.add_metric(label, stats.in_flight)
+        waiting.add_metric(label, stats.waiting)
+        if stats.p99 is not None:
+            p99.add_metric(label, stats.p99)
+        counter.add_metric(label, stats.counter)
+        weight.add_metric(label, stats.weight)
 
 
 class MetricsServer:

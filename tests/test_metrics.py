@@ -400,3 +400,26 @@ def test_import_costs_nothing_and_works_without_the_extras():
         import dsclient.metrics
         """
     )
+
+
+async def test_tenants_have_their_tokens_in_flight_waiting_p99_counter_and_weight():
+    fake = FakeServer(
+        script=[httpx.Response(200, json=completion_body(prompt_tokens=3, completion_tokens=2))]
+    )
+    async with make_client(fake, group_weights={"chat": 3}) as client:
+        registry = CollectorRegistry()
+        registry.register(dsclient.metrics.Collector(client))
+        await client.generate("x", max_tokens=2, group="chat")
+        await client.generate("y", max_tokens=2)
+        samples = scrape(registry)
+        tenants = client.stats().tenants
+    tokens = "dsclient_tenant_tokens_total"
+    assert value(samples, tokens, tenant="chat", kind="output") == 2
+    assert value(samples, tokens, tenant="", kind="output") == 2
+    assert value(samples, tokens, tenant="chat", kind="input") == tenants["chat"].input_tokens > 0
+    assert value(samples, "dsclient_tenant_weight", tenant="chat") == 3
+    assert value(samples, "dsclient_tenant_weight", tenant="") == 1
+    assert value(samples, "dsclient_tenant_in_flight", tenant="chat") == 0
+    assert value(samples, "dsclient_tenant_waiting", tenant="chat") == 0
+    assert value(samples, "dsclient_tenant_latency_p99_seconds", tenant="chat") >= 0
+    assert value(samples, "dsclient_tenant_counter", tenant="chat") == tenants["chat"].counter

@@ -89,6 +89,8 @@ async def collector_metric_names() -> set[str]:
             Load(source="vllm /metrics", running=3, waiting=1, kv_usage=0.25), client._clock()
         )
         client._caller.observers[-1](record(completion_tokens=2, prompt_tokens=3))
+        slot = await client._endpoint.governor.acquire(group="chat", input_tokens=3)
+        slot.release()  # a tenant's tokens served
         exported = {name for name, _ in scrape(registry)}
         # Families still without samples (a gauge unknown in this state) count by their name.
         for family in collector.describe():

@@ -9,7 +9,7 @@ import pytest
 
 from dsclient import AsyncClient
 from dsclient._http import httpx
-from dsclient.client._priority import server_priority, with_priority
+from dsclient.client._priority import server_priority, weight_ranks, with_priority
 
 from .fakes import FakeServer, RecordedSleep
 
@@ -86,3 +86,39 @@ async def test_vllm_v1_gets_priority_and_the_chat_path_too() -> None:
         assert client.server.priority == "lower-first" and client.server.priority_honoured is None
         await client.chat([{"role": "user", "content": "hi"}], max_tokens=2)
     assert fake.bodies[0]["priority"] == 0
+
+
+def test_weight_ranks_put_the_heaviest_first_and_unnamed_groups_at_weight_one() -> None:
+    ranks = weight_ranks({"chat": 3, "batch": 0.5, "api": 3})
+    assert ranks == {"chat": 0, "api": 0, "batch": 2, None: 1}
+    assert server_priority("long", 1, "lower-first", ranks["chat"]) < server_priority(
+        "short", 0, "lower-first", ranks[None]
+    )
+
+
+async def test_group_priority_sends_the_tenants_rank_only_when_asked() -> None:
+    fake = FakeServer()
+    weights = {"chat": 3.0, "batch": 1.0}
+    async with _client(fake, server_priority=True, group_weights=weights) as client:
+        await client.generate("hi", max_tokens=2, group="batch")
+    async with _client(
+        fake, server_priority=True, group_weights=weights, group_priority=True
+    ) as client:
+        await client.generate("hi", max_tokens=2, group="batch")
+        await client.generate("hi", max_tokens=2, group="chat")
+        await client.generate("hi", max_tokens=2)  # no group: weight 1, batch's rank
+    assert [b.get("priority") for b in fake.bodies] == [0, 1000, 0, 1000]
+
+
+async def test_the_tenant_goes_to_a_gateway_as_the_fairness_id() -> None:
+    fake = FakeServer()
+    async with _client(fake) as client:
+        await client.generate("hi", max_tokens=2, group="chat")
+        await client.generate("hi", max_tokens=2)
+        async with client.stream("hi", max_tokens=2, group="stream") as s:
+            async for _ in s:
+                pass
+        sdk = client.openai(group="sdk")
+        await sdk.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    sent = [r.headers.get("x-gateway-inference-fairness-id") for r in fake.requests]
+    assert sent == ["chat", None, "stream", "sdk"]

@@ -36,6 +36,7 @@ EXPECTED = {
     "ServerInfo",
     "Stream",
     "SyncStream",
+    "TenantStats",
     "TimeoutError",
     "TransportError",
     "Usage",

@@ -13,6 +13,7 @@ import pytest
 
 from dsclient import AsyncClient
 from dsclient._http import httpx
+from dsclient.governor._fair import Fair
 from dsclient.governor._shared import (
     LEASE_S,
     Peer,
@@ -173,6 +174,16 @@ class StubGovernor:
     @property
     def held_back(self) -> bool:
         return self.waiting > 0
+
+    #: No tenants here (tests/test_shared_fair.py runs the tenants' sync on real governors).
+    held_by_fairness = 0
+    fair = Fair()
+
+    def sync_fair(self, *args: object) -> None:
+        raise AssertionError("a governor without tenants has nothing to sync")
+
+    def unsync_fair(self) -> None:
+        pass
 
 
 class StubController:

@@ -342,8 +342,18 @@ class Caller:
 def _admission(
     plan: Plan, urgency: int, group: str | None, prefix: str | None, batch: bool
 ) -> Admission:
-    """The governor's view of one call as ``plan`` sends it (its lane and KV cache tokens)."""
+    """The governor's view of one call as ``plan`` sends it (its lane and KV cache tokens; its
+    prompt's tokens, as held less ``max_tokens``, and ``max_tokens``, for its tenant's charge)."""
     model = plan.body.get("model")
     return Admission(
-        plan.lane, urgency, group, model, prefix, batch, plan.kv_tokens, plan.prompt_tokens
+        plan.lane,
+        urgency,
+        group,
+        model,
+        prefix,
+        batch,
+        plan.kv_tokens,
+        plan.prompt_tokens,
+        max(0, plan.kv_tokens - plan.max_tokens),
+        plan.max_tokens,
     )

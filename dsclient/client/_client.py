@@ -41,6 +41,7 @@ from ..batch._batch import BatchResults, OnError, iter_map, run_map
 from ..batch._jsonl import JsonlStore
 from ..governor._backend import Backend, SingleServer
 from ..governor._endpoint import ControlOptions, Endpoint, ServerView
+from ..governor._fair import check_weights
 from ..governor._governor import GovernorStats, compute_limit
 from ..governor._health import Reachability
 from ..governor._pool import ServerPool
@@ -52,6 +53,7 @@ from ._discovery import DEFAULT_MAX_NUM_SEQS, ServerInfo
 from ._options import Secret, check_options, handle_tokenizer, servers_of
 from ._pipeline import RequestPath
 from ._planner import Planner
+from ._priority import weight_ranks
 from ._request import (
     USE_DEFAULT,
     Messages,
@@ -155,6 +157,13 @@ class AsyncClient:
         short_first: at equal urgency, admit waiting short calls before waiting long ones (a
             long one still goes first while none is running). Default ``False``: arrival order.
         group_caps: caps per traffic group as shares of the limit, e.g. ``{"batch": 0.5}``.
+        group_weights: each group's (tenant's) weight in the token-fair order, e.g.
+            ``{"chat": 3, "batch": 1}``; groups not named weigh 1. While calls of several groups
+            wait, the one whose group was served the fewest tokens over its weight goes next;
+            a group alone gets every slot (``docs/tenants.md``).
+        group_priority: also send the group's rank by weight in the server's ``priority``
+            field (heaviest first), where the server takes one. Default ``False``: the fair
+            order is the client's; the server keeps its own.
         default_max_tokens: ``max_tokens`` sent when a call gives none, cut to the room left.
         tokenizer: a ``tokenizer.json`` path, a tiktoken encoding name or a ``str -> int``
             callable for local token estimates; default: the launched model's own tokenizer,
@@ -199,6 +208,8 @@ class AsyncClient:
         long_idle_borrow: float | None = 1.0,
         short_first: bool = False,
         group_caps: Mapping[str, float] | None = None,
+        group_weights: Mapping[str, float] | None = None,
+        group_priority: bool = False,
         default_max_tokens: int = 256,
         tokenizer: Any = None,
         headers: Mapping[str, str] | None = None,
@@ -260,6 +271,7 @@ class AsyncClient:
             latency_target=float(latency_target) if latency_target is not None else None,
             scrape_interval=float(scrape_interval),
         )
+        weights = check_weights(group_weights)
         governor_options = {
             "long_share": long_share,
             "long_idle_borrow": long_idle_borrow,
@@ -267,6 +279,7 @@ class AsyncClient:
             "short_first": short_first,
             "max_queue": max_queue,
             "group_caps": group_caps,
+            "group_weights": weights,
         }
         start = limit or compute_limit(max_num_seqs or DEFAULT_MAX_NUM_SEQS, headroom)
         self._endpoints = tuple(
@@ -329,6 +342,10 @@ class AsyncClient:
             rng=self._rng,
             max_body_bytes=max_response_bytes,
         )
+        if not isinstance(group_priority, bool):
+            raise TypeError(f"group_priority must be a bool, got {group_priority!r}")
+        if group_priority:
+            self._path.group_ranks = weight_ranks(weights)
         handle_facts = {
             root: {
                 key: value

@@ -40,10 +40,10 @@ import functools
 import logging
 import random
 import re
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from json import JSONEncoder
 from json import encoder as json_encoder
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import anyio
 from tenacity import AsyncRetrying, RetryCallState
@@ -114,6 +114,10 @@ def body_encoder() -> Callable[[Any], str]:
     return encode
 
 
+#: The header that names a call's tenant (its group) to a gateway in front of the server:
+#: llm-d's flow control keys its fairness queues by it.
+FAIRNESS_HEADER: Final = "x-gateway-inference-fairness-id"
+FAIRNESS_HEADER_RAW: Final = FAIRNESS_HEADER.encode()
 #: The request header that asks vLLM for its load on the answer (``_load.LOAD_HEADER_FORMAT``).
 _ASK_LOAD_RAW = ((LOAD_HEADER_FORMAT.encode(), b"TEXT"),)
 #: ``usage.completion_tokens`` in a raw JSON answer (at its end, where OpenAI-shaped answers put
@@ -183,6 +187,9 @@ class RequestPath:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.max_body_bytes = max_body_bytes
+        #: Each tenant's rank by weight, sent in the server's ``priority`` (``group_priority``
+        #: of the client); ``None``: lane and urgency alone.
+        self.group_ranks: Mapping[str | None, int] | None = None
         self._http = http
         #: What :meth:`_post` puts on every request (read from ``http`` on first use), the URLs
         #: it has parsed, and the transport it hands the parts to directly (``None``: none).
@@ -228,10 +235,12 @@ class RequestPath:
             return False
 
     # -- one attempt -----------------------------------------------------------------------------
-    async def _open(self, root: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    async def _open(
+        self, root: str, path: str, body: dict[str, Any], *, fairness: str | None = None
+    ) -> httpx.Response:
         """One streaming POST, open once its status is known to be fine."""
         try:
-            response = await self._post(root + path, body)
+            response = await self._post(root + path, body, fairness=fairness)
         except httpx.RequestError as exc:
             raise translate_request_error(exc) from exc
         assert not isinstance(response, Read)  # nothing asked it to read
@@ -426,11 +435,17 @@ class RequestPath:
         Raises dsclient errors only. Where the server publishes no queue, the request asks for
         its load on the answer (vLLM's ``endpoint-load-metrics``), and the server reads it.
         (One coroutine, not one around another: one less a call.)"""
-        body = _prioritised(body, server, call.admission)
+        body = _prioritised(body, server, call.admission, self.group_ranks)
         wants = server.ask_load_header()
         limit = self.max_body_bytes
         try:
-            response = await self._post(server.url + path, body, ask_load=wants, read_up_to=limit)
+            response = await self._post(
+                server.url + path,
+                body,
+                ask_load=wants,
+                read_up_to=limit,
+                fairness=call.admission.group,
+            )
         except httpx.RequestError as exc:
             raise translate_request_error(exc) from exc
         data: dict[str, Any]
@@ -464,8 +479,9 @@ class RequestPath:
         _: None,
     ) -> Answer:
         """One streaming POST, open once its status is known to be fine; its slot handed on."""
-        sent = _prioritised(body, server, call.admission)
-        return Answer(await self._open(server.url, path, sent), None, slot)
+        sent = _prioritised(body, server, call.admission, self.group_ranks)
+        opened = await self._open(server.url, path, sent, fairness=call.admission.group)
+        return Answer(opened, None, slot)
 
     async def _raw_once(
         self,
@@ -478,6 +494,9 @@ class RequestPath:
     ) -> Answer:
         """One send of a caller's request; a refusal is kept in ``refused`` (the last one comes
         back as the answer when it may not be retried) and raised."""
+        group = call.admission.group
+        if group is not None and FAIRNESS_HEADER not in request.headers:
+            request.headers[FAIRNESS_HEADER] = group
         response, body = await self._exchange(self._aim(request, call), stream)
         if body is None:  # an open stream: its slot handed on
             return Answer(response, None, slot)
@@ -542,6 +561,7 @@ class RequestPath:
         *,
         ask_load: bool = False,
         read_up_to: int | None = None,
+        fairness: str | None = None,
     ) -> Awaitable[httpx.Response | Read]:
         """POST ``body`` as JSON to ``url``, the answer open: what ``http.post(url, json=body)``
         sends (the client's headers, JSON as httpx encodes it, the client's timeouts), without
@@ -556,7 +576,9 @@ class RequestPath:
         (:meth:`_send`), and every answer comes back open.
 
         What it gives is the transport's own awaitable (one coroutine less per call): the
-        caller translates the ``httpx.RequestError`` it may raise.
+        caller translates the ``httpx.RequestError`` it may raise. ``fairness``: the call's
+        tenant (group), sent as ``x-gateway-inference-fairness-id`` for a gateway in front
+        (llm-d's flow control keys its queues by it); a server ignores it.
         """
         headers = self._headers
         if headers is None:
@@ -569,6 +591,8 @@ class RequestPath:
                 self._direct = http._transport
         if ask_load:
             headers = self._headers_load
+        if fairness is not None:
+            headers = (*headers, (FAIRNESS_HEADER_RAW, fairness.encode()))
         content = self._encode(body).encode()
         direct = self._direct
         if direct is not None and direct.direct:
@@ -862,14 +886,23 @@ class Answer:
         self.error: RequestRefused | None = None
 
 
-def _prioritised(body: dict[str, Any], server: Endpoint, admission: Admission) -> dict[str, Any]:
-    """``body`` with the server's own ``priority`` for the call's lane and urgency, in the
-    order that server takes (:func:`~dsclient.client._priority.with_priority`)."""
+def _prioritised(
+    body: dict[str, Any],
+    server: Endpoint,
+    admission: Admission,
+    group_ranks: Mapping[str | None, int] | None = None,
+) -> dict[str, Any]:
+    """``body`` with the server's own ``priority`` for the call's lane and urgency (with
+    ``group_ranks``, its tenant's rank by weight first), in the order that server takes
+    (:func:`~dsclient.client._priority.with_priority`)."""
     info = server.info
     order = info.priority if info is not None else None
     if order is None:  # the common case, without the call: the body as it is
         return body
-    return with_priority(body, admission.lane, admission.urgency, order)
+    rank = 0
+    if group_ranks is not None:
+        rank = group_ranks.get(admission.group, group_ranks[None])
+    return with_priority(body, admission.lane, admission.urgency, order, rank)
 
 
 #: One kind of send, as :meth:`RequestPath._attempt` runs it:

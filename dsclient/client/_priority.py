@@ -21,26 +21,57 @@ refuses one unless priority scheduling is on. Whether the server *honours* it
 (``ServerInfo.priority_honoured``) comes from the launch record, vLLM's dev-mode
 ``/server_info``, SGLang's ``/server_info``, or the caller (``AsyncClient(server_priority=)``).
 A ``priority`` the caller puts in the request itself is sent as it is.
+
+**Tenants' weights, where asked** (``AsyncClient(group_priority=True)``): the call's group
+(tenant) comes first, ranked by its weight in ``group_weights`` (the heaviest 0), then lane and
+urgency as above::
+
+    ranks = weight_ranks({"chat": 3, "batch": 1})     # {"chat": 0, "batch": 1}; others: 1
+    server_priority("long", 0, "lower-first", ranks["chat"])   # 1
+    server_priority("short", 0, "lower-first", ranks["batch"]) # 1000
+
+A server that runs priorities then serves the heavier tenant's queued requests first; it is not
+fair (a lighter tenant waits while a heavier one has requests queued there), which is why it is
+off unless asked: the client's own order is the fair one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from .._server_info import PriorityOrder
 
-__all__ = ["PriorityOrder", "server_priority", "with_priority"]
+__all__ = ["GROUP_STEP", "PriorityOrder", "server_priority", "weight_ranks", "with_priority"]
+
+#: How far apart two tenants' weight ranks put their priorities (lane and urgency fit between).
+GROUP_STEP = 1000
 
 
-def server_priority(lane: str, urgency: int, order: PriorityOrder) -> int:
-    """The ``priority`` value that puts this call where dsclient's own order puts it."""
-    rank = (1 if lane == "long" else 0) - 2 * urgency
+def weight_ranks(weights: Mapping[str, float]) -> dict[str | None, int]:
+    """Each named group's rank by weight, the heaviest 0; ``None`` (and any group not named,
+    which weighs 1) ranks where a weight of 1 does."""
+    levels = sorted({*weights.values(), 1.0}, reverse=True)
+    ranks: dict[str | None, int] = {name: levels.index(w) for name, w in weights.items()}
+    ranks[None] = levels.index(1.0)
+    return ranks
+
+
+def server_priority(lane: str, urgency: int, order: PriorityOrder, group_rank: int = 0) -> int:
+    """The ``priority`` value that puts this call where dsclient's own order puts it (with
+    ``group_rank``, after the calls of heavier tenants)."""
+    rank = GROUP_STEP * group_rank + (1 if lane == "long" else 0) - 2 * urgency
     return rank if order == "lower-first" else -rank
 
 
 def with_priority(
-    body: dict[str, object], lane: str, urgency: int, order: PriorityOrder | None
+    body: dict[str, object],
+    lane: str,
+    urgency: int,
+    order: PriorityOrder | None,
+    group_rank: int = 0,
 ) -> dict[str, object]:
     """``body`` with the server's ``priority`` added (a copy), or as it is: no order known, or
     a ``priority`` the caller set already."""
     if order is None or "priority" in body:
         return body
-    return {**body, "priority": server_priority(lane, urgency, order)}
+    return {**body, "priority": server_priority(lane, urgency, order, group_rank)}

@@ -222,6 +222,7 @@ async def plan_request(
     stream = body.get("stream") is True
     prompt = _prompt_of(kind, body)
     lane: Lane = "short"
+    counted = sent = 0  # the prompt's tokens and max_tokens, for the tenant's charge
     if prompt is not None and kind == "embedding":
         info = await planner.ready()
         threshold = planner.long_threshold or default_long_threshold(info.max_model_len)
@@ -237,6 +238,7 @@ async def plan_request(
         except ContextOverflow as exc:
             return _overflow_refusal(exc, requested, field)
         lane = plan.lane
+        counted, sent = max(0, plan.kv_tokens - plan.max_tokens), plan.max_tokens
         if requested is not None and plan.max_tokens < requested:
             if overflow == "cut":
                 body[field] = plan.max_tokens
@@ -250,7 +252,10 @@ async def plan_request(
     model = body.get("model")
     prefix = planner.backend.prefix_of(prompt) if prompt is not None else None
     named = model if isinstance(model, str) else None
-    return Governed(content, Admission(lane, urgency, group, named, prefix), stream)
+    admission = Admission(
+        lane, urgency, group, named, prefix, input_tokens=counted, max_tokens=sent
+    )
+    return Governed(content, admission, stream)
 
 
 async def _check_fit(

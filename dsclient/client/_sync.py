@@ -86,6 +86,8 @@ class Client:
         long_idle_borrow: float | None = 1.0,
         short_first: bool = False,
         group_caps: Mapping[str, float] | None = None,
+        group_weights: Mapping[str, float] | None = None,
+        group_priority: bool = False,
         default_max_tokens: int = 256,
         tokenizer: Any = None,
         headers: Mapping[str, str] | None = None,

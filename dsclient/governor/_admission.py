@@ -40,6 +40,9 @@ class Admission(NamedTuple):
             known); long calls borrow only as far as the server's cache holds them.
         prompt_tokens: of those, the prompt's (a bound; 0: not known): a batch's long items are
             counted as they grow from it.
+        input_tokens: the prompt's tokens as the planner counted or estimated them (0: not
+            known), and ``max_tokens``, what the call may answer: the group's (tenant's) charge
+            at admission (:mod:`dsclient.governor._fair`).
     """
 
     lane: Lane
@@ -50,6 +53,8 @@ class Admission(NamedTuple):
     batch: bool = False
     tokens: int = 0
     prompt_tokens: int = 0
+    input_tokens: int = 0
+    max_tokens: int = 0
 
 
 def slot_for(governor: Governor, admission: Admission) -> Slot:
@@ -61,4 +66,6 @@ def slot_for(governor: Governor, admission: Admission) -> Slot:
         batch=admission.batch,
         tokens=admission.tokens,
         prompt_tokens=admission.prompt_tokens,
+        input_tokens=admission.input_tokens,
+        max_tokens=admission.max_tokens,
     )

@@ -107,6 +107,12 @@ caller who wants both sides to agree sends ``urgency=u`` here and ``priority=-u`
 half of the slots, so interactive traffic keeps the other half under a batch load. Groups not
 named in ``group_caps`` are not capped.
 
+**Tenants: token-fair order.** A group is also a tenant (:mod:`dsclient.governor._fair`): when a
+slot frees and calls of several groups wait, the call of the group with the lowest virtual token
+counter (input + 2 x output tokens served, over its weight in ``group_weights``) goes next;
+lanes, urgency and ``short_first`` order the waiters inside a group, and caps still apply. A
+group alone gets every slot (nothing is reserved). Calls without a group are one tenant.
+
 **Queue bound.** With ``max_queue=n``, a request that would have to wait while ``n`` others
 already wait raises :class:`~dsclient._exceptions.Overloaded` with status 0 at once.
 
@@ -128,7 +134,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Final
 
@@ -137,6 +143,7 @@ import anyio
 from .._exceptions import Overloaded
 from .._percentile import nearest_rank
 from ._checks import check_int, check_share, floor_share
+from ._fair import Fair, Tenant, TenantStats
 from ._lanes import Lane
 
 if TYPE_CHECKING:
@@ -224,6 +231,9 @@ class GovernorStats:
     control: ControlStats | None = None
     kv_tokens: int | None = None
     kv_tokens_in_flight: int = 0
+    #: Per tenant (group; ``None``: calls without one): weight, counter, in flight, waiting,
+    #: tokens served and latency (:class:`~dsclient.governor._fair.TenantStats`).
+    tenants: Mapping[str | None, TenantStats] = field(default_factory=lambda: MappingProxyType({}))
 
     def _repr_html_(self) -> str:  # notebooks show a table, not a dataclass repr
         from .._display import stats_html
@@ -325,13 +335,15 @@ _Entry = tuple[int, int, "Slot"]
 
 
 class _Queue:
-    """Waiters of one (lane, capped group) class; all of them are blocked by the same caps."""
+    """Waiters of one (lane, capped group, tenant) class; all of them are blocked by the same
+    caps, and share one virtual token counter (the tenant's)."""
 
-    __slots__ = ("group", "heap", "lane", "live")
+    __slots__ = ("group", "heap", "lane", "live", "tenant")
 
-    def __init__(self, lane: _LaneState, group: _GroupState | None) -> None:
+    def __init__(self, lane: _LaneState, group: _GroupState | None, tenant: Tenant) -> None:
         self.lane = lane
         self.group = group
+        self.tenant = tenant
         self.heap: list[_Entry] = []
         # Cancelled waiters stay in the heap until they reach the top (or a compaction); `live`
         # counts the others.
@@ -366,6 +378,7 @@ class Slot:
     __slots__ = (
         "_admitted",
         "_cancelled",
+        "_charged",
         "_event",
         "_governor",
         "_granted",
@@ -374,9 +387,12 @@ class Slot:
         "_outcome",
         "_started",
         "_state",
+        "_tenant",
         "batch",
         "group",
+        "input_tokens",
         "lane",
+        "max_tokens",
         "passed",
         "prompt_tokens",
         "queued_s",
@@ -397,12 +413,18 @@ class Slot:
         batch: bool = False,
         tokens: int = 0,
         prompt_tokens: int = 0,
+        input_tokens: int = 0,
+        max_tokens: int = 0,
     ) -> None:
         self.lane = lane
         self.urgency = urgency
         self.group = group
         self.batch = batch
         self.tokens = tokens
+        #: The tenant's charge at admission: the prompt's tokens (the planner's count) and
+        #: ``max_tokens`` (see :mod:`dsclient.governor._fair`); 0: not known.
+        self.input_tokens = input_tokens
+        self.max_tokens = max_tokens
         #: The call's prompt tokens (a bound), where its KV cache tokens grow from as it
         #: answers (0: not known; the call counts at ``tokens`` throughout).
         self.prompt_tokens = prompt_tokens
@@ -423,6 +445,8 @@ class Slot:
         self._granted = False
         self._cancelled = False
         self._started = 0.0
+        self._tenant: Tenant | None = None
+        self._charged = 0.0  # what the tenant was charged at admission
         #: What the waiter awaits: a bare future of the running asyncio loop (one object, no
         #: Event and deque around it), or an ``anyio.Event`` on another backend (trio).
         self._event: asyncio.Future[None] | anyio.Event | None = None
@@ -460,7 +484,8 @@ class Slot:
         self._started = started = governor._clock()
         if not self.batch:
             self._lane_state.last_entry = started
-        if governor._admissible(
+        tenant = self._tenant = governor._fair.arrive(self.group)
+        if not governor._fair.held(tenant) and governor._admissible(
             self._lane_state, self._group_state, self.batch, self.tokens, self.prompt_tokens
         ):
             governor._take(self)
@@ -530,6 +555,9 @@ class Governor:
             in (0, 1], default 0.5. Short requests may use every slot.
         group_caps: group name to its cap as a share of the limit, each in (0, 1]; a group
             holds at most ``max(1, floor(share * limit))`` slots. Other groups are uncapped.
+        group_weights: group (tenant) name to its weight, each > 0 (others weigh 1): while
+            several groups wait, each is served tokens in proportion to its weight ("Tenants"
+            above).
         long_idle_borrow: when no short request is waiting or in flight and none has asked for
             a slot for this many seconds, the long lane may borrow idle short slots, up to
             ``limit - 1`` (one stays free for the next short arrival), so that a batch of long
@@ -560,6 +588,7 @@ class Governor:
     __slots__ = (
         "_batch",
         "_clock",
+        "_fair",
         "_groups",
         "_in_flight",
         "_kv_block",
@@ -577,6 +606,7 @@ class Governor:
         "_on_release",
         "_pick",
         "_pick_window",
+        "_queue_index",
         "_queues",
         "_ramps",
         "_seq",
@@ -596,6 +626,7 @@ class Governor:
         long_pacing: bool = False,
         short_first: bool = False,
         group_caps: Mapping[str, float] | None = None,
+        group_weights: Mapping[str, float] | None = None,
         max_queue: int | None = None,
         latency_window: int = 1000,
         clock: Callable[[], float] = time.monotonic,
@@ -628,6 +659,8 @@ class Governor:
         self._pick = pick
         self._pick_window = pick_window
         self._groups = groups
+        #: Virtual token counters per tenant (group): the order among groups' waiters.
+        self._fair = Fair(group_weights, latency_window=latency_window)
         self._lanes: dict[str, _LaneState] = {
             "short": _LaneState("short", limit, latency_window),
             "long": _LaneState("long", floor_share(long_share, limit), latency_window),
@@ -653,14 +686,11 @@ class Governor:
         self._long_started = -math.inf
         #: The batch's long calls' time per output token (where no short call gives it).
         self._long_pace = _Pace()
-        # One queue per class of waiters that the same caps block: lane x (capped group or
-        # none). Uncapped groups share the None class, so the number of queues stays small and
-        # dispatch looks at each queue's head only.
-        self._queues: list[_Queue] = [
-            _Queue(lane, group)
-            for lane in self._lanes.values()
-            for group in (None, *groups.values())
-        ]
+        # One queue per class of waiters that the same caps block and one counter orders:
+        # lane x capped group x tenant, made as waiters of the class first arrive. Dispatch
+        # looks at each queue's head only.
+        self._queues: list[_Queue] = []
+        self._queue_index: dict[tuple[_LaneState, str | None], _Queue] = {}
         self._in_flight = 0
         self._waiting = 0
         self._seq = itertools.count()
@@ -726,6 +756,8 @@ class Governor:
         batch: bool = False,
         tokens: int = 0,
         prompt_tokens: int = 0,
+        input_tokens: int = 0,
+        max_tokens: int = 0,
     ) -> Slot:
         """A slot to enter with ``async with``; it waits there until admitted.
 
@@ -736,13 +768,16 @@ class Governor:
             lane: ``"short"`` or ``"long"`` (see :func:`choose_lane`).
             urgency: higher is admitted first among waiters; FIFO within equal urgency. Not
                 vLLM's ``priority``, which runs lower values first.
-            group: a tag; capped when named in ``group_caps``.
+            group: the tenant: capped when named in ``group_caps``, weighted by
+                ``group_weights``; among groups, the lowest virtual token counter goes first.
             batch: the call is an item of a batch (``map()``): see "Batches" in the module
                 docstring. It counts only while the server's KV cache is known (``set_kv``).
             tokens: the KV cache tokens the call may hold (its prompt + ``max_tokens``); 0:
                 not known. See "Borrowing stops where the KV cache does".
             prompt_tokens: of those, its prompt's (a bound); 0: not known. A batch's long
                 items are counted as they grow from it ("Growth").
+            input_tokens, max_tokens: the prompt's tokens (an estimate is fine) and the most
+                it may answer, charged to the group's counter at admission; 0: not known.
         """
         lane_state = self._lanes.get(lane)
         if lane_state is None:
@@ -753,7 +788,17 @@ class Governor:
         kv = self._kv_tokens is not None
         held = self._held(tokens)
         return Slot(
-            self, lane, urgency, group, lane_state, group_state, batch and kv, held, prompt_tokens
+            self,
+            lane,
+            urgency,
+            group,
+            lane_state,
+            group_state,
+            batch and kv,
+            held,
+            prompt_tokens,
+            input_tokens,
+            max_tokens,
         )
 
     def acquire(
@@ -765,6 +810,8 @@ class Governor:
         batch: bool = False,
         tokens: int = 0,
         prompt_tokens: int = 0,
+        input_tokens: int = 0,
+        max_tokens: int = 0,
     ) -> Awaitable[Slot]:
         """A slot, once admitted (it waits until then); give it back with :meth:`Slot.release`.
 
@@ -782,6 +829,8 @@ class Governor:
             batch=batch,
             tokens=tokens,
             prompt_tokens=prompt_tokens,
+            input_tokens=input_tokens,
+            max_tokens=max_tokens,
         )
         return slot.__aenter__()
 
@@ -857,6 +906,7 @@ class Governor:
             control=control,
             kv_tokens=self._kv_tokens,
             kv_tokens_in_flight=self._tokens,
+            tenants=self._fair.stats(),
         )
 
     def __repr__(self) -> str:
@@ -1048,6 +1098,7 @@ class Governor:
         return max(lane.cap, self._limit - 1)
 
     def _take(self, slot: Slot) -> None:
+        self._charge(slot)
         self._in_flight += 1
         self._tokens += slot.tokens
         if slot.prompt_tokens and slot.batch and slot._lane_state is self._long:
@@ -1059,6 +1110,9 @@ class Governor:
             slot._group_state.in_flight += 1
 
     def _untake(self, slot: Slot) -> None:
+        tenant = slot._tenant
+        assert tenant is not None
+        tenant.in_flight -= 1
         self._in_flight -= 1
         self._tokens -= slot.tokens
         if slot.batch and slot.prompt_tokens:
@@ -1069,17 +1123,78 @@ class Governor:
         if slot._group_state is not None:
             slot._group_state.in_flight -= 1
 
+    # --- tenants (dsclient.governor._fair): the slot's charge and the order among groups ---
+
+    @property
+    def fair(self) -> Fair:
+        """The tenants' virtual token counters (the shared budget syncs them across processes)."""
+        return self._fair
+
+    def sync_fair(
+        self,
+        counters: Mapping[str | None, float],
+        waiting_elsewhere: Sequence[str | None] = (),
+        active_elsewhere: Sequence[str | None] = (),
+    ) -> None:
+        """The shared counters as read from Redis; waiters a tenant held back may go now."""
+        self._fair.absorb(counters, waiting_elsewhere, active_elsewhere)
+        if self._waiting:
+            self._dispatch()
+
+    def unsync_fair(self) -> None:
+        """The shared counters are out of reach: order this process's tenants alone."""
+        self._fair.forget_remote()
+        if self._waiting:
+            self._dispatch()
+
+    @property
+    def held_by_fairness(self) -> int:
+        """Calls waiting because their tenant waits for one served less in another process
+        (not demand this process can use now)."""
+        fair = self._fair
+        return sum(q.live for q in self._queues if q.live and fair.held(q.tenant))
+
+    def _charge(self, slot: Slot) -> None:
+        """Admitted: its tenant is charged the call's expected tokens now."""
+        tenant = slot._tenant
+        assert tenant is not None
+        tenant.in_flight += 1
+        slot._charged = self._fair.charge(tenant, slot.input_tokens, slot.max_tokens)
+
+    def _settle(self, slot: Slot, outcome: str, now: float) -> None:
+        """Ended: its tenant's charge follows the output the answer reported."""
+        tenant = slot._tenant
+        assert tenant is not None
+        fair = self._fair
+        fair.settle(
+            tenant,
+            slot._charged,
+            slot.input_tokens,
+            slot.work,
+            slot.max_tokens,
+            ok=outcome == "ok",
+            latency=now - slot._started,
+        )
+        fair.leave(tenant)
+
     def _queue_for(self, slot: Slot) -> _Queue:
-        for queue in self._queues:
-            if queue.lane is slot._lane_state and queue.group is slot._group_state:
-                return queue
-        raise AssertionError("every (lane, group) class has a queue")  # pragma: no cover
+        key = (slot._lane_state, slot.group)
+        queue = self._queue_index.get(key)
+        if queue is None:
+            tenant = slot._tenant
+            assert tenant is not None
+            queue = self._queue_index[key] = _Queue(slot._lane_state, slot._group_state, tenant)
+            self._queues.append(queue)
+        return queue
 
     def _enqueue(self, slot: Slot) -> asyncio.Future[None] | anyio.Event:
         """Put ``slot`` in its queue (:meth:`Slot.__aenter__` then waits on what this returns:
         a future of the running asyncio loop, else an ``anyio.Event``), or raise
         :class:`~dsclient._exceptions.Overloaded` when ``max_queue`` waiters are already in."""
         if self._max_queue is not None and self._waiting >= self._max_queue:
+            tenant = slot._tenant
+            assert tenant is not None
+            self._fair.leave(tenant)  # it arrived, and leaves without waiting
             raise Overloaded(
                 0,
                 message=(
@@ -1093,6 +1208,7 @@ class Governor:
         event = slot._event = loop.create_future() if loop is not None else anyio.Event()
         heapq.heappush(queue.heap, (-slot.urgency, next(self._seq), slot))
         queue.live += 1
+        queue.tenant.waiting += 1
         slot._lane_state.waiting += 1
         if slot.batch:
             slot._lane_state.batch_waiting += 1
@@ -1107,6 +1223,10 @@ class Governor:
             # never taken, so neither capacity nor the wake-up is lost.
             slot._state = _DONE
             self._untake(slot)
+            tenant = slot._tenant
+            assert tenant is not None
+            self._fair.refund(tenant, slot._charged)
+            self._fair.leave(tenant)
             self._dispatch()
         else:
             self._withdraw(slot, self._queue_for(slot))
@@ -1117,6 +1237,8 @@ class Governor:
         slot._cancelled = True
         slot._state = _DONE
         queue.live -= 1
+        queue.tenant.waiting -= 1
+        self._fair.leave(queue.tenant)
         slot._lane_state.waiting -= 1
         if slot.batch:
             slot._lane_state.batch_waiting -= 1
@@ -1139,6 +1261,7 @@ class Governor:
             lane.failed += 1
         now = self._clock()
         lane.samples.append(now - slot._started)
+        self._settle(slot, outcome, now)
         if (
             slot.prompt_tokens
             and slot.batch
@@ -1199,15 +1322,18 @@ class Governor:
         return chosen[2]
 
     def _dispatch(self) -> None:
-        """Admit waiters, best (urgency, arrival) first, while any of them fits its caps.
+        """Admit waiters, best (tenant's counter, urgency, arrival) first, while any of them
+        fits its caps.
 
-        With ``short_first``, at equal urgency a waiting short request goes before a waiting
-        long one (shortest job first), except that a long request goes first while no long
-        request is in flight, so the long lane never starves.
+        The tenant (group) with the lowest virtual token counter goes first (see "Tenants");
+        inside it, with ``short_first``, at equal urgency a waiting short request goes before a
+        waiting long one (shortest job first), except that a long request goes first while no
+        long request is in flight, so the long lane never starves.
         """
+        fair = self._fair
         while self._waiting:
             best: _Queue | None = None
-            best_key: tuple[int, int, int] | None = None
+            best_key: tuple[float, int, int, int] | None = None
             for queue in self._queues:
                 # A queue whose lane or group is full is skipped, not waited on: no
                 # head-of-line blocking across lanes or groups.
@@ -1221,11 +1347,13 @@ class Governor:
                     continue
                 if queue.group is not None and queue.group.in_flight >= queue.group.cap:
                     continue
+                if fair.held(queue.tenant):
+                    continue
                 if queue.lane is self._short or not self._short_first:
                     rank = 0
                 else:
                     rank = 1 if queue.lane.in_flight else -1
-                key = (entry[0], rank, entry[1])
+                key = (queue.tenant.counter, entry[0], rank, entry[1])
                 if best_key is None or key < best_key:
                     best, best_key = queue, key
             if best is None:
@@ -1234,6 +1362,7 @@ class Governor:
             best.live -= 1
             if not best.live:
                 best.heap.clear()  # only tombstones are left
+            best.tenant.waiting -= 1
             slot._lane_state.waiting -= 1
             if slot.batch:
                 slot._lane_state.batch_waiting -= 1

@@ -107,6 +107,7 @@ class PoolSlot:
     @work.setter
     def work(self, value: float | None) -> None:
         self._server.work = value
+        self._front.work = value  # the front queue's tenants are charged from it too
 
     async def __aenter__(self) -> PoolSlot:
         return self

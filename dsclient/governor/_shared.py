@@ -29,6 +29,15 @@ traffic): it runs the limit controller on the server's ``/metrics`` against the 
 all clients and publishes the limit and the learned capacity; the others read them. When the
 leader goes idle or dies, another busy client takes over, starting from the published limit.
 
+**Tenants across processes.** Where calls carry a group (a tenant,
+:mod:`dsclient.governor._fair`), each sync also runs :data:`FAIR_SCRIPT`: it adds what this
+process charged each tenant since the last sync to counters in one Redis hash, marks the tenants
+that wait and that are active here (marks live a lease, so a killed process's marks go, while
+what it charged stays), and reads everyone's counters and marks back. Each process then orders
+its own waiters by the shared counters, and holds back a tenant that is ahead of one waiting in
+another process by more than the largest call's cost; held calls do not count in the demand it
+publishes, so the other process's share of the limit grows instead.
+
 **Redis away.** A failed sync switches the client to its local closed loop (its own controller,
 from the share it held), logged once at WARNING (the URL without its password); it tries Redis
 again every second and rejoins when it answers. No request waits on Redis and none is dropped:
@@ -43,7 +52,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 from urllib.parse import urlsplit
@@ -55,6 +64,7 @@ if TYPE_CHECKING:
     from ._governor import Governor
 
 __all__ = [
+    "FAIR_SCRIPT",
     "LEASE_S",
     "SYNC_INTERVAL_S",
     "SYNC_SCRIPT",
@@ -63,7 +73,9 @@ __all__ = [
     "SharedBudget",
     "SharedState",
     "SyncResult",
+    "fair_args",
     "fair_shares",
+    "parse_fair",
     "parse_sync",
     "redact_url",
 ]
@@ -142,6 +154,94 @@ local states = redis.call('HGETALL', KEYS[3])
 for i = 1, #states do out[#out + 1] = states[i] end
 return out
 """.replace("{idle_ms}", str(int(IDLE_S * 1000)))
+
+
+#: KEYS: 1 counters (hash tenant -> service over weight), 2 active marks, 3 waiting marks (hashes
+#: "client\ntenant" -> expiry ms). ARGV: 1 client id, 2 lease ms, 3 n deltas, then n pairs
+#: (tenant, delta), then the tenants active here (count, names), then those waiting here (count,
+#: names). A tenant is its group's name; calls without a group are "\0". Returns
+#: {counters (flat hash), active elsewhere (list), waiting elsewhere (list)}.
+FAIR_SCRIPT: Final = """
+local IDLE_MS = {idle_ms}
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local id = ARGV[1]
+local lease_ms = tonumber(ARGV[2])
+local i = 3
+local n = tonumber(ARGV[i])
+for k = 1, n do
+  redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i + 2 * k - 1], ARGV[i + 2 * k])
+end
+i = i + 2 * n + 1
+local function mark(key)
+  local count = tonumber(ARGV[i])
+  for k = 1, count do
+    redis.call('HSET', key, id .. '\\n' .. ARGV[i + k], now + lease_ms)
+  end
+  i = i + count + 1
+end
+local function elsewhere(key)
+  local out, seen = {}, {}
+  local marks = redis.call('HGETALL', key)
+  for k = 1, #marks, 2 do
+    local field, expiry = marks[k], tonumber(marks[k + 1])
+    local cut = string.find(field, '\\n', 1, true)
+    local client, tenant = string.sub(field, 1, cut - 1), string.sub(field, cut + 1)
+    if expiry <= now then
+      redis.call('HDEL', key, field)
+    elseif client ~= id and not seen[tenant] then
+      seen[tenant] = true
+      out[#out + 1] = tenant
+    end
+  end
+  return out
+end
+for _, key in ipairs({KEYS[2], KEYS[3]}) do
+  local marks = redis.call('HKEYS', key)
+  for _, field in ipairs(marks) do
+    if string.sub(field, 1, #id + 1) == id .. '\\n' then redis.call('HDEL', key, field) end
+  end
+end
+mark(KEYS[2])
+mark(KEYS[3])
+local active = elsewhere(KEYS[2])
+local waiting = elsewhere(KEYS[3])
+for k = 1, 3 do redis.call('PEXPIRE', KEYS[k], IDLE_MS) end
+return {redis.call('HGETALL', KEYS[1]), active, waiting}
+""".replace("{idle_ms}", str(int(IDLE_S * 1000)))
+#: How a tenant of no group is written in Redis.
+_NO_GROUP: Final = "\0"
+
+
+def fair_args(
+    client_id: str,
+    lease_ms: int,
+    deltas: Mapping[str | None, float],
+    active: Sequence[str | None],
+    waiting: Sequence[str | None],
+) -> list[str | int | float]:
+    """:data:`FAIR_SCRIPT`'s ARGV."""
+    args: list[str | int | float] = [client_id, lease_ms, len(deltas)]
+    for name, delta in deltas.items():
+        args += [_NO_GROUP if name is None else name, repr(float(delta))]
+    for names in (active, waiting):
+        args.append(len(names))
+        args += [_NO_GROUP if name is None else name for name in names]
+    return args
+
+
+def parse_fair(
+    raw: Sequence[Any],
+) -> tuple[dict[str | None, float], list[str | None], list[str | None]]:
+    """:data:`FAIR_SCRIPT`'s answer: the counters, tenants active and waiting elsewhere."""
+
+    def name(value: Any) -> str | None:
+        text = _str(value)
+        return None if text == _NO_GROUP else text
+
+    flat = raw[0]
+    counters = {name(flat[k]): float(_str(flat[k + 1])) for k in range(0, len(flat), 2)}
+    return counters, [name(v) for v in raw[1]], [name(v) for v in raw[2]]
 
 
 class _Revealable(Protocol):
@@ -420,6 +520,7 @@ class SharedBudget:
         base = f"{key}:{{{server_url}}}"
         self.keys = [f"{base}:{name}" for name in ("leases", "clients", "state", "limit")]
         self.keys += [f"{base}:leader", f"{base}:capacity"]
+        self.fair_keys = [f"{base}:{name}" for name in ("vtc", "vtc-active", "vtc-waiting")]
         self._redis: Any = aioredis.Redis.from_url(
             url.reveal(),
             socket_timeout=REDIS_TIMEOUT_S,
@@ -427,6 +528,7 @@ class SharedBudget:
             health_check_interval=0,
         )
         self._script: Any = self._redis.register_script(SYNC_SCRIPT)
+        self._fair_script: Any = self._redis.register_script(FAIR_SCRIPT)
         self.granted = 0
         self.allowed = 0  # what the governor may admit: min(leases held, this client's share)
         self.last: SyncResult | None = None
@@ -463,7 +565,9 @@ class SharedBudget:
     async def sync(self, endpoint: Member) -> SyncResult:
         """One round trip: publish this client's state, renew and resize its block."""
         governor = endpoint.governor
-        in_flight, waiting = governor.in_flight, governor.waiting
+        # Calls held back for a tenant served less in another process are not demand here:
+        # the limit's share goes where that tenant waits.
+        in_flight, waiting = governor.in_flight, governor.waiting - governor.held_by_fairness
         demand = in_flight + waiting
         last = self.last
         target = last.target_for(self.client_id, demand, self._added) if last else max(1, demand)
@@ -492,6 +596,31 @@ class SharedBudget:
         self.allowed = max(0, min(result.granted, target))
         return result
 
+    async def sync_fair(self, governor: Governor) -> None:
+        """One round trip for the tenants' counters (see "Tenants across processes"): what this
+        process charged goes in, everyone's counters and marks come back. A failure loses
+        nothing: the changes are added again at the next sync."""
+        fair = governor.fair
+        if not fair.names:
+            return  # no call yet: nothing to share
+        deltas = fair.take_pending()
+        try:
+            raw = await self._fair_script(
+                keys=self.fair_keys,
+                args=fair_args(
+                    self.client_id,
+                    self.lease_ms,
+                    deltas,
+                    fair.active_names(),
+                    fair.waiting_names(),
+                ),
+            )
+        except BaseException:
+            fair.restore_pending(deltas)
+            raise
+        counters, active, waiting = parse_fair(raw)
+        governor.sync_fair(counters, waiting, active)
+
     async def step(self, endpoint: Member) -> None:
         """One sync, applied to ``endpoint``; on failure the endpoint falls back to its own
         loop (logged once per outage)."""
@@ -500,7 +629,9 @@ class SharedBudget:
             return
         try:
             result = await self.sync(endpoint)
+            await self.sync_fair(endpoint.governor)
         except Exception as exc:  # redis-py's errors, timeouts, OSError: Redis is away
+            endpoint.governor.unsync_fair()
             if not state.block_alive():
                 self._added = 0  # Redis has expired them (or lost them in a restart)
             if state.failed():
