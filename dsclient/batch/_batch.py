@@ -498,6 +498,9 @@ class _Run:
         self.done_ids = done_ids
         self.options = options
         self.running = 0
+        #: This batch, to the governor: its own short items do not hold its long ones back,
+        #: another batch's do ("Batches" in dsclient.governor._governor).
+        self.key = object()
 
     async def worker(
         self, feed: _Feed, send: MemoryObjectSendStream[_Done | _InputFailed], pool: _Pool
@@ -574,6 +577,7 @@ class _Run:
                 options.timeout,
                 sampling,
                 index=index,
+                batch=self.key,
             )
         except Exception as exc:
             # Every item gets an outcome: a bug-shaped error shows up as a Failure too.

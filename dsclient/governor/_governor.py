@@ -64,16 +64,23 @@ long calls of 5 blocks each started 8 at a time preempted one another 5-7 times 
 batch took 1.2-1.6x as long as with 4 running. ``tokens`` is an upper bound (the output may
 stop early), so this only ever lends less; calls within the share are never held by it.
 
-**Batches.** The items of a batch (``map()``: ``slot(batch=True)``) are waited on as a whole,
-not one by one, and the batch runner starts its longest items first. Where the KV cache is
-known, their own short items do not count as short calls about: while no other short call is
-waiting, running or has asked for ``long_idle_borrow`` seconds, long calls borrow up to
-``limit - 1`` beside them, as far as the cache holds them, and a batch's short item takes only
-a free slot (it reclaims no borrowed one). Held to the long share beside the batch's own short
-items, a batch of 200 with 20 items of 512 tokens out ran its long items 4 at a time of 8, and
-starting them first gained nothing over input order (0.97x in the median of six runs). Short
-calls that are not a batch's keep every rule above, so a batch does not hold up the calls
-someone waits on; where the cache is not known, a batch's items are ordinary calls.
+**Batches.** The items of a batch (``map()``: ``slot(batch=key)``, one key per ``map()``) are
+waited on as a whole, not one by one, and the batch runner starts its longest items first. A
+batch's own short items do not count as short calls about for its long items: while no other
+short call (someone's ``generate()``, or another batch's item) is waiting, running or has asked
+for ``long_idle_borrow`` seconds, they borrow up to ``limit - 1`` beside them, the server's
+batch less one where it is known, and as far as the KV cache holds them where that is known;
+a batch's short item takes only a free slot (it reclaims no borrowed one). Held to the long
+share beside the batch's own short items, a batch of 200 with 20 items of 512 tokens out ran
+its long items 4 at a time of 8 on a vLLM, and starting them first gained nothing over input
+order (0.97x in the median of six runs); on a server whose step is flat in its batch (10 ms +
+0.2 ms a sequence, 16 seats, nothing published, issue 46) the 27 long items of a batch of 400
+ran 8 at a time, and map() given the best order took 1.17x a plain semaphore's time. Where the
+cache is not known nothing stops long items that fill the server's batch from thrashing a
+small cache (on a vLLM of 24 blocks they preempted one another 5-7 times a batch); a server
+that publishes its cache (vLLM's ``/metrics``) has it read before the first call. Calls that
+are not this batch's keep every rule above, so a batch holds up neither the calls someone
+waits on nor another batch.
 
 **Growth.** A call's KV cache tokens grow as it answers: its prompt at first, one more a step, all
 of them (prompt + ``max_tokens``) only at its end. Where the cache is known and its prompt is
@@ -127,7 +134,7 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Final
@@ -273,6 +280,7 @@ class _LaneState:
         "in_flight",
         "last_entry",
         "name",
+        "own",
         "samples",
         "waiting",
     )
@@ -285,11 +293,26 @@ class _LaneState:
         #: Of those, the items of a batch (see "Batches" in the module docstring).
         self.batch_in_flight = 0
         self.batch_waiting = 0
+        #: The same per batch: its key to ``[in flight, waiting]`` (a key with neither leaves).
+        self.own: dict[Hashable, list[int]] = {}
         self.done = 0
         self.failed = 0
         self.last_entry = -math.inf  # when a request not of a batch last asked for a slot
         # A bounded deque: appending is O(1) and old samples fall off; stats() sorts a copy.
         self.samples: deque[float] = deque(maxlen=window)
+
+    def count_batch(self, key: Hashable, waiting: bool, n: int) -> None:
+        """One item of the batch ``key`` more (``n`` 1) or less (-1) in flight or waiting."""
+        counts = self.own.get(key)
+        if counts is None:
+            counts = self.own[key] = [0, 0]
+        counts[waiting] += n
+        if waiting:
+            self.batch_waiting += n
+        else:
+            self.batch_in_flight += n
+        if not (counts[0] or counts[1]):
+            del self.own[key]
 
     def snapshot(self) -> LaneStats:
         ordered = sorted(self.samples)
@@ -355,8 +378,9 @@ class Slot:
         lane: ``"short"`` or ``"long"``.
         urgency: higher is admitted first among waiters.
         group: the caller's group tag, or ``None``.
-        batch: an item of a batch (``map()``), whose own latency nobody waits on (only where
-            the governor knows the server's KV cache: see "Batches" in the module docstring).
+        batch: the batch (``map()``) the call is an item of, whose own latency nobody waits
+            on: a key that tells one batch from another (``True``: one batch not told apart),
+            or ``False`` (see "Batches" in the module docstring).
         tokens: the KV cache tokens the call may hold (prompt + ``max_tokens``, in whole
             blocks); 0: not known.
         queued_s: seconds spent waiting for admission (0.0 when admitted at once).
@@ -394,7 +418,7 @@ class Slot:
         group: str | None,
         lane_state: _LaneState,
         group_state: _GroupState | None,
-        batch: bool = False,
+        batch: Hashable = False,
         tokens: int = 0,
         prompt_tokens: int = 0,
     ) -> None:
@@ -719,7 +743,7 @@ class Governor:
         lane: Lane = "short",
         urgency: int = 0,
         group: str | None = None,
-        batch: bool = False,
+        batch: Hashable = False,
         tokens: int = 0,
         prompt_tokens: int = 0,
     ) -> Slot:
@@ -733,8 +757,9 @@ class Governor:
             urgency: higher is admitted first among waiters; FIFO within equal urgency. Not
                 vLLM's ``priority``, which runs lower values first.
             group: a tag; capped when named in ``group_caps``.
-            batch: the call is an item of a batch (``map()``): see "Batches" in the module
-                docstring. It counts only while the server's KV cache is known (``set_kv``).
+            batch: the call is an item of a batch (``map()``): the batch's key (one per
+                ``map()``; ``True``: a batch not told from others), see "Batches" in the
+                module docstring. ``False``: a call someone waits on.
             tokens: the KV cache tokens the call may hold (its prompt + ``max_tokens``); 0:
                 not known. See "Borrowing stops where the KV cache does".
             prompt_tokens: of those, its prompt's (a bound); 0: not known. A batch's long
@@ -746,11 +771,8 @@ class Governor:
         if isinstance(urgency, bool) or not isinstance(urgency, int):
             raise TypeError(f"urgency must be an int, got {type(urgency).__name__}")
         group_state = self._groups.get(group) if group is not None else None
-        kv = self._kv_tokens is not None
         held = self._held(tokens)
-        return Slot(
-            self, lane, urgency, group, lane_state, group_state, batch and kv, held, prompt_tokens
-        )
+        return Slot(self, lane, urgency, group, lane_state, group_state, batch, held, prompt_tokens)
 
     def acquire(
         self,
@@ -758,7 +780,7 @@ class Governor:
         lane: Lane = "short",
         urgency: int = 0,
         group: str | None = None,
-        batch: bool = False,
+        batch: Hashable = False,
         tokens: int = 0,
         prompt_tokens: int = 0,
     ) -> Awaitable[Slot]:
@@ -786,7 +808,7 @@ class Governor:
         *,
         lane: Lane = "short",
         group: str | None = None,
-        batch: bool = False,
+        batch: Hashable = False,
         tokens: int = 0,
         prompt_tokens: int = 0,
     ) -> bool:
@@ -796,10 +818,7 @@ class Governor:
         if lane_state is None:
             raise ValueError(f"lane must be 'short' or 'long', got {lane!r}")
         group_state = self._groups.get(group) if group is not None else None
-        kv = self._kv_tokens is not None
-        return self._admissible(
-            lane_state, group_state, batch and kv, self._held(tokens), prompt_tokens
-        )
+        return self._admissible(lane_state, group_state, batch, self._held(tokens), prompt_tokens)
 
     @property
     def kv_tokens(self) -> int | None:
@@ -870,7 +889,12 @@ class Governor:
         return -(-tokens // block) * block
 
     def _admissible(
-        self, lane: _LaneState, group: _GroupState | None, batch: bool, tokens: int, prompt: int = 0
+        self,
+        lane: _LaneState,
+        group: _GroupState | None,
+        batch: Hashable,
+        tokens: int,
+        prompt: int = 0,
     ) -> bool:
         # Dispatch runs after every change that frees capacity, so whenever this is true no
         # waiter could use the slot: a caller taking it at once jumps nobody who could go.
@@ -878,7 +902,7 @@ class Governor:
             group is None or group.in_flight < group.cap
         )
 
-    def _has_room(self, lane: _LaneState, batch: bool, tokens: int, prompt: int = 0) -> bool:
+    def _has_room(self, lane: _LaneState, batch: Hashable, tokens: int, prompt: int = 0) -> bool:
         if lane is self._short:
             if batch:
                 # A batch's short item waits for a free slot: the long slots its batch
@@ -887,7 +911,7 @@ class Governor:
             # Long slots beyond the long share are borrowed: a short request reclaims them.
             long = self._long
             return lane.in_flight + min(long.in_flight, long.cap) < self._limit
-        if self._in_flight >= self._limit or lane.in_flight >= self._lane_cap(lane):
+        if self._in_flight >= self._limit or lane.in_flight >= self._lane_cap(lane, batch):
             return False
         return not self._past_server(lane, batch, tokens, prompt)
 
@@ -915,7 +939,7 @@ class Governor:
                     return False
         return True
 
-    def _past_server(self, long: _LaneState, batch: bool, tokens: int, prompt: int = 0) -> bool:
+    def _past_server(self, long: _LaneState, batch: Hashable, tokens: int, prompt: int = 0) -> bool:
         """Whether one more long call would pass what the server holds: beyond the lane's
         share, its KV cache or (a batch's item) its batch less one; a batch's item whose prompt
         is known, the cache as its long calls grow ("Growth"). A higher limit would not run
@@ -934,12 +958,12 @@ class Governor:
         kv = self._kv_tokens
         return kv is not None and self._tokens + tokens > kv
 
-    def _grows(self, batch: bool, prompt: int) -> bool:
+    def _grows(self, batch: Hashable, prompt: int) -> bool:
         """Whether a long call is admitted as the batch's long calls grow ("Growth"): a
         batch's item whose prompt is known, on a server whose KV cache is, while the check
         (quadratic in them) has at most ``_GROWTH_MOST`` calls to count."""
         return (
-            batch
+            bool(batch)
             and prompt > 0
             and self._kv_tokens is not None
             and len(self._ramps) <= _GROWTH_MOST
@@ -1010,9 +1034,10 @@ class Governor:
                 return True
         return False
 
-    def _lane_cap(self, lane: _LaneState) -> int:
-        """The lane's cap now: the long share, more while short calls leave room (see
-        "Borrowing" in the module docstring), or ``limit - 1`` while shorts are idle."""
+    def _lane_cap(self, lane: _LaneState, batch: Hashable = False) -> int:
+        """The lane's cap now, for a long call of ``batch`` (``False``: none): the long share,
+        more while short calls leave room (see "Borrowing" in the module docstring), or
+        ``limit - 1`` while shorts are idle."""
         if lane is not self._long:
             return lane.cap
         paced = self._long_paced
@@ -1021,10 +1046,15 @@ class Governor:
             return cap
         short = self._short
         # Only short calls someone waits on count here: a batch's own short items do not
-        # hold its long ones back (see "Batches").
-        if short.waiting > short.batch_waiting:
+        # hold its long ones back, another batch's do (see "Batches"); nor do a batch's short
+        # items hold back a long call someone waits on.
+        if batch:
+            in_flight, waiting = short.own.get(batch, (0, 0))
+        else:
+            in_flight, waiting = short.batch_in_flight, short.batch_waiting
+        if short.waiting > waiting:
             return cap
-        calls = short.in_flight > short.batch_in_flight
+        calls = short.in_flight > in_flight
         if calls or self._clock() - short.last_entry < self._long_idle_borrow:
             if self._batch is None:
                 return cap
@@ -1050,7 +1080,7 @@ class Governor:
             self._ramps[slot] = self._long_started = self._clock()
         slot._lane_state.in_flight += 1
         if slot.batch:
-            slot._lane_state.batch_in_flight += 1
+            slot._lane_state.count_batch(slot.batch, False, 1)
         if slot._group_state is not None:
             slot._group_state.in_flight += 1
 
@@ -1061,7 +1091,7 @@ class Governor:
             self._ramps.pop(slot, None)
         slot._lane_state.in_flight -= 1
         if slot.batch:
-            slot._lane_state.batch_in_flight -= 1
+            slot._lane_state.count_batch(slot.batch, False, -1)
         if slot._group_state is not None:
             slot._group_state.in_flight -= 1
 
@@ -1091,7 +1121,7 @@ class Governor:
         queue.live += 1
         slot._lane_state.waiting += 1
         if slot.batch:
-            slot._lane_state.batch_waiting += 1
+            slot._lane_state.count_batch(slot.batch, True, 1)
         self._waiting += 1
         slot._state = _WAITING
         return event
@@ -1115,7 +1145,7 @@ class Governor:
         queue.live -= 1
         slot._lane_state.waiting -= 1
         if slot.batch:
-            slot._lane_state.batch_waiting -= 1
+            slot._lane_state.count_batch(slot.batch, True, -1)
         self._waiting -= 1
         # Removing from the middle of a heap is O(n), so the entry stays as a tombstone. Drop
         # them all when the queue holds no live waiter, and compact when they dominate, so that
@@ -1232,7 +1262,7 @@ class Governor:
                 best.heap.clear()  # only tombstones are left
             slot._lane_state.waiting -= 1
             if slot.batch:
-                slot._lane_state.batch_waiting -= 1
+                slot._lane_state.count_batch(slot.batch, True, -1)
             self._waiting -= 1
             slot._granted = True
             self._take(slot)
