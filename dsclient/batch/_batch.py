@@ -451,6 +451,8 @@ class _Shaped:
     def _add(self, index: int, item: Any) -> None:
         prepared = self._run.prepare(index, item)
         shape = self._run.shape_of(prepared)
+        if not shape.free:
+            self._run.planner.read_size(shape.cost)
         prepared.long = not shape.free and self._is_long(shape.cost)
         self._lineup.add(prepared, shape)
         self._held += 1

@@ -80,6 +80,10 @@ class BatchCaller(Protocol):
 class BatchPlanner(Protocol):
     """Sizes items (the client's :class:`~dsclient.client._planner.Planner` is one)."""
 
+    def read_size(self, tokens: int) -> None:
+        """A batch read an item of about ``tokens``: what is long is judged beside it too."""
+        ...
+
     def is_long(self, tokens: int) -> bool:
         """Whether an item of about ``tokens`` (prompt + ``max_tokens``) takes the long lane."""
         ...
