@@ -45,7 +45,9 @@ over that of ``vllm:prefix_cache_queries_total`` (tokens), summed over the repli
 and after; vLLM's engine steps over the leg (``vllm:iteration_tokens_total_count``, summed): how
 many batches the server ran for the leg, which a busy machine moves less than the makespan (a
 schedule that keeps the server's batch fuller takes fewer steps; the page shows their ratios
-beside the goals, :func:`step_lines`); for the shape leg, how many items it started at another
+beside the goals, :func:`step_lines`); the sequences vLLM preempted for lack of KV cache
+(``vllm:num_preemptions_total``): whether an order that starts long items together thrashed
+the cache (issue 46); for the shape leg, how many items it started at another
 place than input order (:func:`moved`, computed without a server). Goals (issue 27), against
 each other leg: prefix-heavy hit rate >= 1.5x and makespan <= 0.85x; mixed makespan <= 0.9x;
 plain within 3%.
@@ -310,19 +312,20 @@ def summed(rows: Sequence[dict[str, Any]], workload: str, key: str, peer: str) -
     return round(mine / theirs, 3) if theirs else float("nan")
 
 
-async def metrics(urls: Sequence[str]) -> tuple[float, float, float]:
-    """``(hits, queries, steps)``: vLLM's prefix cache (tokens) and engine steps, summed over
-    ``urls``."""
+async def metrics(urls: Sequence[str]) -> tuple[float, float, float, float]:
+    """``(hits, queries, steps, preemptions)``: vLLM's prefix cache (tokens), engine steps and
+    preempted sequences, summed over ``urls``."""
     import httpx
 
-    hits = queries = steps = 0.0
+    hits = queries = steps = preempted = 0.0
     async with httpx.AsyncClient(timeout=30.0) as http:
         for url in urls:
             text = (await http.get(url + "/metrics")).text
             hits += gauge(text, "vllm:prefix_cache_hits_total")
             queries += gauge(text, "vllm:prefix_cache_queries_total")
             steps += gauge(text, "vllm:iteration_tokens_total_count")
-    return hits, queries, steps
+            preempted += gauge(text, "vllm:num_preemptions_total")
+    return hits, queries, steps, preempted
 
 
 #: How many sequences :func:`step_cost` runs at once, in turn.
@@ -373,7 +376,14 @@ async def run_leg(
         found = await send(list(urls) if len(urls) > 1 else urls[0], items, leg)
     after = await metrics(urls)
     steps = after[2] - before[2]
-    return {**found, "hit_rate": hit_rate(before, after), "engine_steps": steps or None}
+    # A long item preempted for lack of KV cache recomputes its prompt and what it had answered:
+    # the count says whether an order that starts long items together thrashed the cache.
+    return {
+        **found,
+        "hit_rate": hit_rate(before, after),
+        "engine_steps": steps or None,
+        "preemptions": after[3] - before[3] if steps else None,
+    }
 
 
 async def send(url: str | list[str], items: list[dict[str, Any]], order: str) -> dict[str, Any]:
@@ -524,6 +534,7 @@ TABLE = (
     report_.Column("engine steps", "engine_steps", 0),
     report_.Column("output tokens a step", "tokens_per_step", 1),
     report_.Column("ms a step", "ms_per_step", 2),
+    report_.Column("preemptions", "preemptions", 0),
     report_.Column("failed", "failed", 0),
 )
 
