@@ -50,6 +50,10 @@ class ServerInfo:
     sends each call's ``priority`` field (``"lower-first"``: vLLM; ``"higher-first"``: SGLang;
     ``None``: not sent, the server is not known to take it) and ``priority_honoured`` whether
     the server reorders by it (``None``: not known); see ``dsclient.client._priority``.
+    ``max_concurrent`` is a hard cap the server states and refuses past (TGI's
+    ``max_concurrent_requests``: 429 "Model is overloaded"), a ceiling on what the client
+    sends; ``max_num_seqs`` is the batch it runs and queues behind, where the client's limit
+    starts and, unless completions prove more, stops.
     """
 
     url: str
@@ -60,6 +64,7 @@ class ServerInfo:
     max_model_len: int | None = None
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_input_tokens: int | None = None
+    max_concurrent: int | None = None
     has_tokenize: bool = False
     sources: Mapping[str, str] = field(default_factory=dict)
     complete: bool = True
@@ -85,6 +90,7 @@ class ServerInfo:
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.max_num_seqs,
             "max_input_tokens": self.max_input_tokens,
+            "max_concurrent": self.max_concurrent,
             "has_tokenize": self.has_tokenize,
             "sources": dict(self.sources),
             "complete": self.complete,
@@ -105,6 +111,7 @@ class ServerInfo:
             ("max_model_len", show(self.max_model_len), "max_model_len"),
             ("max_num_seqs", str(self.max_num_seqs), "max_num_seqs"),
             ("max_input_tokens", show(self.max_input_tokens), "max_input_tokens"),
+            ("max_concurrent", _cap_text(self.max_concurrent), "max_concurrent"),
             ("/tokenize", "yes" if self.has_tokenize else "no", None),
             ("priority", _priority_text(self.priority, self.priority_honoured), "priority"),
         ]
@@ -118,6 +125,10 @@ class ServerInfo:
             line = f"{name:<{width}}  {value:<{value_width}}"
             lines.append(f"{line}  ({source})" if source else line.rstrip())
         return "\n".join(lines)
+
+
+def _cap_text(cap: int | None) -> str:
+    return "-" if cap is None else f"{cap} (hard cap: refused past it)"
 
 
 def _priority_text(order: PriorityOrder | None, honoured: bool | None) -> str:

@@ -285,7 +285,9 @@ def test_parse_tgi_info() -> None:
         "3.2.1",
         "mistralai/Ministral-8B-Instruct-2410",
     )
-    assert (facts.max_num_seqs, facts.max_model_len, facts.max_input_tokens) == (128, 32768, 32767)
+    # max_concurrent_requests is where TGI refuses (429), not its batch: a hard cap.
+    assert (facts.max_num_seqs, facts.max_model_len, facts.max_input_tokens) == (None, 32768, 32767)
+    assert facts.max_concurrent == 128
     old = {"model_id": "gpt2", "max_concurrent_requests": 128, "max_input_length": 1000}
     assert parse_tgi_info(old).max_input_tokens == 1000  # type: ignore[union-attr]
     assert parse_tgi_info({**TGI_INFO, "max_batch_size": 32}).max_num_seqs == 32  # type: ignore[union-attr]
@@ -373,7 +375,10 @@ async def test_tgi() -> None:
     info = await _discover({"/v1/models": TGI_MODELS, "/info": TGI_INFO})
     assert (info.kind, info.version) == ("tgi", "3.2.1")
     assert info.model == "mistralai/Ministral-8B-Instruct-2410"
-    assert (info.max_num_seqs, info.max_model_len, info.max_input_tokens) == (128, 32768, 32767)
+    assert (info.max_num_seqs, info.max_model_len, info.max_input_tokens) == (8, 32768, 32767)
+    assert info.sources["max_num_seqs"] == "default"  # TGI states no batch, only a hard cap
+    assert (info.max_concurrent, info.sources["max_concurrent"]) == (128, "tgi /info")
+    assert "128 (hard cap: refused past it)" in str(info)
     assert info.sources["max_model_len"] == "tgi /info"
 
 
@@ -491,6 +496,7 @@ async def test_server_info_beats_sglang_and_tgi_and_llamacpp() -> None:
     del routes["/server_info"]
     assert (await _discover(routes)).sources["max_num_seqs"] == "sglang /v1/loads"
     del routes["/v1/loads"]
+    routes["/info"] = {**TGI_INFO, "max_batch_size": 32}
     assert (await _discover(routes)).sources["max_num_seqs"] == "tgi /info"
     del routes["/info"]
     assert (await _discover(routes)).sources["max_num_seqs"] == "llama.cpp /props"
@@ -676,7 +682,7 @@ async def test_an_absurd_limit_is_not_taken() -> None:
     assert info.max_num_seqs == DEFAULT_MAX_NUM_SEQS and info.max_model_len is None
     endpoint = Endpoint(URL, ControlOptions(), {}, start=1)
     endpoint.seed(info, None)
-    assert endpoint.governor.limit == 5
+    assert endpoint.governor.limit == 1  # nothing sensible stated: a black box's start
 
 
 async def test_json_nested_past_the_recursion_limit_is_no_answer() -> None:

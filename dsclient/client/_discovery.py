@@ -90,6 +90,8 @@ class Facts:
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_input_tokens: int | None = None
+    #: A hard cap on requests in the server (queued ones too), past which it refuses.
+    max_concurrent: int | None = None
     num_running: int | None = None
     num_waiting: int | None = None
     #: The server's own priority: the order its values run in (``None``: not said) and
@@ -306,19 +308,20 @@ def parse_tgi_info(obj: Any) -> Facts | None:
                         "version": "3.2.1"})
 
     TGI 1.x names the input limit ``max_input_length``. ``max_concurrent_requests`` (default 128)
-    is the router's admission limit, past which it answers 429, not the batch size; when the
-    server reports ``max_batch_size`` that is the better bound, so it wins.
+    is the router's admission limit, past which it answers 429 "Model is overloaded", not the
+    batch size: it is the hard cap (``max_concurrent``); ``max_batch_size``, where the server
+    reports it, is the batch.
     """
     if not isinstance(obj, dict):
         return None
     if "max_concurrent_requests" not in obj and obj.get("router") != "text-generation-router":
         return None
-    seqs = _pos_int(obj.get("max_batch_size")) or _pos_int(obj.get("max_concurrent_requests"))
     return Facts(
         kind="tgi",
         version=_str(obj.get("version")),
         model=_str(obj.get("model_id")),
-        max_num_seqs=seqs,
+        max_num_seqs=_pos_int(obj.get("max_batch_size")),
+        max_concurrent=_pos_int(obj.get("max_concurrent_requests")),
         max_model_len=_pos_int(obj.get("max_total_tokens")),
         max_input_tokens=_pos_int(obj.get("max_input_tokens"))
         or _pos_int(obj.get("max_input_length")),
@@ -738,6 +741,11 @@ async def discover(
 
     order, honoured = _priority_of(kind, version, facts, record, priority, sources)
 
+    hard_cap = None
+    found_tgi = facts["tgi"]
+    if found_tgi is not None and found_tgi.max_concurrent is not None:
+        hard_cap, sources["max_concurrent"] = found_tgi.max_concurrent, labels["tgi"]
+
     info = ServerInfo(
         url=root,
         kind=kind,
@@ -749,6 +757,7 @@ async def discover(
         max_model_len=length,
         max_num_seqs=seqs,
         max_input_tokens=max_input,
+        max_concurrent=hard_cap,
         has_tokenize=kind == "vllm",
         sources=sources,
         complete=answered.get("models", False) or facts["models"] is not None,

@@ -43,11 +43,17 @@ metrics     the server reports running and waiting. Grow while the client has ca
 throughput  no queue signal (a gateway that passes only ``/v1/*``, transformers' server, Ollama,
             any OpenAI-compatible endpoint): the limit finds the knee from the answers alone,
             rising while more in flight still buys throughput and holding where it only buys
-            latency (:class:`~dsclient.governor._knee.KneeFinder`); cut by
-            :data:`OVERLOAD_CUT` on 429 / 503. ``max_num_seqs`` is only where it starts:
-            bounds 1 .. ``max(1024, 4 x capacity)``.
+            latency (:class:`~dsclient.governor._knee.KneeFinder`), and a queue guard keeps
+            what is in flight within what the server is seen to run plus the target queue
+            (:class:`~dsclient.governor._guard.QueueGuard`); cut by :data:`OVERLOAD_CUT` on
+            429 / 503. A stated batch (``capacity``) is where it starts and, unless
+            completions prove more, where it stops (plus the target queue): bounds 1 ..
+            ``max(1024, 4 x capacity)``.
 fixed       never moves (``adaptive=False`` or an explicit ``limit=``).
 ==========  =====================================================================================
+
+In every mode a hard cap the server states (``hard_cap``: TGI's ``max_concurrent_requests``,
+past which it refuses) bounds the limit.
 
 In every mode, with a ``latency_target`` the limit halves when the p99 of recent service times
 exceeds 120% of it, and does not grow while the p99 is over the target.
@@ -70,6 +76,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from .._percentile import nearest_rank
+from ._guard import QueueGuard
 from ._knee import ELASTICITY, KneeFinder
 
 __all__ = [
@@ -209,7 +216,10 @@ class ControlStats:
     ``"llama.cpp /slots"``, ``"throughput"`` (no queue signal: the knee found from the answers)
     or ``"fixed"``; ``signal_age_s`` how old its last reading is (``None``: none yet). In
     throughput mode ``knee_phase`` is ``"slow start"`` or ``"hold"`` and ``throughput`` the work
-    per second (tokens/s where answers report tokens) measured at the last limit held.
+    per second (tokens/s where answers report tokens) measured at the last limit held;
+    ``seen_running`` / ``seen_queue`` what the queue guard reads the server to run and to queue
+    (by Little's law, see ``dsclient.governor._guard``) and ``guard_cap`` the most in flight it
+    allows. ``hard_cap`` is the cap the server states and refuses past (``None``: none).
     """
 
     mode: Mode
@@ -229,6 +239,10 @@ class ControlStats:
     signal_age_s: float | None = None
     knee_phase: str | None = None
     throughput: float | None = None
+    seen_running: float | None = None
+    seen_queue: float | None = None
+    guard_cap: int | None = None
+    hard_cap: int | None = None
 
 
 class CapacityLearner:
@@ -342,6 +356,7 @@ class LimitController:
         period: seconds between two growth steps, > 0.
         cooldown: seconds after a cut before the next cut for the same kind of signal.
         slow_start: the growth factor a period before the server has queued, > 1.
+        hard_cap: the most in flight the server takes (it refuses past it), or ``None``.
     """
 
     __slots__ = (
@@ -351,6 +366,7 @@ class LimitController:
         "_capacity",
         "_ceiling_fixed",
         "_dry_scrapes",
+        "_hard_cap",
         "_knee",
         "_kv_usage",
         "_last_cut",
@@ -407,7 +423,12 @@ class LimitController:
         period: float = 0.25,
         cooldown: float = 1.0,
         slow_start: float = SLOW_START,
+        hard_cap: int | None = None,
     ) -> None:
+        if hard_cap is not None and (
+            isinstance(hard_cap, bool) or not isinstance(hard_cap, int) or hard_cap < 1
+        ):
+            raise ValueError(f"hard_cap must be an int >= 1 or None, got {hard_cap!r}")
         if isinstance(start, bool) or not isinstance(start, int) or start < 1:
             raise ValueError(f"start must be an int >= 1, got {start!r}")
         if mode not in ("metrics", "throughput", "fixed"):
@@ -423,6 +444,9 @@ class LimitController:
         if ceiling is not None and (isinstance(ceiling, bool) or not isinstance(ceiling, int)):
             raise ValueError(f"ceiling must be an int or None, got {ceiling!r}")
         self.mode: Mode = mode
+        self._hard_cap = hard_cap
+        if hard_cap is not None:
+            start = min(start, hard_cap)
         self.start = start
         self.limit = start
         self.floor = 1
@@ -476,7 +500,10 @@ class LimitController:
         self._step_kv: float | None = None
         self._step_doubted = False
         #: The knee finder that moves the limit in throughput mode (``None`` in the others).
-        self._knee = KneeFinder(start=start, ceiling=self.ceiling) if mode == "throughput" else None
+        self._knee: KneeFinder | None = None
+        if mode == "throughput":
+            guard = QueueGuard(queue_share=queue_share, batch=capacity, hard_cap=hard_cap)
+            self._knee = KneeFinder(start=start, ceiling=self.ceiling, guard=guard)
 
     # -- bounds ---------------------------------------------------------------------------------
     @property
@@ -486,7 +513,18 @@ class LimitController:
 
     @property
     def ceiling(self) -> int:
-        """The most the limit may reach now."""
+        """The most the limit may reach now (never past a hard cap the server states)."""
+        if self._hard_cap is not None and self.mode != "fixed":
+            return min(self._uncapped_ceiling, self._hard_cap)
+        return self._uncapped_ceiling
+
+    @property
+    def hard_cap(self) -> int | None:
+        """The cap the server states and refuses past (``None``: none stated)."""
+        return self._hard_cap
+
+    @property
+    def _uncapped_ceiling(self) -> int:
         if self.mode == "fixed":
             return self.start
         if self._ceiling_fixed is not None:
@@ -765,14 +803,30 @@ class LimitController:
         return aim
 
     def on_outcome(
-        self, now: float, outcome: Outcome, service_s: float | None, work: float | None = None
+        self,
+        now: float,
+        outcome: Outcome,
+        service_s: float | None,
+        work: float | None = None,
+        *,
+        admitted_at: float | None = None,
     ) -> bool:
         """One attempt finished. True when the limit changed.
 
         ``"overloaded"`` (the server answered 429 / 503) cuts by :data:`OVERLOAD_CUT`, once per
         ``cooldown``; ``service_s`` (slot to answer) feeds the latency rule, and in throughput
-        mode with ``work`` (the tokens the answer produced; 1 where unknown) the knee finder.
+        mode with ``work`` (the tokens the answer produced; 1 where unknown) the knee finder,
+        which hears of every attempt, failed ones too (``admitted_at``: when its slot was
+        taken; default ``now - service_s``), so that an epoch waits for all of its cohort.
         """
+        if self._knee is not None and service_s is not None and service_s >= 0:
+            self._knee.on_release(
+                now,
+                admitted_at=now - service_s if admitted_at is None else admitted_at,
+                service_s=service_s,
+                work=work or 1.0,
+                ok=outcome == "ok",
+            )
         if outcome == "ok" and service_s is not None and service_s >= 0:
             self._service.append(service_s)
             self._newest_admitted = max(self._newest_admitted, now - service_s)
@@ -781,8 +835,6 @@ class LimitController:
             if now - service_s >= self._last_grow:
                 self._per_work_after.append(per_work)
                 self._answers_after += 1
-            if self._knee is not None:
-                self._knee.on_completion(now, service_s=service_s, work=work or 1.0)
         if self.mode == "fixed":
             return False
         if outcome == "overloaded":
@@ -925,6 +977,7 @@ class LimitController:
         and its age: what drives the limit, as the endpoint knows it)."""
         knee = self._knee
         last = knee.last if knee is not None else None
+        view = knee.guard.view() if knee is not None else None
         if signal is None:
             signal = {"metrics": "/metrics", "throughput": "throughput"}.get(self.mode, "fixed")
         return ControlStats(
@@ -945,4 +998,8 @@ class LimitController:
             signal_age_s=signal_age_s,
             knee_phase=knee.phase if knee is not None else None,
             throughput=last.throughput if last is not None else None,
+            seen_running=view.running if view is not None else None,
+            seen_queue=view.queue if view is not None else None,
+            guard_cap=view.cap if view is not None else None,
+            hard_cap=self._hard_cap,
         )

@@ -67,6 +67,11 @@ LEARNED_SOURCE = "learned from /metrics (most sequences running while requests w
 #: Sources of ``max_num_seqs`` that are guesses, which the metrics may replace.
 _GUESSES = frozenset({"default", "ollama default"})
 
+#: Where the limit starts on a server that reports no queue and states no batch: 1, so that a
+#: server of one seat never holds more than two waiting (slow start's first step is x3); a
+#: start of 5 put four in the queue of such a server before the first epoch was measured.
+_BLACKBOX_START = 1
+
 #: Slow start's factor for a controller that takes over a limit already grown (a new leader of
 #: a shared budget, or a client falling back from one): ceil(limit x 1.01) is one more a period.
 _TAKEOVER_SLOW_START = 1.01
@@ -356,7 +361,10 @@ class Endpoint:
         if info.sources.get("max_num_seqs") == LEARNED_SOURCE:
             known = info.max_num_seqs
         self.info = info
+        if mode == "throughput" and known is None:
+            start = min(start, _BLACKBOX_START)
         self.controller = self._controller(start, mode, known, options.slow_start)
+        start = self.controller.limit  # within a hard cap the server states
         if mode == "throughput":
             logger.info(
                 "dsclient: %s publishes no queue metrics; the limit starts at %d and finds the "
@@ -401,6 +409,7 @@ class Endpoint:
             slow_start=slow_start,
             latency_target=options.latency_target,
             period=options.scrape_interval,
+            hard_cap=self.info.max_concurrent if self.info is not None else None,
         )
 
     # -- the shared budget -----------------------------------------------------------------------
@@ -478,10 +487,15 @@ class Endpoint:
         self._answer_load, self._answer_at = load, now
         controller = self.controller
         if self.route is None and controller.mode == "throughput" and not self._shared_active:
+            # With the queue in view, the black box's cautious start (1) is no longer needed:
+            # start where a server that reports its queue starts.
+            start = self.governor.limit
+            if self.info is not None and self.options.limit is None:
+                start = max(start, self.start_limit(self.info))
             self.controller = self._controller(
-                self.governor.limit, "metrics", controller.capacity, self.options.slow_start
+                start, "metrics", controller.capacity, self.options.slow_start
             )
-            self.controller.start = controller.start
+            self._set_limit(self.controller.limit, batch=self.controller.capacity)
             self.signal = LOAD_HEADER
             logger.info(
                 "dsclient: %s reports its load on each answer (%s): the limit follows its queue",
@@ -593,6 +607,7 @@ class Endpoint:
             outcome,  # type: ignore[arg-type]
             service_s,
             slot.work,
+            admitted_at=slot.admitted_at,
         )
         if changed:
             self._apply()

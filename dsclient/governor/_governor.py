@@ -452,6 +452,11 @@ class Slot:
         self._event: asyncio.Future[None] | anyio.Event | None = None
 
     @property
+    def admitted_at(self) -> float:
+        """When the slot was taken, on the governor's clock (0.0 before)."""
+        return self._admitted
+
+    @property
     def failed(self) -> bool:
         """Whether the attempt was marked as not ``"ok"`` (an exception leaving also counts)."""
         return self._outcome not in (None, "ok")
@@ -499,8 +504,7 @@ class Slot:
             governor._abandon(self)
             raise
         self._state = _ACTIVE
-        self._admitted = admitted = governor._clock()
-        self.queued_s = admitted - started
+        self.queued_s = self._admitted - started  # set when the governor granted the slot
         return self
 
     async def __aexit__(
@@ -1265,6 +1269,9 @@ class Governor:
                 slot._lane_state.count_batch(slot.batch, True, -1)
             self._waiting -= 1
             slot._granted = True
+            # Admitted now, not when its task next runs: the slot counts in flight from here,
+            # and the limit controller matches admissions to what is in flight at its ticks.
+            slot._admitted = self._clock()
             self._take(slot)
             event = slot._event
             assert event is not None

@@ -2,53 +2,59 @@
 throughput, found from the answers alone.
 
 Pure: no network, no clock of its own (every method takes ``now``). The limit controller feeds
-it each finished request (its service time and its work, the tokens it produced) and a tick a
-period; it answers with the limit it wants next.
+it every finished attempt (when it was admitted, its service time, its work: the tokens it
+produced) and a tick a period (with what is in flight); it answers with the limit it wants next.
 
 **Why throughput, not latency alone.** A batching server's latency rises long before its
 throughput stops rising: on a GPU one decode step for 256 sequences costs a little more than for
-one, so every request takes longer while the server does far more work. A limit that stopped
-where latency first inflated (TCP Vegas against the best latency seen) would hold a GPU server
-at a fraction of its batch. What tells the knee is the *elasticity* of throughput in the limit,
-measured between two limits held in turn::
+one, so every request takes longer while the server does far more work. What tells the knee is
+the *elasticity* of throughput in the limit, measured between two limits held in turn::
 
     e = ln(X2 / X1) / ln(L2 / L1)      # X: work finished per second at limit L (tokens/s)
 
 ``e = 1`` is a server with room (double the limit, double the throughput); ``e = 0`` is a server
 whose batch is full (more in flight only queues). The knee is where ``e`` falls to
-:data:`ELASTICITY` (0.15: doubling the limit buys less than 11% more throughput); by Little's
-law (in flight = throughput x latency) the latency then rises by the rest. On a server whose
-every sequence adds to the step (transformers' Python loop, a GPU past its sweet spot) the
-throughput keeps rising ever more slowly, and the threshold is what decides how close to the
-most it gets: 0.15 held such a simulated server at 94% of the throughput of sending
-everything at once, 0.3 at 78%.
+:data:`ELASTICITY` (0.15: doubling the limit buys less than 11% more throughput).
 
-**Epochs.** The limit is held for an *epoch*: first the requests sent under the previous limit
-drain (after a cut, until no more than the limit is in flight), then the requests admitted since
-are counted, over at least one median service time and :data:`MIN_SAMPLES` completions (and an
-eighth of the limit). An epoch in which the
-client did not keep the limit full (no calls waiting for most of it) says nothing about the
-limit and is measured again.
+**The estimate, and why a flat server reads as flat.** An epoch's throughput is Little's law
+over a *cohort*: the calls admitted in a window of the epoch, every one of them waited for::
+
+    X = mean in flight x sum(work) / sum(service)      # over the whole cohort
+
+Little's law holds for a cohort only if none of it is left out. The estimate this replaces
+closed an epoch on the answers that had come back by then: after a step up that put a queue
+at the server, the quickest answers (those that found the queue short) came back first and the
+slow ones had not, so a flat server read as elastic (e = 1.00) and slow start doubled a server
+of 10 seats to 448 in flight. Now the epoch closes only once the last call of its cohort has
+come back, whatever the spread of service times. The cohort also leaves out the burst admitted
+the moment the limit rose (those calls queue behind fewer than the new limit makes): it starts
+at the first tick after the rise, when each call admitted has the whole new limit beside it.
+After a cut, it starts once what is in flight has drained to the new limit.
+
+**The queue guard** (:class:`~dsclient.governor._guard.QueueGuard`) reads every epoch too: what
+the server is seen to run (throughput times the unqueued time per unit of work) and the queue
+beyond it. Whatever the elasticity says, a limit over what the server runs plus the target queue
+is cut to it; growth past that must be proven by completions (a step up whose throughput rose).
 
 **Phases.**
 
-* *Slow start*: from the start, multiply the limit by 4 an epoch while throughput still rises
-  well (``e >= 0.5``, and after the first epoch; under a limit of 64), by 2 while ``e >=
-  ELASTICITY``; then settle between the last two limits, nearer the lower the flatter the last
-  step was. Its epochs are short (one median service time); where an answer after a rise
-  comes back :data:`_QUEUED` times slower than the last epoch's median (the server queues at
-  the new limit), counting starts again from that answer.
-* *Hold*: probe one step up (x1.5), keep it if ``e >= ELASTICITY`` and probe up again from
-  there; otherwise probe one step down, keep it if the step it gave up was worth less than that
-  too and probe down again, else go back to the base and measure it anew. Its epochs count only
-  once every request in flight when the limit moved has come back (until then the server's
-  queue is not what the new limit makes it: after a step up past the batch, the first answers
-  come from requests that found the queue short, and every probe up looked worth it), over two
-  median service times, with twice the answers. A server that changes
+* *Slow start*: from the start (1 where the server states no batch: a server of one seat then
+  never holds more than two waiting), multiply the limit by 3 an epoch while throughput rises
+  well (``e >= 0.5``), by 2 while ``e >= ELASTICITY``, never past 2.5 times what the server is
+  seen to run (so a step that crosses the batch leaves at most one and a half batches
+  waiting); then settle between the last two limits, nearer the lower the flatter the last
+  step was.
+* *Hold*: probe one step up (x1.5, within the guard's cap; past it once per
+  :data:`_ABOVE_GUARD_S`, doubling while such probes buy nothing), keep it if ``e >=
+  ELASTICITY`` and probe up again from there; otherwise probe one step down, keep it if the
+  step it gave up was worth less than that too and probe down again, else go back to the base
+  and rest there a few epochs (2, then 4, up to 16 while nothing changes) before probing again:
+  a probe down a step costs a third of the throughput for its epoch. A server that changes
   (other clients, longer prompts) moves the knee, and the probes follow it.
 
-A refusal for load or a cut by another rule restarts the epoch at the new limit in the hold
-phase (see :meth:`KneeFinder.restart`).
+An epoch in which the client did not keep the limit full (no calls waiting for most of it) says
+nothing about the limit and is measured again. A refusal for load or a cut by another rule
+restarts the epoch at the new limit in the hold phase (see :meth:`KneeFinder.restart`).
 """
 
 from __future__ import annotations
@@ -58,9 +64,12 @@ import statistics
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from ._guard import QueueGuard
+
 __all__ = ["ELASTICITY", "MIN_SAMPLES", "Epoch", "KneeFinder", "Phase"]
 
 Phase = Literal["slow start", "hold"]
+_Stage = Literal["drain", "burst", "open", "closing"]
 
 #: The knee: a step up is kept only if throughput rises at least this much in proportion
 #: (``e`` as in the module docstring): doubling the limit must buy at least 11% more throughput.
@@ -69,33 +78,44 @@ ELASTICITY: Final = 0.15
 #: Slow start grows by :data:`_FAST` while throughput scales at least this well with the limit.
 _FAST_ELASTICITY: Final = 0.5
 _DOUBLE: Final = 2.0
-_FAST: Final = 4.0
-#: x4 only below this limit: past it a x4 step can put hundreds of requests in the server's
-#: queue before the next epoch shows the knee (a simulated batch of 256: 320 -> 1024).
-_FAST_BELOW: Final = 64
-#: In slow start, an answer this many times slower than the last epoch's median means the
-#: server queues at the new limit (see :meth:`KneeFinder.on_completion`).
-_QUEUED: Final = 1.5
+#: x3, not x4: a step from a limit the server still runs whole (no queue yet) to three times
+#: it leaves at most two batches waiting however small the batch; x4 left three.
+_FAST: Final = 3.0
+#: Slow start never goes past this many times what the server is seen to run.
+_REACH: Final = 2.5
 #: The hold phase's step, as a factor of the limit.
 _STEP: Final = 1.5
+#: The smallest step a probe up is judged on: over a step of one call in fifteen, the noise
+#: of two epochs' estimates made an elasticity of 2.4 out of nothing.
+_SMALLEST_STEP: Final = 1.25
 #: Completions an epoch counts at least (or the limit, if fewer; an eighth of it, if more).
 MIN_SAMPLES: Final = 8
-#: An epoch lasts at least one median service time, bounded: a server whose answers take
-#: minutes would otherwise hold one limit for many minutes per step.
+#: The longest an epoch waits for the last of its cohort, past its window: a call that hangs
+#: (a stalled stream) must not stall the knee; the cohort is then measured as it came back.
 _MAX_WINDOW_S: Final = 60.0
 #: An epoch counts only if calls were waiting for a slot in at least this share of its ticks.
 _FULL_SHARE: Final = 0.7
+#: A probe above the guard's cap is tried at most once in this many seconds; each such probe
+#: that bought nothing doubles the wait (up to :data:`_ABOVE_GUARD_MAX_S`).
+_ABOVE_GUARD_S: Final = 30.0
+_ABOVE_GUARD_MAX_S: Final = 480.0
+#: Epochs the hold phase rests at a base it just confirmed (doubling, up to the most).
+_REST_FIRST: Final = 2
+_REST_MOST: Final = 16
 
 
 @dataclass(frozen=True)
 class Epoch:
     """One limit held and measured: ``throughput`` in work per second (tokens/s where answers
-    report tokens), ``latency`` the median service time, over ``samples`` completions."""
+    report tokens), ``latency`` the median service time, over ``samples`` completions;
+    ``per_work`` the median service time per unit of work, ``in_flight`` the mean in flight."""
 
     limit: int
     throughput: float
     latency: float
     samples: int
+    per_work: float = 0.0
+    in_flight: float = 0.0
 
 
 def elasticity(low: Epoch, high: Epoch) -> float:
@@ -113,37 +133,50 @@ def elasticity(low: Epoch, high: Epoch) -> float:
 
 class KneeFinder:
     """The limit for a server that publishes no queue: the most in flight that still buys
-    throughput.
+    throughput, with the server's queue held near its target.
 
-        knee = KneeFinder(start=5, ceiling=1024)
-        knee.on_completion(now, service_s=0.8, work=64)            # each answer
-        wanted = knee.on_tick(now, demand=True, in_flight=5)       # a new limit, or None
+        knee = KneeFinder(start=1, ceiling=1024)
+        knee.on_release(now, admitted_at=t0, service_s=0.8, work=64)   # each attempt
+        wanted = knee.on_tick(now, demand=True, in_flight=5)           # a new limit, or None
 
     Parameters:
         start: the limit it starts from, >= 1.
         ceiling: the most it may ask for (the controller's bound), >= start.
         elasticity: see :data:`ELASTICITY`, in (0, 1).
         min_samples: completions an epoch counts at least.
+        guard: the queue guard (what the server states, the target queue's share); default:
+            one that knows nothing stated and aims at half of what the server runs.
     """
 
     __slots__ = (
+        "_a",
+        "_above_fails",
+        "_above_ok_at",
+        "_b",
         "_began",
         "_busy",
+        "_cohort",
+        "_confirming",
         "_elasticity",
         "_full_ticks",
+        "_in_flight_a",
         "_in_flight_sum",
         "_latencies",
         "_min_samples",
-        "_old",
         "_pending",
-        "_recounted",
-        "_settled",
+        "_per_work",
+        "_probe_above",
+        "_released",
+        "_rest",
+        "_rest_next",
+        "_returned",
+        "_stage",
         "_ticks",
-        "_turnover",
         "_work",
         "best_latency_per_work",
         "ceiling",
         "epochs",
+        "guard",
         "last",
         "limit",
         "phase",
@@ -157,6 +190,7 @@ class KneeFinder:
         ceiling: int,
         elasticity: float = ELASTICITY,
         min_samples: int = MIN_SAMPLES,
+        guard: QueueGuard | None = None,
     ) -> None:
         if isinstance(start, bool) or not isinstance(start, int) or start < 1:
             raise ValueError(f"start must be an int >= 1, got {start!r}")
@@ -168,6 +202,7 @@ class KneeFinder:
             raise ValueError(f"min_samples must be >= 1, got {min_samples!r}")
         self._elasticity = elasticity
         self._min_samples = min_samples
+        self.guard = guard if guard is not None else QueueGuard()
         self.ceiling = ceiling
         self.limit = start
         self.phase: Phase = "slow start"
@@ -176,76 +211,66 @@ class KneeFinder:
         self.epochs: list[Epoch] = []
         #: The last epoch measured (``None`` before the first).
         self.last: Epoch | None = None
-        #: The best median service time per unit of work seen (seconds per token).
+        #: The best service time per unit of work of any answer (seconds per token).
         self.best_latency_per_work: float | None = None
         #: The hold phase's probe under way: ``"up"`` / ``"down"`` from the epoch at the base
         #: limit (``None``: measuring the base).
         self._pending: tuple[Literal["up", "down"], Epoch] | None = None
+        self._probe_above = False
+        self._above_ok_at = -math.inf
+        self._above_fails = 0
+        self._rest = 0
+        self._rest_next = _REST_FIRST
+        self._confirming = False
         self._begin(now=None, drained=True)
 
     # -- epochs -----------------------------------------------------------------------------
-    def _begin(self, now: float | None, *, drained: bool, in_flight: int | None = None) -> None:
-        """Hold the current limit from ``now``; counting starts once no more than the limit is
-        in flight (``drained``: already so, as after a rise; after a cut, the requests over it
-        drain first: they ran under the old one)."""
+    def _begin(self, now: float | None, *, drained: bool) -> None:
+        """Hold the current limit from ``now``. The cohort's window opens at the next tick
+        (``drained``: nothing over the limit is in flight, as after a rise), or, after a cut,
+        at the first tick with no more than the limit in flight."""
         self._began = -math.inf if now is None else now
-        self._settled = drained
-        #: In the hold phase counting waits until the requests in flight when the limit moved
-        #: have all come back (``_old`` of them: known at the next tick): until then the
-        #: server's queue is not yet what the new limit makes it.
-        self._old: int | None = in_flight if drained else None
-        self._turnover = self.phase == "hold" and now is not None and self._old != 0
-        self._recounted = False
-        self._reset_counts()
-
-    def _reset_counts(self) -> None:
+        self._stage: _Stage = "burst" if drained else "drain"
+        self._a = math.inf
+        self._b: float | None = None
+        self._in_flight_a: int | None = None
+        self._released = 0
+        self._cohort = 0
+        self._returned = 0
         self._work = 0.0
         self._busy = 0.0
         self._latencies: list[float] = []
+        self._per_work: list[float] = []
         self._ticks = 0
         self._full_ticks = 0
         self._in_flight_sum = 0
 
+    def on_release(
+        self, now: float, *, admitted_at: float, service_s: float, work: float, ok: bool = True
+    ) -> None:
+        """An attempt ended (``ok``: answered well), admitted at ``admitted_at``: ``service_s``
+        from its slot to its answer, ``work`` what it produced (output tokens; 1 where
+        unknown). It counts if it belongs to the epoch's cohort (admitted in its window)."""
+        if ok and service_s >= 0 and work > 0:
+            per_work = service_s / work
+            if self.best_latency_per_work is None or per_work < self.best_latency_per_work:
+                self.best_latency_per_work = per_work
+        if self._stage not in ("open", "closing"):
+            return
+        if self._stage == "open":
+            self._released += 1
+        if admitted_at <= self._a or (self._b is not None and admitted_at > self._b):
+            return
+        self._returned += 1
+        if ok and service_s >= 0 and work > 0:
+            self._work += work
+            self._busy += service_s
+            self._latencies.append(service_s)
+            self._per_work.append(service_s / work)
+
     def on_completion(self, now: float, *, service_s: float, work: float) -> None:
-        """A request finished well: ``service_s`` from its slot to its answer, ``work`` what it
-        produced (output tokens; 1 where unknown). Only requests admitted since the epoch began
-        count: those admitted before ran, in part, under the previous limit."""
-        if service_s < 0 or not work > 0 or not self._settled:
-            return
-        if now - service_s < self._began:
-            if self._turnover and self._old is not None:
-                self._old -= 1
-                if self._old <= 0:  # the last of the old ones: count from here
-                    self._turnover = False
-                    self._began = now
-                    self._reset_counts()
-            return
-        if self._turnover:
-            return
-        last = self.last
-        if (
-            self.phase == "slow start"
-            and last is not None
-            and last.limit < self.limit
-            and service_s > _QUEUED * last.latency
-            and not self._recounted
-        ):
-            # The requests the rise admitted at once queue behind the old ones at a server
-            # whose batch is full, and the quickest of them read a queue shorter than the new
-            # limit makes (x4 steps past a server's best looked like gains: a simulated server
-            # slowing past 32 was driven to 160). Count from here: a request admitted after
-            # this answer has the whole new limit ahead of it. Without a queue (the answers
-            # as quick as before) the first ones count at once, and slow start stays fast.
-            self._recounted = True
-            self._began = now
-            self._reset_counts()
-            return
-        self._work += work
-        self._busy += service_s
-        self._latencies.append(service_s)
-        per_work = service_s / work
-        if self.best_latency_per_work is None or per_work < self.best_latency_per_work:
-            self.best_latency_per_work = per_work
+        """A request answered well (admitted ``service_s`` before ``now``)."""
+        self.on_release(now, admitted_at=now - service_s, service_s=service_s, work=work)
 
     def restart(self, now: float, limit: int, reason: str) -> None:
         """Another rule set the limit (a refusal for load, a latency target): measure from
@@ -254,83 +279,179 @@ class KneeFinder:
         self.phase = "hold"
         self.reason = reason
         self._pending = None
+        self._probe_above = False
+        self._rest = 0
+        self.guard.forget_proof()
         self._begin(now, drained=False)
 
-    def _measured(self, now: float) -> Epoch | None:
-        """The epoch, once it has counted enough; ``None`` while it goes on.
+    def _needed(self) -> int:
+        if self.phase == "hold":
+            return max(2 * self._min_samples, math.ceil(self.limit / 4))
+        # At a small limit, one call per slot will do: a second wave doubles the epoch.
+        return max(min(self._min_samples, self.limit), math.ceil(self.limit / 8))
 
-        Throughput by Little's law over the slots: with ``N`` in flight on average, each
-        request holding its slot for its service time, the work done per second is
-        ``N x sum(work) / sum(service)``. Unlike a count of answers per second over a window,
-        it does not depend on where the window falls among waves of answers of equal length.
-        """
+    def _advance(self, now: float, in_flight: int | None, demand: bool) -> Epoch | None:
+        """Move the epoch along at a tick; the epoch once its whole cohort came back."""
+        if self._stage == "drain":
+            if in_flight is not None and in_flight > self.limit:
+                return None
+            self._stage = "burst"
+        if self._stage == "burst":
+            # The calls admitted up to now include the burst of the rise: the window opens here.
+            self._stage = "open"
+            self._a = now
+            self._in_flight_a = in_flight
+            return None
+        self._ticks += 1
+        self._full_ticks += demand
+        self._in_flight_sum += self.limit if in_flight is None else in_flight
+        if self._stage == "open":
+            if in_flight is None or self._in_flight_a is None:
+                admitted = self._returned  # no count of what is in flight: what came back
+            else:
+                admitted = in_flight - self._in_flight_a + self._released
+            if admitted < self._needed():
+                return None
+            self._stage = "closing"
+            self._b = now
+            self._cohort = admitted
+            if in_flight is None:
+                self._cohort = self._returned
+        b = self._b if self._b is not None else now
+        if self._returned < self._cohort and now - b < _MAX_WINDOW_S:
+            return None
         count = len(self._latencies)
-        hold = self.phase == "hold"
-        if hold:
-            needed = max(2 * self._min_samples, math.ceil(self.limit / 4))
-        else:
-            # At a small limit, one answer per slot will do: a second wave doubles the epoch.
-            needed = max(min(self._min_samples, self.limit), math.ceil(self.limit / 8))
-        if count < needed or self._busy <= 0:
+        if count == 0 or self._busy <= 0:
+            self._begin(now, drained=True)  # the whole cohort failed: measure again
             return None
-        median = statistics.median(self._latencies)
-        # Not only the quickest of the first requests admitted. Slow start takes one median
-        # service time (fast: an overshoot is what the hold phase corrects), the hold phase two.
-        if now - self._began < min((2.0 if hold else 1.0) * median, _MAX_WINDOW_S):
-            return None
-        in_flight = self._in_flight_sum / self._ticks if self._ticks else float(self.limit)
-        return Epoch(self.limit, in_flight * self._work / self._busy, median, count)
+        in_flight_mean = self._in_flight_sum / self._ticks if self._ticks else float(self.limit)
+        return Epoch(
+            self.limit,
+            in_flight_mean * self._work / self._busy,
+            statistics.median(self._latencies),
+            count,
+            per_work=statistics.median(self._per_work),
+            in_flight=in_flight_mean,
+        )
 
     # -- deciding ------------------------------------------------------------------------------
     def on_tick(self, now: float, *, demand: bool, in_flight: int | None = None) -> int | None:
         """A period passed (``demand``: calls wait for a slot; ``in_flight``: this client's
         requests at the server now). Returns the limit wanted next, or ``None`` to keep it."""
-        if not self._settled:
-            self._settled = in_flight is None or in_flight <= self.limit
-            self._began = now
-        if self._settled and self._turnover and self._old is None:
-            # Just drained after a cut: no call was admitted since, so all in flight are old.
-            self._old = self.limit if in_flight is None else in_flight
-            self._turnover = self._old > 0
-        if self._settled and not self._turnover:
-            self._ticks += 1
-            self._full_ticks += demand
-            self._in_flight_sum += self.limit if in_flight is None else in_flight
-        epoch = self._measured(now)
+        epoch = self._advance(now, in_flight, demand)
         if epoch is None:
             return None
         if self._full_ticks < _FULL_SHARE * self._ticks:
             # The client did not keep this limit full: the epoch measured the client's demand,
             # not the server. Measure again; the limit stays.
-            self._begin(now, drained=True, in_flight=in_flight)
+            self._begin(now, drained=True)
             return None
         self.epochs = [*self.epochs[-2:], epoch]
         previous, self.last = self.last, epoch
-        wanted = self._decide(epoch, previous)
+        step_from = None
+        if (
+            self.phase == "hold"
+            and previous is not None
+            and _SMALLEST_STEP * previous.limit <= epoch.limit
+            and elasticity(previous, epoch) >= self._elasticity
+        ):
+            # A probe up that bought throughput proves what the server runs. Only the hold
+            # phase's probes, measured on twice the answers: slow start's small epochs on a
+            # noisy server (service times x1.6 either way) "proved" 9.5 seats of 8, for good.
+            step_from = (previous.in_flight or float(previous.limit), previous.throughput)
+        self.guard.observe(
+            limit=epoch.limit,
+            in_flight=epoch.in_flight or float(epoch.limit),
+            throughput=epoch.throughput,
+            per_work=self._busy / self._work if self._work > 0 else 0.0,
+            samples=epoch.samples,
+            step_from=step_from,
+        )
+        wanted = self._guarded(now, epoch, previous)
         wanted = max(1, min(wanted, self.ceiling))
-        self._begin(now, drained=wanted >= self.limit, in_flight=in_flight)
+        self._begin(now, drained=wanted >= self.limit)
         if wanted == self.limit:
             return None
         self.limit = wanted
         return wanted
 
+    def _guarded(self, now: float, epoch: Epoch, previous: Epoch | None) -> int:
+        """The knee's decision within the queue guard's cap (see the module docstring)."""
+        cap = self.guard.cap()
+        limit = self.limit
+        above, self._probe_above = self._probe_above, False
+        if cap is not None and limit > cap:
+            if above:
+                # A probe past the guard that proved nothing: wait longer for the next one.
+                self._above_fails += 1
+            view = self.guard.view()
+            self.phase = "hold"
+            self._pending = None
+            # Rest at the guard's limit before probing up again: each probe over it puts a
+            # queue at the server for an epoch (a server of one seat: a call waiting behind
+            # another, a whole service time more for an urgent call that comes then).
+            self._rest, self._rest_next = self._rest_next, min(_REST_MOST, 2 * self._rest_next)
+            running = view.running if view.running is not None else float(cap)
+            queue = max(0.0, epoch.in_flight - running) if epoch.in_flight else 0.0
+            self.reason = (
+                f"queue guard: the server runs about {running:.0f} of {epoch.in_flight:.0f} "
+                f"in flight (queue about {queue:.0f} > target {view.target}); "
+                f"limit {limit} -> {cap}"
+            )
+            return cap
+        if above:
+            self._above_fails = 0  # the probe proved more: probes past the guard may go on
+        wanted = self._decide(epoch, previous)
+        if wanted <= limit:
+            return wanted
+        if self.phase == "slow start":
+            seen = self.guard.seen_running()
+            if seen is not None:
+                wanted = min(wanted, max(limit + 1, math.floor(_REACH * seen)))
+            return wanted
+        if cap is None or wanted <= cap:
+            return wanted
+        # A probe up past the guard's cap: only now and then (it costs a queue while it lasts).
+        wait = min(_ABOVE_GUARD_MAX_S, _ABOVE_GUARD_S * 2**self._above_fails)
+        if self._above_ok_at == -math.inf:
+            self._above_ok_at = now + wait  # not at once: first the guard's own limit a while
+        if now >= self._above_ok_at:
+            self._above_ok_at = now + wait
+            self._probe_above = True
+            return wanted
+        if cap >= _SMALLEST_STEP * limit:
+            return cap  # the probe goes as far as the guard allows (still pending "up")
+        self._pending = None
+        self.reason = f"holding {limit}: the guard's cap ({cap}) leaves no room to probe up"
+        return limit
+
     def _decide(self, epoch: Epoch, previous: Epoch | None) -> int:
         limit = self.limit
         if self.phase == "slow start":
             if previous is None or previous.limit >= epoch.limit:
-                # The start is a guess (a default batch of 8, or 0.7 x a stated one): most
-                # servers take more, and one that does not shows it in the next epoch.
+                # The start is a guess (1 for a server that states nothing, or 0.7 x a stated
+                # batch): most servers take more, and one that does not shows it next epoch.
                 self.reason = f"slow start: {epoch.throughput:.3g}/s at {limit}"
                 return math.ceil(limit * _FAST)
             e = elasticity(previous, epoch)
             if e >= self._elasticity:
-                fast = e >= _FAST_ELASTICITY and limit < _FAST_BELOW
-                factor = _FAST if fast else _DOUBLE
+                self._confirming = False
+                factor = _FAST if e >= _FAST_ELASTICITY else _DOUBLE
                 self.reason = (
                     f"slow start: throughput x{epoch.throughput / previous.throughput:.2f} "
                     f"for limit {previous.limit} -> {limit} (elasticity {e:.2f})"
                 )
                 return math.ceil(limit * factor)
+            view = self.guard.view()
+            if not self._confirming and view.queue is not None and view.queue <= (view.target or 0):
+                # Flat throughput, yet the answers took no longer than unqueued ones: on a
+                # noisy server a small epoch's estimate is off by a quarter either way. Measure
+                # this limit once more against the same epoch before calling it the knee.
+                self._confirming = True
+                self.last = previous
+                self.reason = f"slow start: measuring {limit} again (elasticity {e:.2f})"
+                return limit
+            self._confirming = False
             # Past the knee: between the last two limits, nearer the lower the flatter the
             # last step (e = 0: the lower one; e just under the threshold: the higher one).
             share = max(0.0, e) / self._elasticity
@@ -343,6 +464,10 @@ class KneeFinder:
             return max(1, round(knee))
         pending, self._pending = self._pending, None
         if pending is None:
+            if self._rest > 0:
+                self._rest -= 1
+                self.reason = f"holding {limit} (the last probes found nothing better)"
+                return limit
             # The base measured: probe one step up (at the ceiling: one step down).
             if limit >= self.ceiling:
                 return self._probe_down(epoch)
@@ -354,6 +479,7 @@ class KneeFinder:
             if e >= self._elasticity:
                 # Kept; the epoch just measured is the base of the next step up.
                 self.reason = f"{base.limit} -> {limit} bought throughput (elasticity {e:.2f})"
+                self._rest_next = _REST_FIRST
                 return self._probe_up(epoch)
             # Not worth it: probe below the base.
             return self._probe_down(base)
@@ -363,6 +489,7 @@ class KneeFinder:
             self.reason = f"{limit} -> {base.limit} bought little (elasticity {e:.2f})"
             return self._probe_down(epoch)
         self.reason = f"held at {base.limit}: {limit} lost throughput (elasticity {e:.2f})"
+        self._rest, self._rest_next = self._rest_next, min(_REST_MOST, 2 * self._rest_next)
         return base.limit
 
     def _probe_up(self, base: Epoch) -> int:
@@ -376,6 +503,7 @@ class KneeFinder:
         down = min(base.limit - 1, math.floor(base.limit / _STEP))
         if down < 1:
             self.reason = f"held at {base.limit}"
+            self._rest, self._rest_next = self._rest_next, min(_REST_MOST, 2 * self._rest_next)
             return base.limit
         self._pending = ("down", base)
         return down
