@@ -675,7 +675,7 @@ async def test_short_calls_someone_waits_on_keep_the_long_share() -> None:
     assert governor._short.batch_in_flight == governor._long.batch_waiting == 0
 
 
-@pytest.mark.parametrize(("longs", "shorts_running", "held_back"), [(10, 1, False), (7, 5, True)])
+@pytest.mark.parametrize(("longs", "shorts_running", "held_back"), [(10, 1, False), (7, 2, False)])
 async def test_a_batchs_long_items_take_the_servers_batch_not_the_limits_excess(
     longs: int, shorts_running: int, held_back: bool
 ) -> None:
@@ -683,8 +683,10 @@ async def test_a_batchs_long_items_take_the_servers_batch_not_the_limits_excess(
     would only queue in the server, ahead of the short items that could fill it. While some of
     the batch's long items wait (10 of them), its short items fill the server's batch, not the
     limit: beyond it they would queue in the server ahead of the next long item, and a higher
-    limit would run none of them. Once no long item waits (7), the short ones take the limit's
-    rest, as any call would."""
+    limit would run none of them. Once no long item waits (7 running, 3 more than their share
+    of 4), the short ones queue in the server no deeper than the one seat left to short calls
+    (7 + 2 of a batch of 8): only that seat turns over, and a call someone waits on would queue
+    behind them there."""
     now = [100.0]
     governor = Governor(12, clock=lambda: now[0])
     governor.set_limit(12, batch=8)  # long share 4
@@ -727,6 +729,30 @@ async def test_a_batchs_long_items_borrow_beside_its_short_ones_where_the_kv_cac
         assert "s1" in crowd.admitted and "L15" not in crowd.admitted
         await crowd.release_all()
     assert governor.in_flight == 0 and governor._short.own == governor._long.own == {}
+
+
+async def test_a_batchs_short_items_queue_in_the_server_no_deeper_than_the_short_seats() -> None:
+    """The flat-step server: 16 seats, a limit of 24 (the batch and half a batch of queue).
+    With 15 of a batch's long items running, one seat turns over; the batch's short items
+    filling the limit queued 8 deep behind it, and a call every 0.25 s took 1.2-7 s at p99. As
+    the long items end, the short items may queue deeper again."""
+    now = [100.0]
+    governor = Governor(24, clock=lambda: now[0])
+    governor.set_limit(24, batch=16)  # long share 8
+    async with anyio.create_task_group() as tg:
+        crowd = Crowd(governor, tg)
+        for i in range(15):
+            await crowd.add(f"L{i}", lane="long", batch=True)
+        for i in range(6):
+            await crowd.add(f"s{i}", batch=True)
+        # 15 + 2: one short item on the free seat, one queued behind it
+        assert governor.stats().lanes["short"].in_flight == 2 and governor.in_flight == 17
+        assert not governor.held_back  # a higher limit would run none of them
+        await crowd.add("call")  # someone waits on it: it is not held
+        assert crowd.admitted[-1] == "call"
+        await crowd.release("L0", "L1", "L2")  # 12 long: 4 short seats, 4 queued at most
+        assert governor.stats().lanes["short"].in_flight == 1 + 6 and governor.in_flight == 19
+        await crowd.release_all()
 
 
 async def test_another_batchs_short_items_hold_a_batchs_long_items_to_the_share() -> None:

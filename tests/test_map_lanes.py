@@ -90,8 +90,9 @@ async def test_a_maps_own_short_items_do_not_hold_its_long_items_to_the_share(
     assert max(n for n, _, _ in seen) > SEATS // 2
 
 
+@pytest.mark.parametrize("order", ["shape", "input"])
 async def test_an_interactive_call_beside_a_map_is_not_held_behind_its_long_items(
-    flat: SeatServer,
+    flat: SeatServer, order: str
 ) -> None:
     """Calls someone waits on keep the protection: the batch's long items keep to the share
     and a reserve while they are about, and a call reclaims a borrowed slot. Before a batch's
@@ -122,7 +123,7 @@ async def test_an_interactive_call_beside_a_map_is_not_held_behind_its_long_item
         async with anyio.create_task_group() as tg:
             tg.start_soon(calls)
             t0 = time.perf_counter()
-            results = await client.map(batch(20, 150), progress=False)
+            results = await client.map(batch(20, 150), progress=False, order=order)
             took = time.perf_counter() - t0
             done.set()
     assert not results.failures
