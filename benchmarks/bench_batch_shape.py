@@ -70,7 +70,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import random
 import sys
 import time
@@ -596,11 +595,8 @@ async def flat_leg(url: str, items: list[dict[str, Any]], leg: str) -> dict[str,
     )
 
 
-#: The seat server's model name, and the cores of the flat server and of this client (the
-#: machine has 2: sharing one, the client's CPU would count as the server's steps).
+#: The seat server's model name.
 FLAT_MODEL = "sim"
-FLAT_SERVER_CPUS = {1}
-FLAT_CLIENT_CPUS = {0}
 
 
 @contextlib.contextmanager
@@ -614,15 +610,10 @@ def flat_server(url: str | None) -> Iterator[str]:
 
     a, b = FLAT_STEP_S
     shape = Shape(seats=FLAT_SEATS, step_ms=1000 * a, step_per_seq_ms=1000 * b, context=False)
-    cores = os.sched_getaffinity(0)
-    pin = cores >= FLAT_SERVER_CPUS | FLAT_CLIENT_CPUS
-    with SeatServer(shape, cpus=FLAT_SERVER_CPUS if pin else None) as server:
-        if pin:
-            os.sched_setaffinity(0, FLAT_CLIENT_CPUS)
-        try:
-            yield server.url
-        finally:
-            os.sched_setaffinity(0, cores)
+    # Not pinned: on this shared 2-core machine other tenants' vLLM engines bind themselves to
+    # a core, and a server (or client) pinned to that core ran a 10 s batch in 29-53 s.
+    with SeatServer(shape) as server:
+        yield server.url
 
 
 async def run_flat(args: argparse.Namespace, url: str, run: Run) -> None:
@@ -783,7 +774,7 @@ def main_flat(args: argparse.Namespace, params: dict[str, Any]) -> None:
                 "step_ms": 1000 * a,
                 "step_ms_per_sequence": 1000 * b,
                 "states_context": False,
-                "cores": {"server": sorted(FLAT_SERVER_CPUS), "client": sorted(FLAT_CLIENT_CPUS)},
+                "pinned": False,
             },
         )
         asyncio.run(run_flat(args, url, run))
