@@ -17,6 +17,7 @@
     python -m benchmarks routing              # 2 replicas: dsclient vs round-robin vs vllm-router
     python -m benchmarks blackbox             # nginx'd vLLM, transformers serve, vLLM priority
     python -m benchmarks batch-shape          # map(): prefix groups, longest first vs input order
+    python -m benchmarks seats                # servers with seats and a queue: their own queue
     python -m benchmarks governor --help      # each benchmark's own options
     python -m benchmarks report               # docs/benchmarks.md's tables from the kept results
     python -m benchmarks report --check       # exit 1 if the page is behind them
@@ -98,6 +99,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "batch-shape": (
         "benchmarks.bench_batch_shape",
         "map() order='shape' (prefix groups, longest first) vs order='input' on a small KV cache",
+    ),
+    "seats": (
+        "benchmarks.bench_seats",
+        "servers with seats and a first-come queue (1-256): the server's own queue, throughput",
     ),
 }
 

@@ -201,6 +201,7 @@ class CpuSnapshot:
     own: float
     server: float
     loadavg: float
+    children: float = 0.0  # client processes this one started and waited for (their CPU)
 
 
 def parse_proc_stat(text: str, ticks_per_s: float) -> float:
@@ -223,10 +224,42 @@ def process_cpu_s(stat: str, ticks_per_s: float) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks_per_s
 
 
+def listening_pid(port: int, proc: Path = Path("/proc")) -> int | None:
+    """The process that listens on TCP ``port`` here (``/proc/net/tcp{,6}``, then the socket's
+    inode among the processes' open files), or ``None``."""
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in (proc / "net" / table).read_text().splitlines()[1:]:
+                fields = line.split()
+                local, state = fields[1], fields[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (entry / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd) in inodes:
+                        return int(entry.name)
+    return None
+
+
 def server_group(url: str) -> int | None:
-    """The process group of the vLLM API server serving ``url`` on this machine (by its port)."""
+    """The process group of the server listening at ``url`` on this machine: the process that
+    holds the port's listening socket, else the one with that ``--port`` in its command line
+    (vLLM's API server, ``transformers serve``)."""
     port = url.rstrip("/").rsplit(":", 1)[-1]
-    for line in vllm_processes():
+    if port.isdigit() and (pid := listening_pid(int(port))) is not None:
+        with contextlib.suppress(ProcessLookupError):
+            return os.getpgid(pid)
+    done = subprocess.run(
+        ["pgrep", "-af", "--", "--port"], capture_output=True, text=True, check=False
+    )
+    for line in done.stdout.splitlines():
         pid, _, argv = line.partition(" ")
         if f"--port {port}" in argv or f"--port={port}" in argv:
             with contextlib.suppress(ProcessLookupError, ValueError):
@@ -247,11 +280,22 @@ def cpu_snapshot(server_pgid: int | None, proc: Path = Path("/proc")) -> CpuSnap
         own=time.process_time(),
         server=server,
         loadavg=os.getloadavg()[0],
+        children=_children_cpu_s(),
     )
 
 
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's children that ended and were waited for (a benchmark's
+    client worker processes; the server, still running, is not among them)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def cpu_split(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float]:
-    """Cores in use on average between two snapshots: machine, this process, server, others.
+    """Cores in use on average between two snapshots: machine, the client (this process and
+    the client processes it waited for), server, others.
 
     ``others_cores`` is what the rest of the machine used (other engineers' servers and tests);
     it can dip slightly below 0 from rounding, and is clamped there. A server whose processes
@@ -261,7 +305,7 @@ def cpu_split(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float]:
     if wall <= 0:
         return {}
     machine_ = (after.machine - before.machine) / wall
-    own = (after.own - before.own) / wall
+    own = (after.own - before.own + after.children - before.children) / wall
     server = (after.server - before.server) / wall
     return {
         "wall_s": round(wall, 2),
@@ -341,6 +385,125 @@ def client_facts(client: Any) -> dict[str, Any]:
     return facts
 
 
+# -- client and server apart --------------------------------------------------------------------
+# A client that shares a core with the server takes CPU the server would have had: its cost
+# shows up as the server's slowness, and a heavier client stack looks slower than it is on two
+# hosts. So every benchmark with a real server starts the server's processes (API server,
+# engine, a gateway in front of it) on their own cores and runs the client on another.
+@dataclass(frozen=True)
+class Placement:
+    """Which CPUs the server's processes get and which the client keeps:
+    ``plan_placement([0, 1])`` is server ``(1,)``, client ``(0,)``, apart."""
+
+    server: tuple[int, ...]
+    client: tuple[int, ...]
+    note: str
+
+    @property
+    def apart(self) -> bool:
+        return not set(self.server) & set(self.client)
+
+
+#: The CPUs this process may use as it starts (before any pinning below narrows them).
+START_CPUS: frozenset[int] = frozenset(os.sched_getaffinity(0))
+
+
+def default_placement(*, apart: bool = True) -> Placement:
+    """:func:`plan_placement` over the CPUs this process had when it started."""
+    return plan_placement(START_CPUS, apart=apart)
+
+
+def cpu_list(cpus: Collection[int]) -> str:
+    """``{0, 2, 3}`` -> ``"0,2,3"`` (sorted; what ``taskset -c`` takes)."""
+    return ",".join(str(c) for c in sorted(cpus))
+
+
+def plan_placement(cpus: Collection[int], *, apart: bool = True) -> Placement:
+    """The client on the first CPU, the server's processes on all the others.
+
+    With one CPU (or ``apart=False``) both share every CPU, and the note says so. On the
+    2-core machines here this is server on CPU 1 (the launcher then binds the engine's threads
+    there too: with one CPU it has nothing to separate, so the API server and the engine share
+    it) and client on CPU 0.
+    """
+    ids = tuple(sorted(set(cpus)))
+    if not ids:
+        raise ValueError("no CPUs to place on")
+    if not apart or len(ids) < 2:
+        why = "asked to share" if not apart else "one CPU"
+        return Placement(ids, ids, f"client and server share CPUs {cpu_list(ids)} ({why})")
+    return Placement(
+        ids[1:],
+        ids[:1],
+        f"server's processes (API server, engine, any gateway) on CPUs {cpu_list(ids[1:])}, "
+        f"client on CPU {ids[0]}",
+    )
+
+
+def pin_process(cpus: Collection[int], pid: int | None = None) -> int:
+    """Move every thread of ``pid`` (this process by default) onto ``cpus``; how many moved.
+
+    ``os.sched_setaffinity(0, ...)`` moves the calling thread only; threads started before
+    (a launcher's log reader, the default executor) keep their CPUs, so each is moved.
+    Processes started afterwards inherit the CPUs of the thread that starts them.
+    """
+    return pin_threads(os.getpid() if pid is None else pid, cpus)
+
+
+@contextlib.contextmanager
+def starting_server(placement: Placement | None) -> Iterator[None]:
+    """Inside the block this process runs on the server's CPUs, so what it starts (vLLM and
+    its engine, nginx, a transformers server) inherits them, and the launcher, which plans from
+    ``os.sched_getaffinity(0)``, places the engine there; on the way out it moves to the
+    client's CPUs for good. ``None`` changes nothing."""
+    if placement is None:
+        yield
+        return
+    pin_process(placement.server)
+    try:
+        yield
+    finally:
+        pin_process(placement.client)
+
+
+def group_affinities(pgid: int, proc: Path = Path("/proc")) -> dict[str, int]:
+    """How many threads of process group ``pgid`` may run on which CPUs (``{"1": 57}``)."""
+    counts: dict[str, int] = {}
+    for pid in group_pids(pgid, proc):
+        with contextlib.suppress(OSError):
+            for key, n in thread_affinities(pid).items():
+                counts[key] = counts.get(key, 0) + n
+    return counts
+
+
+def placement_facts(
+    placement: Placement | None, server_pgids: Collection[int | None]
+) -> dict[str, Any]:
+    """Where the client and the server's processes were found to run, for the results file.
+
+    ``apart`` is judged on what the threads may run on, not on the plan: the client's threads
+    and every thread of the server's process groups (a server given by URL and started by
+    someone else keeps its own CPUs). ``server_threads`` is ``{}`` when no server process was
+    found on this machine.
+    """
+    client: dict[str, int] = thread_affinities(os.getpid())
+    server: dict[str, int] = {}
+    for pgid in server_pgids:
+        if pgid is not None:
+            for key, n in group_affinities(pgid).items():
+                server[key] = server.get(key, 0) + n
+    used = {int(c) for key in client for c in key.split(",")}
+    served = {int(c) for key in server for c in key.split(",") if c}
+    return {
+        "planned": None if placement is None else placement.note,
+        "client_threads": client,
+        "server_threads": server,
+        "client_cpus": cpu_list(used),
+        "server_cpus": cpu_list(served) if served else None,
+        "apart": bool(served) and not used & served,
+    }
+
+
 # -- a vLLM started by hand ----------------------------------------------------------------------
 #: The environment of a vLLM started by hand here (docs: /work/shared/ENVIRONMENT.md).
 HAND_ENV = {
@@ -371,9 +534,14 @@ def tiny_vllm(
     wait_s: float | None = None,
     startup_timeout: float | None = None,
     extra_args: Sequence[str] = (),
+    placement: Placement | None = None,
 ) -> Iterator[str]:
     """The server to benchmark: ``url`` as given, or the tiny random Llama launched through
     ``dsclient.launcher`` for the block (once no other vLLM runs), served as ``model_name``.
+
+    ``placement`` (default: :func:`default_placement`, server and client apart) is where the
+    launched server's processes start and where this process (the client) runs afterwards; with
+    a ``url`` given only the client moves. Record it with :func:`placement_facts`.
 
     ``wait_s`` bounds the wait for other vLLMs to finish: past it, the server starts anyway
     (the results then say how busy the machine was); ``None`` waits for ever.
@@ -381,7 +549,9 @@ def tiny_vllm(
     ``extra_args`` go to vLLM as they are (``--scheduling-policy priority``); a ``url`` given
     is used as it runs.
     """
+    placement = placement or default_placement()
     if url:
+        pin_process(placement.client)
         yield url.rstrip("/")
         return
     from dsclient.launcher import launch, make_tiny_model, resolve_server_python
@@ -395,18 +565,22 @@ def tiny_vllm(
     install = resolve_server_python()
     say(f"vLLM: {install.dist} {install.version} ({install.python})")
     model = make_tiny_model(python=install.python)
-    server = launch(
-        model,
-        python=install.python,
-        max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len,
-        served_model_name=model_name,
-        dtype="float32",
-        extra_args=tuple(extra_args),
-        progress=lambda m: say(f"[vllm] {m}"),
-        **({} if startup_timeout is None else {"startup_timeout": startup_timeout}),
-    )
-    with server:
+    say(placement.note)
+    with contextlib.ExitStack() as stack:
+        with starting_server(placement):
+            server = launch(
+                model,
+                python=install.python,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                served_model_name=model_name,
+                dtype="float32",
+                extra_args=tuple(extra_args),
+                progress=lambda m: say(f"[vllm] {m}"),
+                **({} if startup_timeout is None else {"startup_timeout": startup_timeout}),
+            )
+            # The process starts on entering, not in launch(): still on the server's CPUs.
+            stack.enter_context(server)
         yield server.url
 
 

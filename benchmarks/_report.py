@@ -21,20 +21,31 @@ helpers here make that a few lines::
         ])
 
 A module may also define ``headline(records)``, returning :class:`Versus` rows for the opening
-table (dsclient against each peer). Figures are medians over the runs of one invocation, with
-their range; a latency tail is the p99 only where every run had at least 200 samples, else the
-p95 (at least 20), else the maximum, and the column says which.
+table (dsclient against each peer). Figures are medians over the runs, with their range; a
+latency tail is the p99 only where every run had at least 200 samples, else the p95 (at least
+20), else the maximum, and the column says which.
+
+Today's code only: the opening table and the home blocks take a benchmark's results that ran on
+HEAD's request path (:func:`staleness`), pooled over every such invocation set up alike
+(:func:`pool`); a section shows its newest result, marked **Stale** where it is. The home table
+names one peer per claim, the hardest measured (:func:`hardest`), and links its raw files; a
+median within +-2% is "equal" (:func:`within_equal`).
+
+Each benchmark's section is its own module's ``render``: a benchmark added later brings its
+``render``/``headline`` and, for the home table, a :class:`Pick` appended to :data:`HOME_PICKS`.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import re
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +210,7 @@ class Versus:
     workload: str = ""
     text: str = ""  # shown instead of the ratios (counts, where a ratio would mislead)
     higher_better: bool = False
+    files: tuple[str, ...] = ()  # the raw files behind it (set by headline_lines)
 
     def __post_init__(self) -> None:
         if self.column not in HEADLINE_COLUMNS:
@@ -255,7 +267,7 @@ def headline_table(lines: Sequence[Versus]) -> str:
     says higher is better. ``runs`` is the fewest runs behind any cell of the line.
     """
     if not lines:
-        return "No results committed yet."
+        return "No results on today's request path yet."
     keys: dict[tuple[str, str, str], dict[str, list[Versus]]] = {}
     for v in lines:
         keys.setdefault((v.benchmark, v.workload, v.peer), {}).setdefault(v.column, []).append(v)
@@ -276,6 +288,103 @@ def headline_table(lines: Sequence[Versus]) -> str:
     return "\n".join(out)
 
 
+# -- today's code only ---------------------------------------------------------------------------
+#: What a figure of dsclient depends on: its request path, every module but the command line and
+#: the launcher (which start the server the same way for every leg). A result that ran on other
+#: code here than HEAD's is stale: still on the page (marked), never on the home table.
+REQUEST_PATH = ("dsclient", ":(exclude)dsclient/cli", ":(exclude)dsclient/launcher")
+#: The git checkout whose HEAD the results are judged against (tests point it elsewhere).
+REPO = ROOT
+
+
+def on_request_path(path: str) -> bool:
+    """Whether a changed file (as ``git status`` names it) is on :data:`REQUEST_PATH`."""
+    path = path.split(" -> ")[-1].strip('"')
+    return path.startswith("dsclient/") and not path.startswith(
+        ("dsclient/cli/", "dsclient/launcher/")
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _changed_since(commit: str, repo: Path) -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", "diff", "--quiet", commit, "HEAD", "--", *REQUEST_PATH],
+            cwd=repo, capture_output=True, check=False, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return "git could not compare its commit with HEAD"
+    if done.returncode == 0:
+        return None
+    if done.returncode == 1:
+        return f"dsclient's request path changed between its commit `{commit[:10]}` and HEAD"
+    return f"its commit `{commit[:10]}` is not in this checkout"
+
+
+def staleness(record: Mapping[str, Any]) -> str | None:
+    """Why ``record`` did not run on HEAD's request path, or ``None`` when it did.
+
+    Stale: an aborted run (kept with its reason); no commit recorded; a tree whose request-path
+    files differed from its commit (what ran is known nowhere); a commit whose request path
+    differs from HEAD's (``git diff``).
+    """
+    aborted = (record.get("facts") or {}).get("aborted")
+    if aborted:
+        return f"the run was aborted ({aborted})"
+    code = record.get("code") or {}
+    commit = code.get("commit")
+    if not commit:
+        return "no commit recorded"
+    dirty = [p for p in code.get("changed") or [] if on_request_path(p)]
+    if code.get("dirty") and dirty:
+        shown = ", ".join(f"`{p}`" for p in dirty[:3]) + (", ..." if len(dirty) > 3 else "")
+        return f"it ran on uncommitted changes to the request path ({shown})"
+    return _changed_since(str(commit), REPO)
+
+
+def current(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The records that ran on HEAD's request path, oldest first."""
+    return [r for r in records if staleness(r) is None]
+
+
+#: Parameters that do not change what one run measures: invocations differing only in these
+#: are pooled (one with ``--quick`` or another batch size is not).
+POOLED_PARAMS = frozenset(
+    {"runs", "seed", "wait_for_others", "no_save", "pause", "url", "servers", "clients",
+     "workloads", "shared_cpus"}
+)  # fmt: skip
+
+
+def _same_setup(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    pa, pb = a.get("params") or {}, b.get("params") or {}
+    keys = (set(pa) | set(pb)) - POOLED_PARAMS
+    return all(pa.get(k) == pb.get(k) for k in keys)
+
+
+def pool(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """One record of the rows of every invocation set up like the newest (same parameters
+    but the run count, seed and which legs): each row's ``run`` becomes ``"FILE#RUN"`` so that
+    ratios still pair runs of one invocation. Its ``_files`` lists the files pooled; the rest
+    (conditions, facts, notes) is the newest's. ``None`` for no records."""
+    if not records:
+        return None
+    newest = records[-1]
+    used = [r for r in records if _same_setup(r, newest)]
+    rows = [
+        {**row, "run": f"{r.get('_file')}#{row.get('run')}"} for r in used for row in r["rows"]
+    ]
+    return {**newest, "rows": rows, "_files": [r.get("_file") for r in used]}
+
+
+def within_equal(ratio: float) -> bool:
+    """A median ratio within +-:data:`EQUAL` of 1 is "equal", neither better nor worse."""
+    return abs(ratio - 1.0) <= EQUAL
+
+
+#: Medians this close to 1 (2 %) are ties: a run-to-run spread on this machine is larger.
+EQUAL = 0.02
+
+
 # -- the home page -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Pick:
@@ -286,90 +395,155 @@ class Pick:
     what: str
     benchmark: str
     workload: str
-    peer: str
+    peer: str | tuple[str, ...]  # several: the hardest of them on ``hardest_on`` (by median)
     column: str
     anchor: str
     peer_text: str
+    hardest_on: str = "makespan"
 
 
-#: The results a newcomer deciding on dsclient needs, good and bad, against the peer anyone
-#: would try first; each links to its section of the benchmarks page.
+#: The results a newcomer deciding on dsclient needs, good and bad, each against the hardest peer
+#: measured on that workload (one peer per claim: its gain and its cost against the same one);
+#: each links to its section of the benchmarks page and to its raw files.
+SEMAPHORES = tuple(f"openai+priority+sem{n}" for n in (5, 8, 16))
+ROUTERS = ("router-rr", "router-cache", "router-p2", "router-cache+priority")
 HOME_PICKS: tuple[Pick, ...] = (
     Pick(
         "Short requests' p95 latency during a burst of long ones",
-        "headline", "online", "openai", "short-request tail",
-        "headline-benchmark-one-vllm-batch-and-online", "openai-python, unbounded",
-    ),
-    Pick(
-        "Short requests' p95 latency, against vLLM's own priority",
         "headline", "online", "openai+priority", "short-request tail",
         "headline-benchmark-one-vllm-batch-and-online",
-        "openai-python sending vLLM's `priority`",
+        "openai-python sending vLLM's `priority` (the server schedules by it)",
     ),
     Pick(
         "What the long requests pay for it: their p95 latency",
         "headline", "online", "openai+priority", "long-request tail",
         "headline-benchmark-one-vllm-batch-and-online",
-        "openai-python sending vLLM's `priority`",
+        "openai-python sending vLLM's `priority` (the server schedules by it)",
+    ),
+    Pick(
+        "Short requests' time to first token (p95), lengths spread lognormally, streamed",
+        "headline", "serving", "openai+priority", "short-request tail",
+        "headline-benchmark-one-vllm-batch-and-online",
+        "openai-python sending vLLM's `priority` (the server schedules by it)",
+    ),
+    Pick(
+        "Goodput (calls meeting TTFT and TPOT objectives per second), same workload",
+        "headline", "serving", "openai+priority", "other",
+        "headline-benchmark-one-vllm-batch-and-online",
+        "openai-python sending vLLM's `priority` (the server schedules by it)",
     ),
     Pick(
         "A batch of short requests, makespan",
-        "headline", "batch", "openai", "makespan",
-        "headline-benchmark-one-vllm-batch-and-online", "openai-python, unbounded",
+        "headline", "batch", SEMAPHORES, "makespan",
+        "headline-benchmark-one-vllm-batch-and-online",
+        "openai-python behind the best fixed semaphore of 0.7x, 1x, 2x `max_num_seqs`",
     ),
     Pick(
         "A batch through a gateway that hides `/metrics`, makespan",
-        "blackbox", "nginx-vllm, batch", "semaphore 32", "makespan",
+        "blackbox", "nginx-vllm, batch", ("semaphore 8", "semaphore 32", "semaphore 128"),
+        "makespan",
         "servers-that-publish-nothing-vllm-behind-nginx-transformers-serve-vllms-priority",
-        "a semaphore at the server's `max_num_seqs`",
+        "httpx behind the best fixed semaphore of 8, 32, 128",
     ),
     Pick(
         "Two replicas, one slowed: short requests' p95 latency",
-        "routing", "", "router-cache", "short-request tail",
-        "routing-two-replicas-one-slowed", "vllm-router, cache-aware",
+        "routing", "", ROUTERS, "short-request tail",
+        "routing-two-replicas-one-slowed",
+        "vllm-router (with or without `priority`), the leg with the best makespan",
     ),
     Pick(
         "Two replicas, one slowed: makespan",
-        "routing", "", "router-cache", "makespan",
-        "routing-two-replicas-one-slowed", "vllm-router, cache-aware",
+        "routing", "", ROUTERS, "makespan",
+        "routing-two-replicas-one-slowed",
+        "vllm-router (with or without `priority`), the leg with the best makespan",
     ),
     Pick(
         "Four processes on one server, makespan",
-        "shared (four-shared)", "", "four-static", "makespan",
-        "shared-budget-four-processes-one-server", "four processes with a static split",
+        "shared (four-shared)", "", ("four-static", "four-static-2x"), "makespan",
+        "shared-budget-four-processes-one-server",
+        "four processes with a static split at 1x or 2x `max_num_seqs / 4`, the faster",
     ),
     Pick(
         "A Ray Data job, makespan",
-        "ray", "", "ray-http-actors8", "makespan",
-        "ray-data-dsclientray-against-raydatallm", "ray.data.llm's HTTP processor, 8 actors",
+        "ray", "", ("ray-http-qps40", "ray-http-actors8", "ray-gather16"), "makespan",
+        "ray-data-dsclientray-against-raydatallm",
+        "ray.data.llm's HTTP processor or `map_batches` with an async gather, the fastest",
     ),
 )  # fmt: skip
 
 
-def home_block(lines: Sequence[Versus], docs: str = "") -> str:
-    """The home page's table: each pick's median ratio and range over the runs, linked.
+def _enough(v: Versus) -> bool:
+    return len(v.ratios) >= HEADLINE_MIN_RUNS
+
+
+def hardest(lines: Sequence[Versus], pick: Pick) -> str | None:
+    """The peer of ``pick`` that dsclient does worst against on ``pick.hardest_on`` (median
+    over at least :data:`HEADLINE_MIN_RUNS` runs), or ``None`` when none has that many; a
+    pick naming one peer gets that one."""
+    if isinstance(pick.peer, str):
+        return pick.peer
+    peers = pick.peer
+    scored = []
+    for v in lines:
+        where = (v.benchmark, v.workload, v.column)
+        if where == (pick.benchmark, pick.workload, pick.hardest_on) and v.peer in peers:
+            found = summary(v.ratios) if _enough(v) else None
+            if found is not None:
+                scored.append((found[0] if not v.higher_better else -found[0], v.peer))
+    return max(scored)[1] if scored else None
+
+
+def ratio_cell(ratios: Sequence[float]) -> str:
+    """The median (range) of ``ratios``, with "equal" where the median is within +-2 %."""
+    cell = spread_cell(ratios, 2, "\N{MULTIPLICATION SIGN}")
+    found = summary(ratios)
+    if found is not None and within_equal(found[0]):
+        cell += " (equal)"
+    return cell
+
+
+#: What the home table's figures can say, linked from above it.
+HOME_CAVEAT = (
+    "Measured on a shared 2-core x86-64 VM without a GPU, on vLLM's CPU build serving a tiny "
+    "random model, the client on one core and the server on the other; only results that ran on "
+    "today's request path are here, pooled over every such invocation "
+    "([what this can and cannot show]({docs}benchmarks.md#what-these-figures-can-and-cannot-show))."
+)
+
+
+def home_block(lines: Sequence[Versus], docs: str = "", root: str = "../") -> str:
+    """The home page's table: each pick against its (hardest) peer, median ratio and range
+    over the runs, linked to its section and its raw files.
 
     A pick without results of at least :data:`HEADLINE_MIN_RUNS` runs is left out; below 1x
-    means dsclient's figure was smaller.
-    ``docs`` is the path from the page to the docs folder (``"docs/"`` from the README)."""
-    out = ["| result | dsclient / peer | peer | runs |", "|---|---|---|---|"]
+    means dsclient's figure was smaller. ``docs`` is the path from the page to the docs folder
+    (``"docs/"`` from the README), ``root`` to the repository's root (``""`` from it)."""
+    out = ["| result | dsclient / peer | peer | runs | raw |", "|---|---|---|---|---|"]
     for pick in HOME_PICKS:
+        peer = hardest(lines, pick)
         found = [
             v
             for v in lines
             if (v.benchmark, v.workload, v.peer, v.column)
-            == (pick.benchmark, pick.workload, pick.peer, pick.column)
-            and len(v.ratios) >= HEADLINE_MIN_RUNS
+            == (pick.benchmark, pick.workload, peer, pick.column)
+            and _enough(v)
         ]
         if not found:
             continue
         v = found[0]
-        cell = spread_cell(v.ratios, 2, "\N{MULTIPLICATION SIGN}")
         what = f"[{pick.what}]({docs}benchmarks.md#{pick.anchor})"
-        out.append(f"| {what} | {cell} | {pick.peer_text} | {len(v.ratios)} |")
+        named = pick.peer_text if isinstance(pick.peer, str) else f"{pick.peer_text}: `{peer}`"
+        raw = " ".join(
+            f"[{n}]({root}{path})" for n, path in enumerate(v.files, 1)
+        ) or NONE
+        cell = ratio_cell(v.ratios) + (", higher is better" if v.higher_better else "")
+        out.append(f"| {what} | {cell} | {named} | {len(v.ratios)} | {raw} |")
     if len(out) == 2:
-        return "No results committed yet."
-    return "\n".join(out)
+        return (
+            "No results on today's request path yet: the [benchmarks page]"
+            f"({docs}benchmarks.md) shows the older ones, marked stale."
+        )
+    return HOME_CAVEAT.format(docs=docs) + "\n\n" + "\n".join(out)
 
 
 # -- conditions ----------------------------------------------------------------------------------
@@ -406,6 +580,32 @@ def busy(record: Mapping[str, Any]) -> str | None:
     return "the median load over the legs was above the core count, so other work shared the CPUs"
 
 
+def placement_line(record: Mapping[str, Any]) -> str:
+    """Where the client and the server's processes ran (``placement`` facts, one per server),
+    as found by :func:`benchmarks._common.placement_facts`; a run that did not record it may
+    have had the client on the server's CPUs, and the line says so."""
+    facts = record.get("facts", {})
+    found = {k.removeprefix("placement").strip(): v for k, v in facts.items()
+             if k.startswith("placement") and isinstance(v, Mapping)}  # fmt: skip
+    if not found:
+        return (
+            "**Placement not recorded:** the client may have shared the server's CPUs, taking "
+            "CPU the server would have had on two hosts."
+        )
+    parts = []
+    for server, place in found.items():
+        where = (
+            f"client on CPU {place.get('client_cpus')}, server's processes on CPU "
+            f"{place.get('server_cpus')}"
+            if place.get("server_cpus")
+            else f"client on CPU {place.get('client_cpus')}, server's processes not found here"
+        )
+        if not place.get("apart"):
+            where = f"**not apart**: {where}"
+        parts.append(f"{server}: {where}" if server else where)
+    return "Placement: " + "; ".join(parts) + "."
+
+
 def conditions(record: Mapping[str, Any], records: Sequence[Mapping[str, Any]] = ()) -> str:
     """Where the table's figures come from: file, commit, versions, machine, load."""
     code = record.get("code", {})
@@ -432,6 +632,10 @@ def conditions(record: Mapping[str, Any], records: Sequence[Mapping[str, Any]] =
         f"Python {host.get('python')}, {host.get('cpu', host.get('machine'))}; {versions}; "
         f"{load}.",
     ]
+    lines.append(placement_line(record))
+    stale = staleness(record)
+    if stale:
+        lines.append(f"**Stale:** {stale}; these figures are not on the home table.")
     why = busy(record)
     if why:
         lines.append(f"**Busy machine:** {why}; read these figures as this machine on that day.")
@@ -456,8 +660,10 @@ def module_for(name: str) -> Any:
 
 
 def verdict(lines: Sequence[Versus]) -> str:
-    """Per figure, the peers against which dsclient's median was worse, and better, as a list."""
+    """Per figure, the peers against which dsclient's median was worse, better, and equal
+    (within +-:data:`EQUAL`: a tie is not a win), as a list."""
     groups: dict[tuple[str, str], tuple[list[str], list[str], list[float], list[float]]] = {}
+    equal: dict[tuple[str, str], list[str]] = {}
     for v in lines:
         found = summary(v.ratios)
         if found is None:
@@ -466,7 +672,8 @@ def verdict(lines: Sequence[Versus]) -> str:
         what = f"{v.label} {v.column}" if v.label and v.column != "other" else v.label or v.column
         worse, better, worse_x, better_x = groups.setdefault((name, what), ([], [], [], []))
         mid = found[0]
-        if mid == 1:
+        if within_equal(mid):
+            equal.setdefault((name, what), []).append(v.peer)
             continue
         if (mid > 1) == v.higher_better:
             better.append(v.peer)
@@ -482,36 +689,45 @@ def verdict(lines: Sequence[Versus]) -> str:
 
     out = []
     for (name, what), (worse, better, worse_x, better_x) in groups.items():
-        n = len(worse) + len(better)
+        ties = equal.get((name, what), [])
+        n = len(worse) + len(better) + len(ties)
         parts = []
         if worse:
             parts.append(f"worse against {', '.join(worse)} ({len(worse)} of {n}; medians "
                          f"{span(worse_x)})")  # fmt: skip
         if better:
             parts.append(f"better against {len(better)} of {n} (medians {span(better_x)})")
+        if ties:
+            parts.append(f"equal (within {EQUAL:.0%}) against {', '.join(ties)} "
+                         f"({len(ties)} of {n})")  # fmt: skip
         if parts:
             out.append(f"- {name}, {what}: dsclient " + "; ".join(parts) + ".")
     return "\n".join(out)
 
 
 def provenance(names: Sequence[str], root: Path) -> str:
-    """One line per benchmark: the file behind its cells, its commit, the load, busy or not."""
+    """One line per benchmark: the files pooled into its cells, each with its commit, the
+    load, busy or not."""
     out = []
     for name in names:
-        record = latest(load_records(name, root))
-        if record is None:
+        records = current(load_records(name, root))
+        pooled = pool(records)
+        if pooled is None:
             continue
-        found = loads(record)
-        load = f"1-minute load {min(found):.2f}-{max(found):.2f}" if found else "load not recorded"
-        cores = record.get("host", {}).get("cores")
-        commit = (record.get("code", {}).get("commit") or "unknown")[:10]
-        out.append(
-            f"- {name}: `benchmarks/results/{name}/{record.get('_file')}`, started "
-            f"{record.get('started_utc')}, commit `{commit}`, {load} on {cores} cores"
-            + (" (busy machine)" if busy(record) else "")
-            + "."
-        )
-    return ("Sources:\n\n" + "\n".join(out)) if out else ""
+        parts = []
+        for record in (r for r in records if r.get("_file") in pooled["_files"]):
+            found = loads(record)
+            load = f"load {min(found):.2f}-{max(found):.2f}" if found else "load not recorded"
+            commit = (record.get("code", {}).get("commit") or "unknown")[:10]
+            parts.append(
+                f"[`{record.get('_file')}`](../benchmarks/results/{name}/{record.get('_file')}) "
+                f"(commit `{commit}`, {load}" + (", busy machine" if busy(record) else "") + ")"
+            )
+        cores = pooled.get("host", {}).get("cores")
+        out.append(f"- {name} ({cores} cores): " + "; ".join(parts) + ".")
+    if not out:
+        return ""
+    return "Sources, every invocation on today's request path:\n\n" + "\n".join(out)
 
 
 def render_block(name: str, root: Path) -> str:
@@ -527,6 +743,14 @@ def render_block(name: str, root: Path) -> str:
         if said:
             said = "Where dsclient's median was worse, and better, by figure:\n\n" + said
         sources = provenance(sorted({v.benchmark.split(" ")[0] for v in lines}), root)
+        stale = stale_benchmarks(root)
+        if stale:
+            sources += "\n\n" if sources else ""
+            sources += (
+                "Not in this table, as none of their results ran on today's request path "
+                "(their sections show the newest, marked stale): "
+                + ", ".join(f"`{b}`" for b in stale) + "."
+            )
         short = (
             f"Benchmarks with fewer than {HEADLINE_MIN_RUNS} runs of each leg are not in this "
             "table; their sections show them: " + ", ".join(f"`{b}`" for b in fewer) + "."
@@ -536,7 +760,8 @@ def render_block(name: str, root: Path) -> str:
         parts = (headline_table(lines), short, said, sources)
         return "\n\n".join(part for part in parts if part)
     if name in (HOME, HOME_README):
-        return home_block(headline_lines(root), "docs/" if name == HOME_README else "")
+        readme = name == HOME_README
+        return home_block(headline_lines(root), "docs/" if readme else "", "" if readme else "../")
     records = load_records(name, root)
     if not records:
         return "No results committed yet: run `python -m benchmarks " + name + "`."
@@ -545,17 +770,33 @@ def render_block(name: str, root: Path) -> str:
 
 
 def headline_lines(root: Path) -> list[Versus]:
+    """Every benchmark's :class:`Versus` lines, from its results on today's request path only,
+    pooled over those invocations (:func:`pool`); each line names the files behind it."""
     from benchmarks.__main__ import BENCHMARKS
 
     lines: list[Versus] = []
     for name in BENCHMARKS:
-        records = load_records(name, root)
-        if not records:
-            continue
         make = getattr(module_for(name), "headline", None)
-        if make is not None:
-            lines.extend(make(records))
+        pooled = pool(current(load_records(name, root)))
+        if make is None or pooled is None:
+            continue
+        files = tuple(f"benchmarks/results/{name}/{f}" for f in pooled["_files"])
+        lines.extend(replace(v, files=files) for v in make([pooled]))
     return lines
+
+
+def stale_benchmarks(root: Path) -> list[str]:
+    """The benchmarks with an opening-table line whose results all predate today's request
+    path."""
+    from benchmarks.__main__ import BENCHMARKS
+
+    return [
+        name
+        for name in BENCHMARKS
+        if getattr(module_for(name), "headline", None) is not None
+        and (records := load_records(name, root))
+        and not current(records)
+    ]
 
 
 def render_page(text: str, root: Path = RESULTS_ROOT) -> str:

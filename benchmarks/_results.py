@@ -19,6 +19,7 @@ Load, and a file already there, are read through :func:`load_records`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -27,7 +28,7 @@ import platform
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -208,6 +209,27 @@ class Run:
     def note(self, text: str) -> None:
         """Something a reader needs beside the figures (a failure seen, a workaround used)."""
         self.notes.append(text)
+
+    def abort(self, reason: str, root: Path | None = None) -> Path | None:
+        """Keep an invocation that stopped early: the ``aborted`` fact says why, the rows so
+        far stay (the report marks it stale, never pools it). Nothing is kept for a run that
+        had no row yet: it is as if it had not started. Returns the path, or ``None``."""
+        if not self.rows:
+            return None
+        self.facts["aborted"] = reason[:300]
+        return self.save(root)
+
+    @contextlib.contextmanager
+    def kept_if_aborted(self, root: Path | None = None) -> Iterator[None]:
+        """Inside the block, an exception (Ctrl-C, a kill, a crash) saves the run through
+        :meth:`abort` with its reason, then goes on."""
+        try:
+            yield
+        except BaseException as exc:
+            path = self.abort(f"{type(exc).__name__}: {exc}".rstrip(": "), root)
+            if path is not None:
+                print(f"kept the aborted run in {path}", file=sys.stderr)
+            raise
 
     def fact(self, key: str, value: Any) -> None:
         """A condition learnt during the run (the server's version, its flags): JSON values."""

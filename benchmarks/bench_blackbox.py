@@ -1,11 +1,12 @@
 """dsclient on servers that publish nothing about their load, and against vLLM's own priority.
 
-    python -m benchmarks blackbox                    # 2 runs of everything (~45 min here)
+    python -m benchmarks blackbox                    # 3 runs of everything (~65 min here)
     python -m benchmarks blackbox --quick            # a smoke test with small sizes (~6 min)
     python -m benchmarks blackbox --servers transformers --runs 1
 
 Three servers, one after another (never two at once on this 2-core machine), each started here
-and stopped at the end:
+and stopped at the end, its processes (and nginx) on their own CPUs and the client on another
+(:func:`benchmarks._common.plan_placement`; ``--shared-cpus`` to mix them):
 
 * ``nginx-vllm``: the tiny random Llama on vLLM through dsclient's launcher (``max_num_seqs``
   ``--max-num-seqs``, 32), behind nginx passing only ``/v1/*`` (tests/integration/blackbox.py):
@@ -33,7 +34,10 @@ always first; the server is drained between legs (a 1-token request answered wit
 leg's prompts start with three words of its own (:func:`salted`), so no leg finds the previous
 legs' prompts in vLLM's prefix cache.
 Latency counts from submission. Figures per leg: makespan, throughput, short and long p50 and
-tails (p99 where a leg has 200 samples, else p95 or max, as the report labels), errors, and for
+tails (p99 where a leg has 200 samples, else p95 or max, as the report labels), errors, the
+server's own queue (peak and p90 of ``vllm:num_requests_waiting``, read from vLLM's ``/metrics``
+behind nginx's back, for the report only: the client never sees it; transformers serve has no
+such count), client and server CPU (cores), and for
 dsclient the limit it started at, reached and ended at, with its mode and signal. One results
 file per invocation through :mod:`benchmarks._results`; ``python -m benchmarks report`` renders
 it. Goals (issue 23): batch makespan at most 1.1x the run's best leg; online short p99 at most
@@ -59,7 +63,20 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _report as report_
-from benchmarks._common import percentile, sample_every, say, wait_for_no_vllm, words
+from benchmarks._common import (
+    cpu_snapshot,
+    cpu_split,
+    default_placement,
+    engine_sampler,
+    percentile,
+    placement_facts,
+    sample_every,
+    say,
+    server_group,
+    starting_server,
+    wait_for_no_vllm,
+    words,
+)
 from benchmarks._results import Run
 
 SERVERS = ("nginx-vllm", "transformers", "vllm-priority")
@@ -181,6 +198,22 @@ def summarize(outcomes: Sequence[Outcome], makespan: float) -> dict[str, float |
     return figures
 
 
+def server_queue(engine: Mapping[str, float]) -> dict[str, float | None]:
+    """The server's own queue during a leg, from :func:`benchmarks._common.engine_sampler`:
+    ``queue_p90`` and ``queue_max`` (``vllm:num_requests_waiting``) and the engine's mean batch;
+    ``None`` where the server has no engine-side count (transformers serve)."""
+    return {
+        "queue_p90": engine.get("waiting_p90"),
+        "queue_max": engine.get("waiting_max"),
+        "running_mean": engine.get("running_mean"),
+    }
+
+
+def cpu_columns(split: Mapping[str, float]) -> dict[str, float | None]:
+    """Client (this process), server and other work's CPU in cores over a leg."""
+    return {key: split.get(key) for key in ("own_cores", "server_cores", "others_cores")}
+
+
 # -- goals (pure) --------------------------------------------------------------------------------
 def _tail_key(rows: Sequence[Mapping[str, Any]], kind: str) -> str:
     return report_.resolve(report_.Column("", f"{kind}_{{tail}}_s", count=f"{kind}_n"), rows)[1]
@@ -237,8 +270,12 @@ TABLE = (
     report_.Column("short {tail} s", "short_{tail}_s", count="short_n"),
     report_.Column("long p50 s", "long_p50_s"),
     report_.Column("long {tail} s", "long_{tail}_s", count="long_n"),
+    report_.Column("server queue p90", "queue_p90", 0),
+    report_.Column("queue peak", "queue_max", 0),
     report_.Column("errors", "errors", 0),
     report_.Column("limit at end", "limit_end", 0),
+    report_.Column("client cores", "own_cores"),
+    report_.Column("server cores", "server_cores"),
 )
 
 
@@ -459,6 +496,9 @@ class Target:
     model: str
     extra: dict[str, Any]
     legs: tuple[str, ...]
+    #: Where the engine's own counts are read, behind any gateway's back (vLLM's /metrics):
+    #: for the report only, never shown to the client. ``None``: the server has none.
+    engine_url: str | None = None
 
 
 def server_versions() -> dict[str, str | None]:
@@ -484,6 +524,19 @@ def server_versions() -> dict[str, str | None]:
 
 @contextlib.contextmanager
 def started(server: str, args: argparse.Namespace, run: Run) -> Iterator[Target]:
+    """The server, its processes started on the server's CPUs (a gateway too), this process on
+    the client's afterwards; where each ran goes into the run's facts."""
+    placement = default_placement(apart=not args.shared_cpus)
+    with contextlib.ExitStack() as stack:
+        with starting_server(placement):
+            target = stack.enter_context(_started(server, args, run))
+        engine = target.engine_url or target.url
+        run.fact(f"placement {server}", placement_facts(placement, [server_group(engine)]))
+        yield target
+
+
+@contextlib.contextmanager
+def _started(server: str, args: argparse.Namespace, run: Run) -> Iterator[Target]:
     from dsclient.launcher import launch, make_tiny_model, resolve_server_python
     from tests.integration.blackbox import (
         HUB_MODEL,
@@ -508,6 +561,8 @@ def started(server: str, args: argparse.Namespace, run: Run) -> Iterator[Target]
     try:
         wait_for_no_vllm(args.wait_for_others)
     except SystemExit as exc:
+        if not isinstance(exc.code, str):  # a signal's exit (kill), not the wait running out
+            raise
         run.note(f"another vLLM still ran when {server} started: {exc}")
     handle = launch(
         model,
@@ -520,11 +575,12 @@ def started(server: str, args: argparse.Namespace, run: Run) -> Iterator[Target]
         progress=lambda m: say(f"[vllm] {m}"),
     )
     with handle:
+        extra = {"ignore_eos": True}
         if priority:
-            yield Target(server, handle.url, "tiny", {"ignore_eos": True}, PRIORITY_LEGS)
+            yield Target(server, handle.url, "tiny", extra, PRIORITY_LEGS, handle.url)
         else:
             with nginx_gateway(handle.url) as url:
-                yield Target(server, url, "tiny", {"ignore_eos": True}, PLAIN_LEGS)
+                yield Target(server, url, "tiny", extra, PLAIN_LEGS, handle.url)
 
 
 async def bench_server(target: Target, args: argparse.Namespace, run: Run) -> None:
@@ -537,6 +593,7 @@ async def bench_server(target: Target, args: argparse.Namespace, run: Run) -> No
     ]
     async with http_leg(target.url, target.model, target.extra, gate=None, priority=False) as w:
         await execute(w.call, warm)
+    pgid = server_group(target.engine_url or target.url)
     for number in range(1, args.runs + 1):
         for workload in args.workloads:
             seed = args.seed * 1000 + number
@@ -556,8 +613,18 @@ async def bench_server(target: Target, args: argparse.Namespace, run: Run) -> No
             for leg in rotated(target.legs, number):
                 drained = await drain(target.url, target.model, target.extra)
                 sent = salted(requests, leg_salt(args.seed, number, leg))
-                async with leg_context(leg, target.url, target.model, target.extra) as client:
+                sampler = (
+                    engine_sampler(target.engine_url)
+                    if target.engine_url
+                    else contextlib.nullcontext({})
+                )
+                async with (
+                    leg_context(leg, target.url, target.model, target.extra) as client,
+                    sampler as engine,
+                ):
+                    before = cpu_snapshot(pgid)
                     outcomes, makespan = await execute(client.call, sent)
+                    after = cpu_snapshot(pgid)
                     facts = client.facts()
                 errors = sorted({o.error for o in outcomes if o.error})
                 if errors:
@@ -569,6 +636,8 @@ async def bench_server(target: Target, args: argparse.Namespace, run: Run) -> No
                     workload=workload,
                     **summarize(outcomes, makespan),
                     drain_s=drained,
+                    **server_queue(engine),
+                    **cpu_columns(cpu_split(before, after)),
                     **facts,
                 )
                 say("  " + " ".join(f"{k}={v}" for k, v in row.items()))
@@ -580,7 +649,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--servers", default=",".join(SERVERS))
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--shared-cpus", action="store_true",
+        help="let the client share the servers' CPUs (default: servers on their own CPUs)",
+    )  # fmt: skip
     parser.add_argument("--batch", type=int, default=1000, help="short requests in the batch")
     parser.add_argument("--short-tokens", type=int, default=16)
     parser.add_argument("--rate", type=float, default=8.0, help="short arrivals per second")
@@ -612,13 +685,15 @@ def main(argv: list[str] | None = None) -> None:
     run = Run.begin("blackbox", params=params, peers=["httpx"], versions=server_versions())
     run.fact("legs", ABOUT)
     begun = time.monotonic()
-    for server in args.servers:
-        say(f"== {server}")
-        with started(server, args, run) as target:
-            asyncio.run(bench_server(target, args, run))
-    run.fact("wall_s", round(time.monotonic() - begun, 1))
     # A smoke test's figures are not results: they go to a temporary folder, not the kept ones.
-    path = run.save(Path(tempfile.mkdtemp(prefix="bench-blackbox-quick-")) if args.quick else None)
+    where = Path(tempfile.mkdtemp(prefix="bench-blackbox-quick-")) if args.quick else None
+    with run.kept_if_aborted(where):
+        for server in args.servers:
+            say(f"== {server}")
+            with started(server, args, run) as target:
+                asyncio.run(bench_server(target, args, run))
+    run.fact("wall_s", round(time.monotonic() - begun, 1))
+    path = run.save(where)
     print(render([{**run.payload(), "_file": path.name}]))
     print(f"\nwrote {path}")
 

@@ -3,6 +3,7 @@
     python -m benchmarks client-scale                          # all legs, 2000 and 20000 requests
     python -m benchmarks client-scale --n 2000 --concurrency 16 256 --legs aiohttp dsclient
     python -m benchmarks client-scale --profile dsclient --concurrency 256 --n 5000
+    python -m benchmarks client-scale --n 2000 --legs aiohttp dsclient --baseline main
 
 A local server in its own process (a raw asyncio protocol: it parses the request line and headers,
 skips the body and writes a canned vLLM completion; ``/v1/models`` for dsclient's discovery, 404
@@ -14,14 +15,16 @@ once behind a semaphore of ``concurrency`` (dsclient: behind its own governor,
 
 The legs of one ``n`` and concurrency run paired: all their processes are alive at once and take
 turns, one repetition of each leg a round (:func:`round_order`), so that a neighbour's burst falls
-on every leg of a round alike. Each dsclient leg's ratios to the fastest plain client are those
-of their totals over every round (``rate_ratio``, ``cpu_ratio`` in the results, with the rounds'
-lowest and highest CPU ratio; see :func:`_pair`), and the goals are judged on them: on this
-shared 2-core machine one repetition's CPU moved by a third between neighbouring minutes, more
-than the differences measured. (Two invocations on 2026-12-06, ``"method": "paired"``, took the
-median round's ratio instead.) ``--sequential`` runs each leg's repetitions in a row, one leg
-after another, as the results without a ``method`` were taken (their ratios are of the legs'
-medians).
+on every leg of a round alike; each repetition is preceded by ``concurrency`` uncounted requests
+(``"rewarm": true`` in the results' parameters), so that a pool that let its idle connections go
+while the other legs ran (dsclient's after 4 s) starts warm, as under a steady load. Each dsclient
+leg's ratios to the fastest plain client are those of their totals over every round (``rate_ratio``,
+``cpu_ratio`` in the results, with the rounds' lowest and highest CPU ratio; see :func:`_pair`), and
+the goals are judged on them: on this shared 2-core machine one repetition's CPU moved by a third
+between neighbouring minutes, more than the differences measured. (Two invocations on 2026-12-06,
+``"method": "paired"``, took the median round's ratio instead.) ``--sequential`` runs each leg's
+repetitions in a row, one leg after another, as the results without a ``method`` were taken (their
+ratios are of the legs' medians).
 
 Measured in the leg: wall seconds and ``time.process_time()`` over the ``n`` of the median
 repetition by CPU (client CPU only: the server is another process), the lowest and highest
@@ -32,8 +35,10 @@ client was built and after ``aclose()``, and every ``ResourceWarning`` (``-W alw
 Legs: ``aiohttp`` (a ``ClientSession`` with an unbounded connector), ``httpx2`` and ``httpx`` (an
 unbounded pool), ``openai`` (``AsyncOpenAI`` as users run it, ``max_retries=0``) and
 ``openai-aiohttp`` (``http_client=DefaultAioHttpClient()``), ``dsclient`` (``generate()``),
-``dsclient-map`` (``client.map()``), ``dsclient-openai`` (``client.openai()``) and
-``dsclient-httpx`` (dsclient on the httpx stack it used to default to: ``http_stack="httpx"``).
+``dsclient-map`` (``client.map()``), ``dsclient-openai`` (``client.openai()``), and with
+``--baseline REF`` ``dsclient-base``: ``generate()`` on the dsclient of another commit (``git
+archive REF``, imported in that leg's process), paired in the same rounds, so that a change is
+measured against the code before it in one run (``base_rate_ratio``, ``base_cpu_ratio``).
 Results: one JSON per invocation under ``benchmarks/results/`` (see :mod:`benchmarks._results`).
 """
 
@@ -70,8 +75,9 @@ LEGS = [
     "dsclient",
     "dsclient-map",
     "dsclient-openai",
-    "dsclient-httpx",
 ]
+#: ``generate()`` on the dsclient of ``--baseline``'s commit.
+BASE = "dsclient-base"
 PLAIN = ["aiohttp", "httpx2", "httpx", "openai", "openai-aiohttp"]
 PEERS = ["aiohttp", "httpx2", "httpx", "openai", "httpcore", "httpcore2"]
 MAX_TOKENS = 16
@@ -214,8 +220,14 @@ async def _timed(
     peak = 0
     go = _told_to_go if PAIRED else None
     for number in range(REPEAT) if go is None else itertools.count():
-        if go is not None and not await go():
-            break
+        if go is not None:
+            if not await go():
+                break
+            # Paired, a leg waits while the others take their turns: longer than a client's
+            # keep-alive (dsclient's wire lets an idle connection go after 4 s, under uvicorn's
+            # 5 s) on a busy machine. The connections open again uncounted, so that every leg's
+            # repetition starts on the warm pool a steady load would keep.
+            await run(concurrency, -(10**9), Meter())
         meter = Meter()
         gc.collect()
         wall, cpu = time.perf_counter(), time.process_time()
@@ -237,6 +249,8 @@ async def _timed(
 
 
 REPEAT = 1  # set by --repeat in the leg's process
+#: The folder holding the ``--baseline`` commit's files (set by main(), in both processes).
+BASELINE_TREE = ""
 PAIRED = False  # set by --paired in the leg's process: a repetition each time the parent says
 
 
@@ -339,8 +353,12 @@ async def leg_dsclient(url: str, n: int, concurrency: int) -> dict[str, Any]:
     return await _leg_dsclient(url, n, concurrency)
 
 
-async def leg_dsclient_httpx(url: str, n: int, concurrency: int) -> dict[str, Any]:
-    return await _leg_dsclient(url, n, concurrency, http_stack="httpx")
+async def leg_dsclient_base(url: str, n: int, concurrency: int) -> dict[str, Any]:
+    import dsclient
+
+    # The leg's process put the baseline's tree first on its path (main(): --baseline-tree).
+    assert BASELINE_TREE and dsclient.__file__.startswith(BASELINE_TREE), dsclient.__file__
+    return await _leg_dsclient(url, n, concurrency)
 
 
 async def leg_dsclient_map(url: str, n: int, concurrency: int) -> dict[str, Any]:
@@ -391,7 +409,7 @@ LEG_FUNCTIONS: dict[str, Callable[[str, int, int], Awaitable[dict[str, Any]]]] =
     "dsclient": leg_dsclient,
     "dsclient-map": leg_dsclient_map,
     "dsclient-openai": leg_dsclient_openai,
-    "dsclient-httpx": leg_dsclient_httpx,
+    BASE: leg_dsclient_base,
 }
 
 
@@ -412,7 +430,7 @@ def run_leg(leg: str, url: str, n: int, concurrency: int) -> dict[str, Any]:
 #: The legs that take their turns next to each other in a round: the fastest plain client and
 #: dsclient's legs on its stack, each about half a second for 2,000 requests here, so that a
 #: ratio compares repetitions a second apart, not a minute (the slow legs' time).
-ADJACENT = ("aiohttp", "dsclient", "dsclient-map")
+ADJACENT = ("aiohttp", "dsclient", "dsclient-map", BASE)
 
 
 def round_order(legs: Sequence[str], number: int) -> list[str]:
@@ -437,6 +455,8 @@ def _command(leg: str, url: str, n: int, concurrency: int, repeat: int) -> list[
         "benchmarks.bench_client_scale",
     ]
     command += ["--child", leg, "--url", url, "--n", str(n), "--concurrency", str(concurrency)]
+    if leg == BASE:
+        command += ["--baseline-tree", BASELINE_TREE]
     return [*command, "--repeat", str(repeat)]
 
 
@@ -545,7 +565,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     out = []
     for n in sorted({r["n"] for r in rows}):
         concs = sorted({r["concurrency"] for r in rows if r["n"] == n})
-        legs = [leg for leg in LEGS if any(r["leg"] == leg and r["n"] == n for r in rows)]
+        legs = [leg for leg in [*LEGS, BASE] if any(r["leg"] == leg and r["n"] == n for r in rows)]
         out.append(f"\n{n} requests: requests/s | client CPU us/request (median of the runs)\n")
         out.append("| leg | " + " | ".join(f"{c} in flight" for c in concs) + " |")
         out.append("|---|" + "---|" * len(concs))
@@ -584,7 +604,21 @@ def goals(rows: list[dict[str, Any]]) -> list[str]:
                 f"run {run} n={n} c={c} {leg}: {speed:.2f}x the rate, {cost:.2f}x the CPU of "
                 f"{best['leg']} -> {met}"
             )
+        mine = here.get("dsclient", {})
+        if "base_cpu_ratio" in mine:
+            speed, cost = mine["base_rate_ratio"], mine["base_cpu_ratio"]
+            met = "met" if speed >= BASE_RATE and cost <= BASE_CPU else "MISSED"
+            lines.append(
+                f"run {run} n={n} c={c} dsclient: {speed:.2f}x the rate, {cost:.2f}x the CPU of "
+                f"{BASE} -> {met}"
+            )
     return lines
+
+
+#: A change of dsclient's against ``--baseline``: at least this share of its rate, at most this
+#: multiple of its CPU per request (issue 42's bounds for the wire).
+BASE_RATE = 0.95
+BASE_CPU = 1.1
 
 
 def _versus(
@@ -691,6 +725,32 @@ def render(records: Sequence[dict[str, Any]]) -> str:
                 cells.append(" / ".join(pairs) or report_.NONE)
             out.append(f"| {leg} | " + " | ".join(cells) + " |")
         out.append("")
+        based = [r for r in rows if r["leg"] == "dsclient" and "base_cpu_ratio" in r]
+        if based:
+            commits = "; ".join(
+                f"{number}: `{r['params']['baseline']['commit'][:10]}`"
+                for number, r in enumerate(mine, 1)
+                if r["params"].get("baseline")
+            )
+            out.append(
+                f"`dsclient` against `{BASE}` (the same calls on the dsclient of an earlier "
+                f"commit, paired in the same rounds), per invocation: requests/s ratio; "
+                f"CPU/request ratio (the goal: at least {BASE_RATE}x; at most {BASE_CPU}x). "
+                f"Earlier commits: {commits}."
+            )
+            out.append("")
+            out.append("| leg | " + " | ".join(f"{c} in flight" for c in concs) + " |")
+            out.append("|---|" + "---|" * len(concs))
+            cells = []
+            for c in concs:
+                pairs = [
+                    f"{r['base_rate_ratio']:.2f}x; {r['base_cpu_ratio']:.2f}x"
+                    for r in sorted(based, key=lambda r: r["run"])
+                    if r["concurrency"] == c
+                ]
+                cells.append(" / ".join(pairs) or report_.NONE)
+            out.append("| dsclient | " + " | ".join(cells) + " |")
+            out.append("")
         memory = [r for r in table_rows if r.get("rss_max_mb") is not None and r.get("rss_1000_mb")]
         if memory:
             growth = {
@@ -734,28 +794,68 @@ def main(argv: list[str] | None = None) -> None:
         help="run each leg's repetitions in a row, one leg after another (default: every "
         "leg's process alive at once, their repetitions in turns, ratios taken within a round)",
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="REF",
+        help="also run generate() on this git commit's dsclient (leg dsclient-base), paired in "
+        "the same rounds; its ratios are base_rate_ratio and base_cpu_ratio",
+    )
+    parser.add_argument("--baseline-tree", help=argparse.SUPPRESS)
     parser.add_argument("--profile", choices=LEGS, help="pyinstrument one leg, print its tree")
     parser.add_argument("--paired", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--child", choices=LEGS, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=[*LEGS, BASE], help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.serve:
         serve(args.serve)
         return
+    global BASELINE_TREE
     if args.child:
         global REPEAT, PAIRED
         REPEAT = args.repeat or 1
         PAIRED = args.paired
+        if args.baseline_tree:
+            BASELINE_TREE = args.baseline_tree
+            # The leg imports the baseline's dsclient: benchmarks._common imported this tree's
+            # already (a word list), so it is forgotten first.
+            sys.path.insert(0, BASELINE_TREE)
+            for name in [m for m in sys.modules if m.split(".")[0] == "dsclient"]:
+                del sys.modules[name]
         result = run_leg(args.child, args.url, args.n[0], args.concurrency[0])
         print(json.dumps(result))
         return
 
-    with served() as url:
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(served())
         if args.profile:
             _profile(args.profile, url, args.n[0], args.concurrency[0])
             return
+        if args.baseline:
+            BASELINE_TREE, args.baseline_commit = stack.enter_context(_checked_out(args.baseline))
+            args.legs = [*args.legs, BASE]
         _measure(args, url)
+
+
+@contextlib.contextmanager
+def _checked_out(ref: str) -> Iterator[tuple[str, str]]:
+    """The files of commit ``ref`` in a temporary folder (``git archive``: the checkout it is
+    run from is not touched), and the commit's hash."""
+    import tempfile
+
+    commit = subprocess.run(
+        ["git", "rev-parse", "--verify", f"{ref}^{{commit}}"],
+        cwd=_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="dsclient-base-") as folder:
+        archive = subprocess.run(
+            ["git", "archive", commit, "dsclient"], cwd=_ROOT, capture_output=True, check=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+        yield folder + os.sep, commit
 
 
 @contextlib.contextmanager
@@ -800,6 +900,10 @@ def _measure(args: argparse.Namespace, url: str) -> None:
         "repeat": args.repeat,
         "method": "sequential" if args.sequential else "paired-totals",
     }
+    if not args.sequential:
+        params["rewarm"] = True
+    if args.baseline:
+        params["baseline"] = {"ref": args.baseline, "commit": args.baseline_commit}
     run = Run.begin("client-scale", params=params, peers=PEERS)
     rows: list[dict[str, Any]] = []
     for number in range(1, args.runs + 1):
@@ -872,6 +976,19 @@ def _pair(rows: list[dict[str, Any]], got: dict[str, dict[str, Any]]) -> None:
             cpu_ratio=sum(mine[1] for mine in ours) / sum(best_[1] for best_ in theirs),
             cpu_ratio_low=cpu[0],
             cpu_ratio_high=cpu[-1],
+        )
+    base = got.get(BASE, {}).get("samples")
+    for row in rows:
+        if row["leg"] != "dsclient" or "rps" not in row or not base:
+            continue
+        ours = got[row["leg"]]["samples"]
+        rounds = list(zip(ours, base, strict=True))
+        cpu = sorted(mine[1] / theirs_[1] for mine, theirs_ in rounds)
+        row.update(
+            base_rate_ratio=sum(b[0] for b in base) / sum(mine[0] for mine in ours),
+            base_cpu_ratio=sum(mine[1] for mine in ours) / sum(b[1] for b in base),
+            base_cpu_ratio_low=cpu[0],
+            base_cpu_ratio_high=cpu[-1],
         )
 
 

@@ -55,14 +55,17 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks._common import (
     ROOT,
     client_facts,
+    default_placement,
     engine_sampler,
     hand_started_vllm,
     machine,
     median,
     percentile,
+    placement_facts,
     sample_every,
     say,
     spread,
+    starting_server,
     wait_for_no_vllm,
     words,
     write_results,
@@ -107,6 +110,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--place", action="store_true", help="move the EngineCore as dsclient's launcher does"
     )
+    parser.add_argument(
+        "--shared-cpus", action="store_true",
+        help="let the client share the server's CPUs (default: server on its own CPUs)",
+    )  # fmt: skip
     parser.add_argument("--url", help="a running server for plain and two-process")
     parser.add_argument("--admission-url", help="a running server started with the admission flags")
     parser.add_argument("--pause", type=float, default=2.0, help="idle seconds between runs")
@@ -491,22 +498,29 @@ def server(
     wait_for_no_vllm(timeout=args.wait)
     install = resolve_server_python()
     model = make_tiny_model(python=install.python)
+    placement = default_placement(apart=not getattr(args, "shared_cpus", False))
     cpus = None
-    if args.place:  # where dsclient's launcher would put the EngineCore on this machine
-        plan = plan_launch(
-            model, vllm=install, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
-            served_model_name=MODEL, dtype="float32",
-        )  # fmt: skip
-        cpus = plan.engine_core_cpus
-    with hand_started_vllm(
-        install.python,
-        model,
-        max_num_seqs=max_num_seqs,
-        max_model_len=MAX_MODEL_LEN,
-        served_model_name=MODEL,
-        extra_args=extra,
-        engine_core_cpus=cpus,
-    ) as started:
+    with contextlib.ExitStack() as stack:
+        # Started on the server's CPUs (it inherits them; the plan reads them), then this
+        # process, the client, moves to its own.
+        with starting_server(placement):
+            if args.place:  # where dsclient's launcher would put the EngineCore on these CPUs
+                plan = plan_launch(
+                    model, vllm=install, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
+                    served_model_name=MODEL, dtype="float32",
+                )  # fmt: skip
+                cpus = plan.engine_core_cpus
+            started = stack.enter_context(
+                hand_started_vllm(
+                    install.python,
+                    model,
+                    max_num_seqs=max_num_seqs,
+                    max_model_len=MAX_MODEL_LEN,
+                    served_model_name=MODEL,
+                    extra_args=extra,
+                    engine_core_cpus=cpus,
+                )
+            )
         yield (
             started.url,
             {
@@ -515,6 +529,7 @@ def server(
                 "vllm": f"{install.dist} {install.version}",
                 "argv": started.argv[1:],
                 "log": str(started.log_path),
+                "placement": placement_facts(placement, [started.pid]),
                 **started.facts,
             },
         )

@@ -64,11 +64,14 @@ from benchmarks._common import (
     WORDS,
     busiest_processes,
     client_facts,
+    default_placement,
     engine_sampler,
     machine,
     percentile,
+    placement_facts,
     sample_every,
     say,
+    server_group,
     spread,
     tiny_vllm,
     vllm_processes,
@@ -140,6 +143,8 @@ class Outcome:
     error: str | None = None
     lane: str | None = None  # dsclient only
     queued_s: float | None = None  # dsclient only: time spent in the governor's queue
+    ttft: float | None = None  # streamed legs: first text, from submission
+    tokens: int | None = None  # streamed legs: output tokens (ignore_eos: as asked)
 
 
 def short_request(rng: random.Random, at: float) -> Request:
@@ -168,6 +173,14 @@ async def long_request(
     return Request("long", at, " ".join(body) + ".", LONG_TOKENS_OUT, prompt_tokens=tokens)
 
 
+def burst_times(args: argparse.Namespace) -> list[float]:
+    """When the long requests arrive: ``burst`` of them from ``burst_at``, evenly over
+    ``burst_window`` seconds (0, or absent: all at once)."""
+    window = float(getattr(args, "burst_window", 0.0) or 0.0)
+    n = int(args.burst)
+    return [args.burst_at + (window * i / n if n else 0.0) for i in range(n)]
+
+
 async def online_workload(
     seed: int,
     args: argparse.Namespace,
@@ -186,8 +199,8 @@ async def online_workload(
         t += times.expovariate(rate)
     requests += await asyncio.gather(
         *(
-            long_request(random.Random(seed * 1000 + i), args.burst_at, count, per_word)
-            for i in range(args.burst)
+            long_request(random.Random(seed * 1000 + i), at, count, per_word)
+            for i, at in enumerate(burst_times(args))
         )
     )
     requests.sort(key=lambda r: r.at)
@@ -646,6 +659,7 @@ def main(argv: list[str] | None = None) -> None:
     record.fact("legs", {name: ABOUT.get(name, f"dsclient options {dsclient_options(name)}")
                          for name in names})  # fmt: skip
     started = time.monotonic()
+    placement = default_placement()  # the server's processes on their own CPUs
     with tiny_vllm(
         args.url,
         max_num_seqs=MAX_NUM_SEQS,
@@ -653,7 +667,9 @@ def main(argv: list[str] | None = None) -> None:
         wait_s=args.wait_for_others,
         startup_timeout=STARTUP_TIMEOUT_S,
         extra_args=() if args.url else SERVER_ARGS,
+        placement=placement,
     ) as url:
+        record.fact("placement", placement_facts(placement, [server_group(url)]))
         at_start = {"busiest": busiest_processes(), "vllm": vllm_processes()}
         record.fact("busiest_at_start", at_start["busiest"])
         if len(at_start["vllm"]) > 1:

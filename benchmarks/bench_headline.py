@@ -8,6 +8,11 @@
 LiteLLM is in the ``bench`` extra (``pip install -e '.[bench]'``); a client whose library is
 missing is skipped with a note.
 
+The server's processes (API server and engine) start on their own CPUs and the client runs on
+another (:func:`benchmarks._common.plan_placement`: on 2 cores, server on CPU 1, client on CPU 0;
+``--shared-cpus`` for the old mix); where each ran is in the results file's ``placement`` fact,
+and each row keeps the client's and the server's CPU (``own_cores``, ``server_cores``).
+
 Starts ONE vLLM server through ``dsclient.launcher`` (the tiny random Llama, ``max_num_seqs`` 8,
 ``max_model_len`` 2048, served as ``"tiny"``) with ``--scheduling-policy priority``, so that a
 client which sends vLLM's ``priority`` field (lower runs first) gets what it asks for; a request
@@ -27,16 +32,26 @@ its settings:
 * ``litellm+retries``: ``litellm.Router`` with one ``hosted_vllm/`` deployment,
   ``num_retries=3`` and a ``RetryPolicy`` that retries timeouts, 429, 500 and 503 three times
   and never a 400, 401 or 404, through ``router.atext_completion``;
-* ``litellm+retries+cap5``: the same with the deployment's ``max_parallel_requests=5``.
+* ``litellm+retries+cap5``: the same with the deployment's ``max_parallel_requests=5``;
+* ``litellm+scheduler+cap16``: the same at ``max_parallel_requests=16`` with LiteLLM's request
+  prioritization scheduler as its docs set it up (``polling_interval=0.03``,
+  ``routing_strategy="simple-shuffle"``), each call with ``priority`` 0 (short) or 1 (long).
 
 Workloads, every request with ``ignore_eos`` so output lengths are exactly what was asked:
 
 * **batch**: ``--batch`` (400) short completions (20 words, 16-32 tokens out) at once:
   makespan and failures.
 * **online**: the governor benchmark's mixed traffic: short requests as a Poisson stream at
-  ``--rate`` (8/s) for ``--online-seconds`` (16), and at t = 1 s a burst of ``--burst`` (40)
-  long requests (~1000-token prompts, 256 out): short and long latency from submission (p50, p95,
+  ``--rate`` (8/s) for ``--online-seconds`` (16), and from t = 1 s ``--burst`` (40) long
+  requests (~1000-token prompts, 256 out) arriving evenly over ``--burst-window`` (4 s; a burst
+  all at t = 1 s, the old workload, with 0): short and long latency from submission (p50, p95,
   p99, max and the count), makespan.
+
+* **serving**: streamed, Poisson arrivals at ``--serving-rate`` (4/s) for
+  ``--serving-seconds`` (20) with seeded lognormal prompt and output lengths
+  (:mod:`benchmarks._serving`; the drawn distribution goes into the results file): per lane TTFT
+  and TPOT p50/p95/p99 and goodput at ``--goodput`` (``ttft:1000,tpot:50``), for dsclient
+  (``client.stream``) and the openai legs (``stream=True``).
 
 Legs run interleaved (every leg once per round, ``--runs`` rounds, 3 by default, each round
 starting one leg later), each with fresh prompts of the same sizes. The conditions (commit,
@@ -71,18 +86,29 @@ from benchmarks._common import (
     client_facts,
     cpu_snapshot,
     cpu_split,
+    default_placement,
     engine_sampler,
     machine,
     percentile,
+    placement_facts,
     sample_every,
     say,
     server_group,
     spread,
     tiny_vllm,
     vllm_processes,
+    words,
     write_results,
 )
 from benchmarks._results import Run
+from benchmarks._serving import (
+    Timed,
+    distribution,
+    distribution_text,
+    lane_of,
+    lognormal_lengths,
+    serving_figures,
+)
 from benchmarks.bench_governor import (
     MODEL,
     WARM_UP,
@@ -94,6 +120,7 @@ from benchmarks.bench_governor import (
     short_request,
     warm_up,
 )
+from dsclient.cli.bench.goodput import Slo, parse_goodput
 
 MAX_NUM_SEQS = 8
 MAX_MODEL_LEN = 2048
@@ -114,11 +141,22 @@ STRATEGIES = (
     *(f"openai+priority+sem{n}" for n in SEMAPHORES),
     "litellm+retries",
     f"litellm+retries+cap{CAP}",
+    f"litellm+scheduler+cap{2 * MAX_NUM_SEQS}",
 )
 #: Legs that only differ from another in the online workload (the batch is all short).
 ONLINE_ONLY = ("openai+priority",)
+#: The streamed legs of the serving workload: dsclient and every openai peer (httpx and LiteLLM
+#: are not streamed here).
+SERVING_LEGS = (
+    "dsclient",
+    "openai",
+    "openai+priority",
+    *(f"openai+priority+sem{n}" for n in SEMAPHORES),
+)
 BASELINE = "httpx"
-WORKLOADS = ("batch", "online")
+WORKLOADS = ("batch", "online", "serving")
+#: The serving workload's stated objective, as ``vllm bench serve --goodput`` takes it (ms).
+GOODPUT = "ttft:1000,tpot:50"
 TIMEOUT_S = 600.0
 #: vLLM took over 300 s (the launcher's default) to start beside other engineers' servers.
 STARTUP_TIMEOUT_S = 900.0
@@ -126,7 +164,7 @@ STARTUP_TIMEOUT_S = 900.0
 SEMAPHORE_LABEL = {CAP: "0.7x", MAX_NUM_SEQS: "1x", 2 * MAX_NUM_SEQS: "2x"}
 #: What each leg is, for the tables.
 ABOUT = {
-    "dsclient": "`AsyncClient(url)` defaults (`map` / `generate`)",
+    "dsclient": "`AsyncClient(url)` defaults (`map` / `generate` / `stream`)",
     "httpx": "`asyncio.gather` of httpx POSTs, unbounded, no retries",
     "openai": "`AsyncOpenAI` defaults, `asyncio.gather`, unbounded",
     "openai+priority": "`AsyncOpenAI`, unbounded, `priority` 0 for shorts, 1 for longs",
@@ -138,6 +176,10 @@ ABOUT = {
     "litellm+retries": f"LiteLLM `Router`, `num_retries={LITELLM_RETRIES}` + `RetryPolicy`, no cap",
     f"litellm+retries+cap{CAP}": f"LiteLLM `Router`, retries as above, "
     f"`max_parallel_requests={CAP}`",
+    f"litellm+scheduler+cap{2 * MAX_NUM_SEQS}": "LiteLLM `Router` with its request "
+    "prioritization scheduler as its docs set it (`polling_interval=0.03`, `simple-shuffle`), "
+    f"`max_parallel_requests={2 * MAX_NUM_SEQS}` (2x max_num_seqs), retries as above, `priority` "
+    "0 for shorts and 1 for longs",
 }
 
 
@@ -152,6 +194,7 @@ class Leg:
     call: Call
     info: Callable[[], dict[str, Any]] = dict
     batch: Callable[[list[Request]], Awaitable[tuple[list[Outcome], float]]] | None = None
+    stream: Call | None = None  # the serving workload: streamed, TTFT timed
 
 
 @contextlib.asynccontextmanager
@@ -191,10 +234,23 @@ async def dsclient_leg(url: str) -> AsyncIterator[Leg]:
                 )
             return outcomes, makespan
 
+        async def stream(request: Request) -> Outcome:
+            loop = asyncio.get_running_loop()
+            begun, ttft = loop.time(), None
+            async with client.stream(
+                request.prompt, max_tokens=request.max_tokens, ignore_eos=True
+            ) as answer:
+                async for delta in answer:
+                    if delta and ttft is None:
+                        ttft = loop.time() - begun
+            outcome = Outcome(request.kind, 0.0, 0.0, lane=answer.lane)
+            outcome.ttft, outcome.tokens = ttft, request.max_tokens
+            return outcome
+
         def info() -> dict[str, Any]:
             return {**client_facts(client), "limit_samples": spread(limits)}
 
-        yield Leg(call, info, batch)
+        yield Leg(call, info, batch, stream)
 
 
 @contextlib.asynccontextmanager
@@ -222,7 +278,30 @@ async def openai_leg(url: str, cap: int | None, priority: bool = False) -> Async
                 async with gate:
                     await send(request)
 
-        yield Leg(call, lambda: {"semaphore": cap, "priority": priority})
+        async def streamed(request: Request) -> Outcome:
+            loop = asyncio.get_running_loop()
+            begun, ttft = loop.time(), None
+            body: dict[str, Any] = {"ignore_eos": True}
+            if priority:
+                body["priority"] = PRIORITY[request.kind]
+            async with contextlib.AsyncExitStack() as stack:
+                if gate is not None:
+                    await stack.enter_async_context(gate)
+                chunks = await client.completions.create(
+                    model=MODEL,
+                    prompt=request.prompt,
+                    max_tokens=request.max_tokens,
+                    stream=True,
+                    extra_body=body,
+                )
+                async for chunk in chunks:
+                    if ttft is None and chunk.choices and chunk.choices[0].text:
+                        ttft = loop.time() - begun
+            outcome = Outcome(request.kind, 0.0, 0.0)
+            outcome.ttft, outcome.tokens = ttft, request.max_tokens
+            return outcome
+
+        yield Leg(call, lambda: {"semaphore": cap, "priority": priority}, stream=streamed)
 
 
 def litellm_model_list(url: str, cap: int | None) -> list[dict[str, Any]]:
@@ -257,7 +336,7 @@ def litellm_retry_policy(retries: int = LITELLM_RETRIES) -> dict[str, int]:
 
 
 @contextlib.asynccontextmanager
-async def litellm_leg(url: str, cap: int | None) -> AsyncIterator[Leg]:
+async def litellm_leg(url: str, cap: int | None, scheduler: bool = False) -> AsyncIterator[Leg]:
     # The cost map is fetched from the network at import unless this is set (none here).
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     import litellm
@@ -270,18 +349,31 @@ async def litellm_leg(url: str, cap: int | None) -> AsyncIterator[Leg]:
         num_retries=LITELLM_RETRIES,
         retry_policy=RetryPolicy(**litellm_retry_policy()),
         timeout=TIMEOUT_S,
+        **litellm_scheduler_settings(scheduler),
     )
 
     async def call(request: Request) -> None:
+        extra = {"priority": PRIORITY[request.kind]} if scheduler else {}
         await router.atext_completion(
             model=MODEL,
             prompt=request.prompt,
             max_tokens=request.max_tokens,
             ignore_eos=True,
+            **extra,
         )
 
     version = getattr(litellm, "version", None) or _version("litellm")
-    yield Leg(call, lambda: {"max_parallel_requests": cap, "litellm": version})
+    yield Leg(
+        call, lambda: {"max_parallel_requests": cap, "litellm": version, "scheduler": scheduler}
+    )
+
+
+def litellm_scheduler_settings(scheduler: bool) -> dict[str, Any]:
+    """The Router settings LiteLLM's request-prioritization docs give (docs/scheduler): poll the
+    queue every 30 ms, ``simple-shuffle`` routing (their recommendation for speed)."""
+    if not scheduler:
+        return {}
+    return {"polling_interval": 0.03, "routing_strategy": "simple-shuffle"}
 
 
 @contextlib.asynccontextmanager
@@ -332,6 +424,8 @@ def leg(name: str, url: str) -> contextlib.AbstractAsyncContextManager[Leg]:
         return litellm_leg(url, None)
     if name.startswith("litellm+retries+cap"):
         return litellm_leg(url, int(name.removeprefix("litellm+retries+cap")))
+    if name.startswith("litellm+scheduler+cap"):
+        return litellm_leg(url, int(name.removeprefix("litellm+scheduler+cap")), scheduler=True)
     raise ValueError(f"unknown client {name!r}")
 
 
@@ -375,6 +469,49 @@ def latency_figures(outcomes: Sequence[Outcome], kind: str) -> dict[str, Any]:
     return row
 
 
+def serving_row(outcomes: Sequence[Outcome], makespan: float, slo: Slo) -> dict[str, Any]:
+    """Makespan, failures, and per lane TTFT and TPOT p50 / p95 / p99 and goodput at ``slo``
+    over the makespan (the benchmark's duration, as ``vllm bench serve`` takes it)."""
+    timed = [
+        Timed(
+            o.kind,
+            o.error is None,
+            o.ttft,
+            o.latency if o.latency is not None else 0.0,
+            o.tokens or 0,
+        )
+        for o in outcomes
+    ]
+    return {
+        "makespan_s": round(makespan, 2),
+        "requests": len(outcomes),
+        "failures": sum(o.error is not None for o in outcomes),
+        **serving_figures(timed, slo, makespan),
+    }
+
+
+def serving_requests(
+    seed: int, args: argparse.Namespace, per_word: float
+) -> tuple[list[Request], list[tuple[int, int]]]:
+    """Poisson arrivals at ``--serving-rate`` for ``--serving-seconds`` (from ``--seed``: the
+    same in every run), each with lognormal lengths (from ``--seed`` too: the same spread in
+    every run and leg) and fresh words (from ``seed``). Prompts are sized with the server's
+    tokens per word, so their token counts are near, not at, the drawn ones."""
+    times = random.Random(args.seed)
+    arrivals = []
+    t = times.expovariate(args.serving_rate)
+    while t < args.serving_seconds:
+        arrivals.append(t)
+        t += times.expovariate(args.serving_rate)
+    lengths = lognormal_lengths(args.seed, len(arrivals))
+    text = random.Random(seed)
+    requests = [
+        Request(lane_of(prompt, out), at, words(text, max(1, round(prompt / per_word))), out)
+        for at, (prompt, out) in zip(arrivals, lengths, strict=True)
+    ]
+    return requests, lengths
+
+
 def online_row(outcomes: list[Outcome], makespan: float) -> dict[str, Any]:
     """Makespan, failures, and short and long latency figures of an online leg."""
     return {
@@ -405,16 +542,60 @@ ONLINE_COLUMNS = (
 )
 
 
+SERVING_COLUMNS = (
+    report.Column("short TTFT p50 s", "short_ttft_p50_s", 3),
+    report.Column("short TTFT p95 s", "short_ttft_p95_s", 3),
+    report.Column("short TTFT p99 s", "short_ttft_p99_s", 3),
+    report.Column("short TPOT p50 ms", "short_tpot_p50_ms", 1),
+    report.Column("short TPOT p95 ms", "short_tpot_p95_ms", 1),
+    report.Column("long TTFT p95 s", "long_ttft_p95_s", 3),
+    report.Column("long TTFT p99 s", "long_ttft_p99_s", 3),
+    report.Column("long TPOT p95 ms", "long_tpot_p95_ms", 1),
+    report.Column("goodput req/s", "goodput_rps", 2),
+    report.Column("good", "good", 0),
+    report.Column("makespan s", "makespan_s", 1),
+    report.Column("failures", "failures", 0),
+)
+
+
+def _in_ms(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """TPOT in milliseconds for the table (kept in seconds in the file)."""
+    out = []
+    for row in rows:
+        extra = {
+            key.replace("_s", "_ms"): None if row[key] is None else row[key] * 1000
+            for key in row
+            if "_tpot_" in key and key.endswith("_s")
+        }
+        out.append({**row, **extra})
+    return out
+
+
 def render(records: Sequence[dict[str, Any]]) -> str:
-    """The section's tables: batch, then online, one line per leg (median and range over runs)."""
+    """The section's tables: batch, online, then serving, one line per leg (median and range
+    over runs), and the serving workload's drawn lengths."""
     record = report.latest(records)
     assert record is not None
     rows = record["rows"]
-    about = record.get("facts", {}).get("legs", ABOUT)
+    facts = record.get("facts", {})
+    about = facts.get("legs", ABOUT)
     parts = []
-    for workload, columns in (("batch", BATCH_COLUMNS), ("online", ONLINE_COLUMNS)):
+    for workload, columns in (
+        ("batch", BATCH_COLUMNS),
+        ("online", ONLINE_COLUMNS),
+        ("serving", SERVING_COLUMNS),
+    ):
         mine = report.select(rows, workload=workload)
-        if mine:
+        if not mine:
+            continue
+        if workload == "serving":
+            slo = next((r.get("slo") for r in mine if r.get("slo")), GOODPUT)
+            title = f"**serving** (streamed; goodput at `--goodput {slo}`)"
+            parts.append(title + "\n\n" + report.leg_table(_in_ms(mine), columns, about=about))
+            if facts.get("serving_lengths"):
+                parts.append("Serving lengths drawn:\n\n"
+                             + distribution_text(facts["serving_lengths"]))  # fmt: skip
+        else:
             parts.append(f"**{workload}**\n\n" + report.leg_table(mine, columns, about=about))
     parts.append(report.conditions(record, records))
     return "\n\n".join(parts)
@@ -446,7 +627,20 @@ def headline(records: Sequence[dict[str, Any]]) -> list[report.Versus]:
                 found = report.ratios(rows, key, peer, workload=workload)
                 if found:
                     lines.append(report.Versus("headline", peer, column, found, label, workload))
-    for workload in ("batch", "online"):
+    serving = report.select(rows, workload="serving")
+    for peer in report.legs(serving):
+        if peer == "dsclient":
+            continue
+        for column, key, label, higher in (
+            ("short-request tail", "short_ttft_p95_s", "TTFT p95", False),
+            ("long-request tail", "long_ttft_p95_s", "TTFT p95", False),
+            ("other", "goodput_rps", "goodput (higher is better)", True),
+        ):
+            found = report.ratios(rows, key, peer, workload="serving")
+            if found:
+                lines.append(report.Versus("headline", peer, column, found, label, "serving",
+                                           higher_better=higher))  # fmt: skip
+    for workload in WORKLOADS:
         for peer in report.legs(report.select(rows, workload=workload)):
             if peer != "dsclient":
                 lines += report.failures(rows, "failures", peer, "headline", workload=workload)
@@ -493,22 +687,32 @@ def batch_requests(seed: int, n: int) -> list[Request]:
     return [short_request(rng, 0.0) for _ in range(n)]
 
 
-async def run_leg(url: str, plan: Plan, server_pgid: int | None) -> dict[str, Any]:
+async def run_leg(
+    url: str, plan: Plan, server_pgid: int | None, slo: Slo | None = None
+) -> dict[str, Any]:
     async with leg(plan.client, url) as client, engine_sampler(url) as engine:
         before = cpu_snapshot(server_pgid)
         if plan.workload == "batch" and client.batch is not None:
             outcomes, makespan = await client.batch(plan.requests)
+        elif plan.workload == "serving":
+            assert client.stream is not None, f"{plan.client} has no streamed leg"
+            outcomes, makespan = await execute(client.stream, plan.requests)
         else:
             outcomes, makespan = await execute(client.call, plan.requests)
         after = cpu_snapshot(server_pgid)
         details = client.info()
-    summary = batch_row if plan.workload == "batch" else online_row
+    if plan.workload == "serving":
+        figures = serving_row(outcomes, makespan, slo or parse_goodput(GOODPUT))
+    elif plan.workload == "batch":
+        figures = batch_row(outcomes, makespan)
+    else:
+        figures = online_row(outcomes, makespan)
     errors = sorted({o.error for o in outcomes if o.error})
     return {
         "workload": plan.workload,
         "run": plan.run,
         "client": plan.client,
-        **summary(outcomes, makespan),
+        **figures,
         **{f"engine_{key}": value for key, value in engine.items()},
         "cpu": cpu_split(before, after),
         "details": details,
@@ -556,7 +760,7 @@ async def bench(url: str, args: argparse.Namespace, record: Run) -> dict[str, An
     say("calibrating prompts with /tokenize ...")
     online_args = argparse.Namespace(
         seed=args.seed, online_seconds=args.online_seconds, burst=args.burst, burst_at=1.0,
-        batch=WARM_UP,
+        burst_window=args.burst_window, batch=WARM_UP,
     )  # fmt: skip
     async with dsclient.AsyncClient(url) as counter:
 
@@ -565,13 +769,25 @@ async def bench(url: str, args: argparse.Namespace, record: Run) -> dict[str, An
 
         per_word = [1.5]
         plans: list[Plan] = []
+        if "serving" in workloads:  # the server's tokens per word, before any prompt is sized
+            sample = words(random.Random(args.seed), 400)
+            per_word[0] = await count(sample) / 400
         for workload in workloads:
-            here = [n for n in names if workload == "online" or n not in ONLINE_ONLY]
+            if workload == "serving":
+                here = [n for n in names if n in SERVING_LEGS]
+            else:
+                here = [n for n in names if workload == "online" or n not in ONLINE_ONLY]
             for run in range(1, args.runs + 1):
                 for name in leg_order(here, run):
                     seed = args.seed + 7919 * (len(plans) + 1)
                     if workload == "batch":
                         requests = batch_requests(seed, args.batch)
+                    elif workload == "serving":
+                        requests, lengths = serving_requests(seed, args, per_word[0])
+                        if "serving_lengths" not in record.facts:
+                            drawn = distribution(lengths)
+                            record.fact("serving_lengths", drawn)
+                            say("serving lengths drawn:\n" + distribution_text(drawn))
                     else:
                         requests = await online_workload(
                             seed, online_args, count, per_word, args.rate
@@ -586,7 +802,7 @@ async def bench(url: str, args: argparse.Namespace, record: Run) -> dict[str, An
         kinds = {k: sum(r.kind == k for r in plan.requests) for k in ("short", "long")}
         say(f"{plan.workload} run {plan.run} {plan.client}: {kinds['short']} short, "
             f"{kinds['long']} long ...")  # fmt: skip
-        row = await run_leg(url, plan, server_pgid)
+        row = await run_leg(url, plan, server_pgid, args.goodput)
         say("  " + json.dumps({k: v for k, v in row.items() if k not in ("details", "outcomes")}))
         rows.append(row)
         record.add(leg=plan.client, run=plan.run, **kept_row(row))
@@ -629,11 +845,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rate", type=float, default=8.0, help="online short arrivals per second")
     parser.add_argument("--online-seconds", type=float, default=16.0)
     parser.add_argument("--burst", type=int, default=40, help="long requests in the online burst")
+    parser.add_argument(
+        "--burst-window", type=float, default=4.0, metavar="SECONDS",
+        help="the long requests arrive evenly over this window from t = 1 s (0: all at once)",
+    )  # fmt: skip
+    parser.add_argument("--serving-rate", type=float, default=4.0,
+                        help="serving workload: arrivals per second")  # fmt: skip
+    parser.add_argument("--serving-seconds", type=float, default=20.0)
+    parser.add_argument(
+        "--goodput", type=parse_goodput, default=parse_goodput(GOODPUT), metavar="ttft:MS,tpot:MS",
+        help="the serving workload's objectives, as vllm bench serve --goodput (default "
+        f"{GOODPUT})",
+    )  # fmt: skip
     parser.add_argument("--pause", type=float, default=2.0, help="idle seconds between legs")
     parser.add_argument("--seed", type=int, default=20261203)
     parser.add_argument("--url", help="use this running server instead of launching one"
                         " (it must run with --scheduling-policy priority)")  # fmt: skip
     parser.add_argument("--no-save", action="store_true", help="keep no results file (a try-out)")
+    parser.add_argument(
+        "--shared-cpus", action="store_true",
+        help="let the client share the server's CPUs (default: server on its own CPUs, client"
+        " on the first)",
+    )  # fmt: skip
     parser.add_argument(
         "--wait-for-others",
         type=float,
@@ -644,6 +877,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.runs, args.batch, args.online_seconds, args.burst = 1, 200, 8.0, 20
+        args.serving_seconds = 8.0
     for name in args.clients.split(","):
         if name not in STRATEGIES:
             parser.error(f"unknown client {name!r}")
@@ -652,7 +886,8 @@ def main(argv: list[str] | None = None) -> None:
     record = Run.begin(
         "headline",
         params={
-            **{k: v for k, v in vars(args).items() if k != "no_save"},
+            **{k: v for k, v in vars(args).items() if k not in ("no_save", "goodput")},
+            "goodput": args.goodput.text(),
             "max_num_seqs": MAX_NUM_SEQS,
             "max_model_len": MAX_MODEL_LEN,
             "server_args": list(SERVER_ARGS),
@@ -662,6 +897,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     record.fact("legs", {name: ABOUT[name] for name in args.clients.split(",")})
     started = time.monotonic()
+    placement = default_placement(apart=not args.shared_cpus)
     with tiny_vllm(
         args.url,
         max_num_seqs=MAX_NUM_SEQS,
@@ -669,16 +905,19 @@ def main(argv: list[str] | None = None) -> None:
         wait_s=args.wait_for_others,
         startup_timeout=STARTUP_TIMEOUT_S,
         extra_args=() if args.url else SERVER_ARGS,
+        placement=placement,
     ) as url:
+        record.fact("placement", placement_facts(placement, [server_group(url)]))
         others_at_start = {"busiest": busiest_processes(), "vllm": vllm_processes()}
         record.fact("busiest_at_start", others_at_start["busiest"])
         if len(others_at_start["vllm"]) > 1:
             record.note(f"{len(others_at_start['vllm'])} vLLM servers ran on the machine")
-        payload = asyncio.run(bench(url, args, record))
+        with contextlib.nullcontext() if args.no_save else record.kept_if_aborted():
+            payload = asyncio.run(bench(url, args, record))
     payload.update(
         machine=machine(),
         at_start=others_at_start,
-        args=vars(args),
+        args={**vars(args), "goodput": args.goodput.text()},
         wall_s=round(time.monotonic() - started, 1),
     )
     trace = write_results("headline", payload)

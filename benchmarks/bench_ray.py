@@ -28,6 +28,12 @@ rotates between runs:
   ``Map(_preprocess)`` stage ran one task at a time under Ray Data's resource budget and the
   8 actors had 1-2 batches in flight (``Tasks: 2; Actors: 8`` in Ray's progress log).
 
+* ``ray-gatherN`` for each N of ``--gather`` (16 = 2x ``max_num_seqs``, the headline's best
+  fixed semaphore): plain ``map_batches`` with a callable class, as Ray Data's docs write one,
+  on the same ``--actors`` actors as dsclient's legs; each batch is an ``asyncio.gather`` of
+  httpx POSTs behind a semaphore of ``N / actors``, so up to N requests are in flight over the
+  pool: Ray at its best without ``ray.data.llm``'s one-at-a-time processor.
+
 **Why Ray's processor has one request in flight per actor** (ray 2.60.0,
 ``ray/llm/_internal/batch/stages/http_request_stage.py``, ``HttpRequestUDF.udf``): the first loop
 builds ``request = session.post(...)`` for every row ("Create request but don't await it yet");
@@ -63,9 +69,12 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks import _report as report_
 from benchmarks._common import (
     ROOT,
+    default_placement,
     engine_sampler,
     machine,
+    placement_facts,
     say,
+    server_group,
     tiny_vllm,
     words,
     write_results,
@@ -182,6 +191,57 @@ def _ray_http_leg(
     return run
 
 
+def gather_split(in_flight: int, actors: int) -> int:
+    """Each actor's semaphore in the ``ray-gatherN`` leg: ``N`` in flight over the pool."""
+    return max(1, in_flight // max(1, actors))
+
+
+def _ray_gather_leg(
+    url: str, rows: list[dict[str, Any]], args: Any, in_flight: int
+) -> Callable[[], Any]:
+    """Plain Ray Data as its docs write a callable class for ``map_batches``, each batch sent as
+    an ``asyncio.gather`` of httpx POSTs behind a semaphore: ``in_flight`` over the pool (the
+    headline's best fixed setting is 2x max_num_seqs), ``--actors`` actors like dsclient's."""
+    actors = args.actors
+    per_actor = gather_split(in_flight, actors)
+    batch_size = min(args.batch_size, max(1, -(-len(rows) // actors)))
+
+    class Gather:
+        def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+            import httpx
+
+            async def send_all() -> list[str | None]:
+                gate = asyncio.Semaphore(per_actor)
+                limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+                async with httpx.AsyncClient(timeout=600.0, limits=limits) as http:
+
+                    async def one(prompt: str) -> str | None:
+                        body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                "ignore_eos": True}  # fmt: skip
+                        async with gate:
+                            try:
+                                answer = await http.post(url + "/v1/completions", json=body)
+                            except httpx.HTTPError as exc:
+                                return type(exc).__name__
+                        return None if answer.status_code == 200 else f"HTTP {answer.status_code}"
+
+                    return list(await asyncio.gather(*(one(str(p)) for p in batch["prompt"])))
+
+            errors = asyncio.run(send_all())
+            return {"id": batch["id"], "error": [e or "" for e in errors]}
+
+    def run() -> list[dict[str, Any]]:
+        import ray
+
+        ds = ray.data.from_items(rows, **blocks(args))
+        out = ds.map_batches(
+            Gather, concurrency=(actors, actors), batch_size=batch_size, num_cpus=1 / actors
+        )
+        return [{"id": int(r["id"]), "error": r["error"] or None} for r in out.take_all()]
+
+    return run
+
+
 async def _leg(name: str, url: str, run: Callable[[], Any], n: int) -> dict[str, Any]:
     say(f"  {name} ...")
     async with engine_sampler(url, every=0.2) as engine:
@@ -226,6 +286,7 @@ async def _run_once(url: str, args: Any, redis_url: str | None, index: int) -> d
         )
     legs += [(f"ray-http-qps{q}", _ray_http_leg(url, rows, args, q)) for q in args.qps]
     legs += [(f"ray-http-actors{w}", _ray_http_leg(url, rows, args, None, w)) for w in args.wide]
+    legs += [(f"ray-gather{g}", _ray_gather_leg(url, rows, args, g)) for g in args.gather]
     shift = index % len(legs)  # rotate the order between runs
     legs = legs[shift:] + legs[:shift]
     before = _uptime()
@@ -248,9 +309,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument(
         "--qps",
-        type=lambda s: [int(x) for x in s.split(",")],
+        type=lambda s: [int(x) for x in s.split(",") if x],
         default=[40],
-        help="Ray HTTP processor legs with --actors actors: qps, comma-separated (default 40)",
+        help="Ray HTTP processor legs with --actors actors: qps, comma-separated (default 40;"
+        " empty: none)",
     )
     parser.add_argument(
         "--wide",
@@ -258,7 +320,15 @@ def main() -> None:
         default=[8],
         help="Ray HTTP processor legs with this many actors and no qps (default 8)",
     )
+    parser.add_argument(
+        "--gather",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=[16],
+        help="map_batches legs: a callable class gathering each batch with this many in flight"
+        " over the --actors actors (default 16 = 2x max_num_seqs; empty: none)",
+    )
     parser.add_argument("--no-shared", action="store_true", help="leave out the Redis leg")
+    parser.add_argument("--no-save", action="store_true", help="keep no results file (a try-out)")
     parser.add_argument(
         "--blocks",
         type=int,
@@ -274,7 +344,12 @@ def main() -> None:
 
     record = Run.begin(
         "ray",
-        params={**vars(args), "max_num_seqs": 8, "max_tokens": MAX_TOKENS, "ray_num_cpus": 2},
+        params={
+            **{k: v for k, v in vars(args).items() if k != "no_save"},
+            "max_num_seqs": 8,
+            "max_tokens": MAX_TOKENS,
+            "ray_num_cpus": 2,
+        },
         peers=["ray"],
     )
     record.fact("legs", {
@@ -284,15 +359,24 @@ def main() -> None:
            for q in args.qps},
         **{f"ray-http-actors{w}": f"`ray.data.llm` HTTP processor, {w} actors, no qps"
            for w in args.wide},
+        **{f"ray-gather{g}": f"`map_batches` with a callable class, {args.actors} actors, each "
+           f"batch an `asyncio.gather` of httpx POSTs, {g} in flight over the pool"
+           for g in args.gather},
     })  # fmt: skip
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Ray's workers import dsclient from the venv; this checkout's `tests` (for redis_server)
     # is only needed in this process.
     sys.path.insert(0, str(ROOT))
+    placement = default_placement()
+    # vLLM on the server's CPUs; Redis and Ray's processes start after it, on the client's.
     with (
-        tiny_vllm(args.url, max_num_seqs=8, max_model_len=2048, wait_s=args.wait_for_others) as url,
+        tiny_vllm(
+            args.url, max_num_seqs=8, max_model_len=2048, wait_s=args.wait_for_others,
+            placement=placement,
+        ) as url,
         _redis() if not args.no_shared else _none() as redis_url,
     ):
+        record.fact("placement", placement_facts(placement, [server_group(url)]))
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             runs = [asyncio.run(_run_once(url, args, redis_url, i)) for i in range(args.runs)]
@@ -317,7 +401,7 @@ def main() -> None:
     for run in runs:
         for leg in run["legs"]:
             record.add(leg=leg["leg"], run=run["run"], **kept(leg))
-    say(f"results: {path}; kept: {record.save()}")
+    say(f"results: {path}" + ("" if args.no_save else f"; kept: {record.save()}"))
     for run in runs:
         say(f"run {run['run']}: {run['uptime_before']}")
         for leg in run["legs"]:
@@ -377,7 +461,8 @@ def headline(records: Sequence[dict[str, Any]]) -> list[report_.Versus]:
     return [
         report_.Versus("ray", peer, "makespan", found, "job")
         for peer in report_.legs(rows)
-        if peer.startswith("ray-http") and (found := report_.ratios(rows, "makespan_s", peer))
+        if peer.startswith(("ray-http", "ray-gather"))
+        and (found := report_.ratios(rows, "makespan_s", peer))
     ]
 
 

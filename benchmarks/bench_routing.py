@@ -1,6 +1,6 @@
 """Routing over two replicas, one slowed: dsclient vs client round-robin vs vllm-router.
 
-    flock /tmp/dsclient-vllm.lock python -m benchmarks routing             # 5 legs x 3 runs
+    flock /tmp/dsclient-vllm.lock python -m benchmarks routing             # 6 legs x 3 runs
     python -m benchmarks routing --legs round-robin,router-rr --runs 1      # some legs only
     python -m benchmarks routing --urls http://127.0.0.1:8000,http://127.0.0.1:8001
 
@@ -32,9 +32,17 @@ later):
   replicas with ``--policy round_robin`` / ``cache_aware`` with its load-balancing guide's
   settings (:data:`ROUTER_SETTINGS`) / ``power_of_two``, stopped after the leg. It is installed
   on first use into its own venv (``--router-venv``, default
-  ``~/.cache/dsclient/venvs/vllm-router``), never into the repo's. In these legs the background
-  goes through the router as well, so that the router sees that load (as dsclient sees it in the
-  slowed replica's ``/metrics``); the background's seed is the same in every leg.
+  ``~/.cache/dsclient/venvs/vllm-router``), never into the repo's. The background's seed is
+  the same in every leg.
+- ``router-cache+priority``: ``router-cache`` with every request carrying vLLM's ``priority``
+  (shorts 0, longs 1), which the replicas schedule by (``--scheduling-policy priority``, on both
+  replicas for every leg; dsclient sends it too, from the launch record).
+
+Since issue 43 the background goes straight to the slowed replica in every leg, routers' too
+(before, a router leg sent it through the router), and the long requests arrive evenly over
+``--long-window`` (5 s) rather than all at t = 0. Two replicas take one CPU each on the 2-core
+machine, so the client cannot have a CPU of its own here; the results file says so
+(``placement``).
 
 Measured per leg: makespan (from the leg's start until its last request ended), short-request
 latency p50 / p99 (from its arrival, so time queued on the client counts), failed requests,
@@ -78,15 +86,41 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _report as report_
-from benchmarks._common import gauge, machine, percentile, say, words, write_results
+from benchmarks._common import (
+    START_CPUS,
+    gauge,
+    machine,
+    percentile,
+    pin_process,
+    placement_facts,
+    say,
+    server_group,
+    words,
+    write_results,
+)
 from benchmarks._results import Run
 
-LEGS = ("dsclient", "round-robin", "router-rr", "router-cache", "router-p2")
+LEGS = (
+    "dsclient",
+    "round-robin",
+    "router-rr",
+    "router-cache",
+    "router-p2",
+    "router-cache+priority",
+)
 ROUTER_POLICY = {
     "router-rr": "round_robin",
     "router-cache": "cache_aware",
     "router-p2": "power_of_two",
+    "router-cache+priority": "cache_aware",
 }
+#: The replicas schedule by vLLM's ``priority`` field (lower first), as vLLM's docs set it up for
+#: clients that send it; a request without it has 0.
+REPLICA_ARGS = ("--scheduling-policy", "priority")
+#: vLLM's ``priority`` per request kind, for the router leg that sends it: shorts first.
+PRIORITY = {"short": 0, "long": 1}
+#: Router legs whose client sends ``priority`` in each body (through the router to the replica).
+SENDS_PRIORITY = ("router-cache+priority",)
 #: vllm-router's flags per policy beyond the defaults: its load-balancing guide's cache-aware
 #: settings (docs/load_balancing.md in vllm-project/router: "--cache-threshold 0.5
 #: --balance-abs-threshold 32 --balance-rel-threshold 1.1").
@@ -505,22 +539,32 @@ def unbounded_http() -> Any:
 RETRIES = 2
 
 
+def body_of(item: Item, priority: bool = False) -> dict[str, Any]:
+    """The completion body of ``item``; with ``priority``, vLLM's field by its kind."""
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": item.prompt,
+        "max_tokens": item.max_tokens,
+        "ignore_eos": True,
+    }
+    if priority:
+        body["priority"] = PRIORITY[item.kind]
+    return body
+
+
 async def post_completion(
-    http: Any, url: str, item: Item, retried: dict[str, int] | None = None
+    http: Any,
+    url: str,
+    item: Item,
+    retried: dict[str, int] | None = None,
+    *,
+    priority: bool = False,
 ) -> None:
     import httpx
 
     for attempt in range(RETRIES + 1):
         try:
-            response = await http.post(
-                url + "/v1/completions",
-                json={
-                    "model": MODEL,
-                    "prompt": item.prompt,
-                    "max_tokens": item.max_tokens,
-                    "ignore_eos": True,
-                },
-            )
+            response = await http.post(url + "/v1/completions", json=body_of(item, priority))
             break
         except httpx.TransportError as exc:
             if attempt == RETRIES:
@@ -580,7 +624,7 @@ async def sender(
             facts["router_url"] = url
 
             async def send_router(item: Item) -> None:
-                await post_completion(http, url, item, retried)
+                await post_completion(http, url, item, retried, priority=leg in SENDS_PRIORITY)
 
             yield send_router, facts
 
@@ -735,12 +779,12 @@ async def run_leg(
         unbounded_http() as http,
         sender(leg, urls, router) as (send, facts),
     ):
-        # A router leg sends the background through the router too, so that the router sees
-        # (and places) that load as dsclient sees it in the replica's /metrics; the others send
-        # it to the slowed replica. The same seed in every leg and run: the same background.
-        via_router = "router_url" in facts
+        # The background goes to the slowed replica directly in every leg, routers' included
+        # (each peer meets the same slowed replica; a router learns of that load only as
+        # dsclient does, from what the replica answers). The same seed in every leg and run.
+        via_router = False
         background = Background(
-            facts["router_url"] if via_router else urls[-1],
+            urls[-1],
             args.background,
             args.background_prompt,
             args.background_tokens,
@@ -799,7 +843,10 @@ def replicas(args: argparse.Namespace) -> Iterator[list[str]]:
         served_model_name=MODEL,
         dtype="float32",
         replicas=2,
-        extra_args=["--num-gpu-blocks-override", str(args.blocks), "--enable-prefix-caching"],
+        extra_args=[
+            "--num-gpu-blocks-override", str(args.blocks), "--enable-prefix-caching",
+            *REPLICA_ARGS,
+        ],
         startup_timeout=args.startup_timeout,
         progress=lambda m: say(f"[vllm] {m}"),
     )
@@ -923,8 +970,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--long-window",
         type=float,
-        default=0.0,
-        help="seconds over which long requests arrive (default 0: all at once)",
+        default=5.0,
+        help="seconds over which long requests arrive (0: all at once)",
     )
     p.add_argument("--blocks", type=int, default=96, help="KV blocks per replica (128 tokens each)")
     p.add_argument("--max-num-seqs", type=int, default=8)
@@ -937,6 +984,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pause", type=float, default=3.0, help="seconds between legs")
     p.add_argument("--router-venv", type=Path, default=ROUTER_VENV)
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--no-save", action="store_true", help="keep no results file (a try-out)")
     return p.parse_args(argv)
 
 
@@ -948,11 +996,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     record = Run.begin(
         "routing",
-        params={k: (os.fspath(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        params={k: (os.fspath(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                if k != "no_save"},
         versions={"vllm-router": router_version(args.router_venv) if router else None},
     )
     record.fact("legs", {leg: ABOUT[leg] for leg in args.legs if leg in ABOUT})
     with replicas(args) as urls:
+        # Two replicas take a CPU each on the 2-core machine: nothing is left for the client,
+        # which shares them (recorded as not apart); the replicas themselves are the launcher's.
+        pin_process(START_CPUS)
+        record.fact("placement", placement_facts(None, [server_group(u) for u in urls]))
         found = asyncio.run(run_all(urls, args, router, record))
     record.fact("cache", found["cache"])
     rows = found["rows"]
@@ -971,7 +1024,7 @@ def main(argv: list[str] | None = None) -> None:
     }  # fmt: skip
     path = write_results(f"routing-{time.strftime('%Y%m%d-%H%M%S')}", payload)
     print(report(rows, summary))
-    say(f"raw results: {path}; kept: {record.save()}")
+    say(f"raw results: {path}" + ("" if args.no_save else f"; kept: {record.save()}"))
 
 
 ABOUT = {
@@ -980,6 +1033,8 @@ ABOUT = {
     "router-rr": f"httpx, unbounded, through vllm-router {ROUTER_VERSION} `--policy round_robin`",
     "router-cache": f"the same, `--policy cache_aware {' '.join(ROUTER_SETTINGS['cache_aware'])}`",
     "router-p2": "the same, `--policy power_of_two`",
+    "router-cache+priority": "router-cache, each request sending vLLM's `priority` (shorts 0, "
+    "longs 1) to replicas scheduling by it",
 }
 
 TABLE = (

@@ -1,6 +1,6 @@
 """Four processes, one server: a shared budget in Redis against one process doing the same work.
 
-    python -m benchmarks shared                      # 3 runs x 4 legs, launches vLLM and Redis
+    python -m benchmarks shared                      # 3 runs x 5 legs, launches vLLM and Redis
     python -m benchmarks shared --requests 240 --runs 1
     python -m benchmarks shared --url http://127.0.0.1:8000 --redis redis://127.0.0.1:6379/0
     python -m benchmarks shared --cost               # CPU per request, shared= vs not (~1 min)
@@ -18,7 +18,9 @@ is ~20 words in and 64 tokens out with ``ignore_eos``. Legs, interleaved within 
   case the simulation puts at 5-8x the target);
 * ``four-static``: four processes without dsclient, each an ``asyncio.gather`` of httpx POSTs
   behind its own ``asyncio.Semaphore(max_num_seqs / 4)`` (6): the static split an operator
-  would configure by hand, the obvious control for a shared budget.
+  would configure by hand, the obvious control for a shared budget;
+* ``four-static-2x``: the same at twice the share (``max_num_seqs / 2`` each, 2x the batch in
+  all): the best fixed setting of the headline's semaphore sweep, the static split at its best.
 
 All processes of a leg start their map at the same wall-clock time. Legs run in an order that
 rotates between runs (each run starts one leg later). The conditions are recorded before the
@@ -65,9 +67,14 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks import _report as report_
 from benchmarks._common import (
     ROOT,
+    cpu_snapshot,
+    cpu_split,
+    default_placement,
     engine_sampler,
     machine,
+    placement_facts,
     say,
+    server_group,
     spread,
     tiny_vllm,
     words,
@@ -80,9 +87,13 @@ TARGET = math.ceil(0.5 * MAX_NUM_SEQS)  # the single client's target queue (queu
 TOKENS_OUT = 64
 PROMPT_WORDS = 20
 MAKESPAN_GOAL = 1.1
-LEGS = ("one", "four-shared", "four-own", "four-static")
+LEGS = ("one", "four-shared", "four-own", "four-static", "four-static-2x")
 #: Each ``four-static`` process's semaphore: an even split of the server's batch.
 STATIC_SPLIT = MAX_NUM_SEQS // 4
+#: Each static process's semaphore per leg: 1x and 2x the even split. The headline benchmark's
+#: best fixed semaphore is 2x max_num_seqs (a short queue at the server keeps the batch full),
+#: so the 2x split is the static split at its best.
+STATIC_SPLITS = {"four-static": STATIC_SPLIT, "four-static-2x": 2 * STATIC_SPLIT}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -98,6 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--cost", action="store_true", help="CPU per request only (mock server, real Redis)"
     )
+    p.add_argument("--no-save", action="store_true", help="keep no results file (a try-out)")
     p.add_argument("--rounds", type=int, default=5, help="--cost: interleaved rounds")
     p.add_argument(
         "--callgrind", action="store_true", help="--cost: in callgrind instructions instead"
@@ -308,9 +320,11 @@ async def leg(url: str, name: str, n: int, redis_url: str, seed: int, run: int) 
     count = 1 if name == "one" else 4
     sizes = [n // count + (1 if i < n % count else 0) for i in range(count)]
     shared = redis_url if name == "four-shared" else ""
-    static = STATIC_SPLIT if name == "four-static" else 0
+    static = STATIC_SPLITS.get(name, 0)
     start_at = time.time() + 6.0  # time to import dsclient, discover, take a first lease
     before = loadavg()
+    pgid = server_group(url)
+    cpu_before = cpu_snapshot(pgid)
     async with engine_sampler(url) as engine:
         procs = []
         for i, size in enumerate(sizes):
@@ -325,6 +339,7 @@ async def leg(url: str, name: str, n: int, redis_url: str, seed: int, run: int) 
                 )
             )
         outputs = await asyncio.gather(*(p.communicate() for p in procs))
+    cpu = cpu_split(cpu_before, cpu_snapshot(pgid))  # the workers were waited for: counted
     workers = []
     for proc, (stdout, _) in zip(procs, outputs, strict=True):
         if proc.returncode != 0:
@@ -344,6 +359,9 @@ async def leg(url: str, name: str, n: int, redis_url: str, seed: int, run: int) 
         "running_mean": engine.get("running_mean"),
         "load_before": before,
         "load_after": loadavg(),
+        "own_cores": cpu.get("own_cores"),  # this process and its worker processes
+        "server_cores": cpu.get("server_cores"),
+        "others_cores": cpu.get("others_cores"),
         "workers": workers,
     }
 
@@ -411,7 +429,7 @@ def leg_order(legs: Sequence[str], run: int) -> list[str]:
 def kept(row: dict[str, Any]) -> dict[str, Any]:
     """A leg's summary as :meth:`Run.add` keeps it (no per-worker detail)."""
     keys = ("processes", "makespan_s", "ok", "failed", "queue_p90", "queue_mean", "queue_max",
-            "running_mean")  # fmt: skip
+            "running_mean", "own_cores", "server_cores", "others_cores")  # fmt: skip
     return {key: row.get(key) for key in keys}
 
 
@@ -456,25 +474,31 @@ def main(argv: list[str] | None = None) -> None:
         return
     record = Run.begin(
         "shared",
-        params={**vars(args), "max_num_seqs": MAX_NUM_SEQS, "target_queue": TARGET,
-                "static_split": STATIC_SPLIT, "tokens_out": TOKENS_OUT},
+        params={**{k: v for k, v in vars(args).items() if k != "no_save"},
+                "max_num_seqs": MAX_NUM_SEQS, "target_queue": TARGET,
+                "static_split": STATIC_SPLIT, "static_splits": STATIC_SPLITS,
+                "tokens_out": TOKENS_OUT},
         peers=["httpx", "redis"],
     )  # fmt: skip
     record.fact("legs", ABOUT)
+    placement = default_placement()
+    # vLLM first, on the server's CPUs; Redis and the four clients start after, on the client's.
     with (
-        redis_at(args.redis) as redis_url,
         tiny_vllm(
-            args.url, max_num_seqs=MAX_NUM_SEQS, max_model_len=2048, wait_s=args.wait_for_others
+            args.url, max_num_seqs=MAX_NUM_SEQS, max_model_len=2048, wait_s=args.wait_for_others,
+            placement=placement,
         ) as url,
+        redis_at(args.redis) as redis_url,
     ):
-        rows = asyncio.run(run_all(url, redis_url, args, record))
+        record.fact("placement", placement_facts(placement, [server_group(url)]))
+        with contextlib.nullcontext() if args.no_save else record.kept_if_aborted():
+            rows = asyncio.run(run_all(url, redis_url, args, record))
     summary = summarize(rows)
     payload = {"machine": began, "ended": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args)}
     payload.update(target=TARGET, summary=summary, rows=rows)
     path = write_results("shared", payload)
     print(report(summary))
-    kept_path = record.save()
-    say(f"raw results: {path}; kept: {kept_path}")
+    say(f"raw results: {path}" + ("" if args.no_save else f"; kept: {record.save()}"))
 
 
 ABOUT = {
@@ -483,6 +507,8 @@ ABOUT = {
     "four-own": "the same four processes without `shared=`",
     "four-static": f"four processes, httpx behind `asyncio.Semaphore({STATIC_SPLIT})` each "
     "(max_num_seqs / 4), no dsclient",
+    "four-static-2x": f"four processes, httpx behind `asyncio.Semaphore({2 * STATIC_SPLIT})` each "
+    "(2 x max_num_seqs / 4: the best fixed share), no dsclient",
 }
 
 TABLE = (
@@ -510,7 +536,7 @@ def headline(records: Sequence[dict[str, Any]]) -> list[report_.Versus]:
         return []
     rows = record["rows"]
     lines = []
-    for peer in ("four-own", "four-static"):
+    for peer in ("four-own", "four-static", "four-static-2x"):
         for column, key, label in (
             ("makespan", "makespan_s", ""),
             ("other", "queue_p90", "server queue p90"),

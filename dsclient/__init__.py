@@ -15,6 +15,7 @@ from ._exceptions import (
     RequestRefused,
     ResponseTooLarge,
     ServerError,
+    ServerFault,
     TimeoutError,
     TransportError,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "Retry",
     "RoutingPolicy",
     "ServerError",
+    "ServerFault",
     "ServerInfo",
     "ServerView",
     "Stream",

@@ -5,13 +5,22 @@ Exception tree::
     DSClientError
     ├── TransportError            the request never got a complete answer
     │   ├── TimeoutError          the call's time ran out (waiting for a slot included)
+    │   │                         (also a builtin ``TimeoutError``)
     │   └── ConnectionError       connecting failed, or the connection dropped mid-body
+    │                             (also a builtin ``ConnectionError``, hence an ``OSError``)
     └── ServerError               the server answered, but not with a usable result
-        ├── RequestRefused        any non-2xx status (``status``, ``body`` kept)
+        ├── RequestRefused        an error status (``status``, ``body`` kept); itself: a 4xx,
+        │   │                     the server refused this request
         │   ├── Overloaded        429 / 503, or the client's own queue bound is full
-        │   └── ContextOverflow   prompt + max_tokens cannot fit the model's context
+        │   ├── ContextOverflow   prompt + max_tokens cannot fit the model's context
+        │   └── ServerFault       any other 5xx: the server failed on the request (retried)
         └── MalformedResponse     a 2xx whose body is not what the API promises
             └── ResponseTooLarge  a body (or one stream event) over the client's byte cap
+
+``except TimeoutError`` and ``except ConnectionError`` (the builtins, or ``OSError``) catch
+dsclient's own, as they catch asyncio's and aiohttp's: code written for any other client keeps
+working. ``except RequestRefused`` catches every error status; ``ServerFault`` says the status
+was the server's failure (a 500, a 502 from a gateway), not a refusal of what was asked.
 
 ``ContextOverflow`` is also raised *before* sending when dsclient can tell the prompt cannot fit.
 Programmer mistakes (bad arguments) stay ``ValueError`` / ``TypeError``.
@@ -23,6 +32,7 @@ fails its ``Content-Encoding`` all end in one of these (``tests/test_fuzz.py`` c
 
 from __future__ import annotations
 
+import builtins
 import json
 import re
 from typing import Any
@@ -41,6 +51,7 @@ __all__ = [
     "RequestRefused",
     "ResponseTooLarge",
     "ServerError",
+    "ServerFault",
     "TimeoutError",
     "TransportError",
     "context_overflow_from_response",
@@ -92,12 +103,19 @@ class TransportError(DSClientError):
     """The request did not get a complete answer from the server."""
 
 
-class TimeoutError(TransportError):
-    """The call's time budget ran out (client-side queueing included)."""
+class TimeoutError(TransportError, builtins.TimeoutError):
+    """The call's time budget ran out (client-side queueing included).
+
+    Also the builtin ``TimeoutError``, so ``except TimeoutError`` catches it without
+    importing dsclient's (as asyncio's and aiohttp's timeouts are builtin ones).
+    """
 
 
-class ConnectionError(TransportError):
-    """Connecting failed, or the connection dropped before the body was complete."""
+class ConnectionError(TransportError, builtins.ConnectionError):
+    """Connecting failed, or the connection dropped before the body was complete.
+
+    Also the builtin ``ConnectionError`` (an ``OSError``), as aiohttp's connection errors are.
+    """
 
 
 class ServerError(DSClientError):
@@ -136,12 +154,17 @@ def _size(n: int) -> str:
 
 
 class RequestRefused(ServerError):
-    """The server refused the request with a non-2xx status.
+    """The server answered with an error status: itself, a 4xx (it refused this request).
+
+    The base of every error status: :class:`Overloaded` (429 / 503), :class:`ContextOverflow`
+    and :class:`ServerFault` (another 5xx, the server's own failure) are ones too.
 
     ``status`` is the HTTP status, ``body`` the (possibly truncated) response text,
     ``message`` the server's own message when the body had one, and ``retry_after`` the wait the
     server asked for (``Retry-After`` / ``retry-after-ms``), in seconds, if any.
     """
+
+    _what = "server refused the request"  # how the message opens; ServerFault's differs
 
     def __init__(
         self,
@@ -155,7 +178,18 @@ class RequestRefused(ServerError):
         self.retry_after = retry_after
         self.body = body[:_BODY_KEEP]
         self.message = message if message is not None else _server_message(body)
-        super().__init__(f"server refused the request: HTTP {status}: {self.message}")
+        super().__init__(f"{self._what}: HTTP {status}: {self.message}")
+
+
+class ServerFault(RequestRefused):
+    """The server failed on the request: a 5xx other than 503 (a 500, a gateway's 502 / 504).
+
+    Not a refusal of what was asked: the same request may well succeed on a retry, so calls
+    retry it (budget permitting). ``status``, ``body`` and ``message`` are kept as for any
+    error status.
+    """
+
+    _what = "server error"
 
 
 class Overloaded(RequestRefused):
@@ -376,6 +410,8 @@ def _refusal(status: int, body: str, headers: httpx.Headers) -> RequestRefused:
     retry_after = parse_retry_after_header(headers)
     if status in (429, 503):
         return Overloaded(status, body, retry_after=retry_after)
+    if status >= 500:
+        return ServerFault(status, body, retry_after=retry_after)
     return RequestRefused(status, body, retry_after=retry_after)
 
 

@@ -15,16 +15,16 @@ the ``httpx2`` package, the API-compatible fork openai 3.x is built on, and send
   (``httpx.AsyncHTTPTransport``) under trio, which aiohttp does not run on.
 * dsclient's own calls skip httpx's objects on it: :meth:`AiohttpTransport.post` takes the URL,
   headers and body as they are, sends them over dsclient's own HTTP/1.1 connections
-  (:mod:`dsclient._wire`, about a third of aiohttp's CPU per request) unless a proxy is set in
-  the environment, and gives a 2xx answer within the cap back read (:class:`Read`); every other
-  answer is an ``httpx.Response`` as from any transport. Streams and the requests of other SDKs
-  go over aiohttp.
-* ``AsyncClient(http_stack="httpx2")`` asks for httpx2's own pool; ``"httpx"`` for httpx 0.29's
-  (the default before; the ``httpx`` package must be installed). Either is a choice, never the
-  default.
+  (:mod:`dsclient._wire`: httptools' parser, about half of aiohttp's CPU per request) unless a
+  proxy in the environment applies to the URL or httptools is not installed, and gives a 2xx
+  answer within the cap back read (:class:`Read`); every other answer is an ``httpx.Response``
+  as from any transport. Streams and the requests of other SDKs go over aiohttp.
+* ``AsyncClient(http_stack="httpx2")`` asks for httpx2's own pool: a choice, never the default.
 * A transport of the ``httpx`` package (``httpx.MockTransport`` in a caller's tests) still works:
   :func:`adapt_transport` wraps it so that its requests, answers and errors cross between the two
   packages.
+* :data:`READ_TIMEOUT_S` is every request's default read timeout: the longest wait for the next
+  byte of an answer.
 
 Errors: the transport turns aiohttp's exceptions into httpx's (``ConnectError``, ``ReadError``,
 ``ConnectTimeout``, ``RemoteProtocolError``), as httpx's own transports turn httpcore's; dsclient's
@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import ssl
 import sys
+import urllib.parse
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
 from typing import Any
@@ -44,10 +45,12 @@ from typing import Any
 import httpx2 as httpx
 import sniffio
 
+from . import _wire
 from ._wire import Read, Wire
 
 __all__ = [
     "HTTP_STACKS",
+    "READ_TIMEOUT_S",
     "AiohttpTransport",
     "HttpStack",
     "RawHeaders",
@@ -65,7 +68,13 @@ RawHeaders = tuple[tuple[bytes, bytes], ...]
 #: httpx's ``timeout`` extension: ``{"connect": 10.0, "read": None, ...}``.
 Timeouts = dict[str, float | None]
 #: The stacks ``AsyncClient(http_stack=...)`` takes; the first is the default.
-HTTP_STACKS = ("aiohttp", "httpx2", "httpx")
+HTTP_STACKS = ("aiohttp", "httpx2")
+#: Seconds a request waits at most for the next byte of its answer (not for the whole of it),
+#: unless the client says otherwise. A completion that is not streamed sends nothing until its
+#: last token, so this is as long as the slowest whole generation it must let through: 4,096
+#: tokens at 15 a second (a loaded server, a large model) take 273 s. A server that hangs is
+#: then let go after 5 minutes, where only the call's timeout (600 s, or none) bounded it.
+READ_TIMEOUT_S = 300.0
 
 
 def transport_for(stack: HttpStack, transport: Any = None) -> httpx.AsyncBaseTransport:
@@ -84,7 +93,9 @@ def transport_for(stack: HttpStack, transport: Any = None) -> httpx.AsyncBaseTra
 
 def default_transport(stack: HttpStack = "aiohttp") -> httpx.AsyncBaseTransport:
     """The transport of ``stack``: ``"aiohttp"`` (aiohttp's pool under asyncio, httpx2's under
-    trio), ``"httpx2"`` (httpx2's pool), ``"httpx"`` (httpx 0.29's pool, adapted).
+    trio), ``"httpx2"`` (httpx2's pool).
+
+        transport = default_transport("httpx2")
 
     The pool is unbounded: dsclient's governor is the only concurrency limit.
 
@@ -95,11 +106,6 @@ def default_transport(stack: HttpStack = "aiohttp") -> httpx.AsyncBaseTransport:
         return AiohttpTransport()
     if stack == "httpx2":
         return httpx.AsyncHTTPTransport(limits=_LIMITS)
-    if stack == "httpx":
-        import httpx as legacy
-
-        limits = legacy.Limits(max_connections=None, max_keepalive_connections=512)
-        return adapt_transport(legacy.AsyncHTTPTransport(limits=limits))
     raise ValueError(f"http_stack must be one of {', '.join(HTTP_STACKS)}; got {stack!r}")
 
 
@@ -128,9 +134,13 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         self._headers: dict[RawHeaders, tuple[Any, tuple[str, ...] | None]] = {}
         self._fallback: httpx.AsyncBaseTransport | None = None
         self._closed = False
-        #: dsclient's own connections for :meth:`post` (made on first use); ``False``: a proxy
-        #: is set in the environment, and every request goes through aiohttp's pool.
+        #: dsclient's own connections for :meth:`post` (made on first use); ``False``: not
+        #: installed (httptools), and every request goes through aiohttp's pool.
         self._wire: Wire | bool | None = None
+        #: The proxies set in the environment (``None``: not read yet), and for each URL sent
+        #: to whether it goes over the wire (no proxy applies to it).
+        self._proxies: dict[str, str] | None = None
+        self._direct_urls: dict[str, bool] = {}
 
     @property
     def ssl_context(self) -> ssl.SSLContext:
@@ -155,7 +165,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             timeout=aiohttp.ClientTimeout(total=None),
             # Proxies from the environment (HTTP_PROXY, NO_PROXY), as httpx's own pool takes
             # them; read per request only where one is set.
-            trust_env=bool(urllib.request.getproxies()),
+            trust_env=bool(self._environment_proxies()),
         )
         return self._session
 
@@ -218,8 +228,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         and kept.
 
         With ``read_up_to`` (an answer to be read whole: not a stream), the request goes over
-        dsclient's own HTTP/1.1 connections (:class:`dsclient._wire.Wire`), which cost about a
-        third of aiohttp's CPU per request, unless a proxy is set in the environment.
+        dsclient's own HTTP/1.1 connections (:class:`dsclient._wire.Wire`), which cost about
+        half of aiohttp's CPU per request, unless a proxy in the environment applies to ``url``
+        (``NO_PROXY`` alone sets none) or httptools is not installed.
 
         Parameters:
             read_up_to: read a 2xx answer here and give it back whole (:class:`Read`, its
@@ -237,10 +248,11 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         if read_up_to is not None:
             wire = self._wire
             if wire is None:
-                wire = self._wire = (
-                    False if urllib.request.getproxies() else Wire(lambda: self.ssl_context)
-                )
-            if wire is not False and Wire.takes(url):
+                wire = self._wire = _wire.AVAILABLE and Wire(lambda: self.ssl_context)
+            direct = self._direct_urls.get(url)
+            if direct is None:
+                direct = self._goes_direct(url)
+            if direct and wire is not False:
                 assert isinstance(wire, Wire)
                 bounds = timeout or {}
                 return wire.post(
@@ -252,6 +264,28 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                     read_up_to=read_up_to,
                 )
         return self._post(url, headers, content, timeout, read_up_to)
+
+    def _environment_proxies(self) -> dict[str, str]:
+        """The proxies the environment sets (``HTTP_PROXY``, ``ALL_PROXY``, ...), read once.
+        ``NO_PROXY`` alone sets none: it only says where the others do not apply."""
+        if self._proxies is None:
+            found = urllib.request.getproxies()
+            self._proxies = {k: v for k, v in found.items() if k != "no" and v}
+        return self._proxies
+
+    def _goes_direct(self, url: str) -> bool:
+        """Whether ``url`` may go over the wire: one it takes, with no proxy that applies."""
+        direct = Wire.takes(url)
+        proxies = self._environment_proxies()
+        if direct and proxies:
+            scheme = url.split("://", 1)[0]
+            if scheme in proxies or "all" in proxies:
+                host = urllib.parse.urlsplit(url).hostname or ""
+                direct = bool(urllib.request.proxy_bypass(host))
+        if len(self._direct_urls) >= 256:  # a few per server; bound it anyway
+            self._direct_urls.clear()
+        self._direct_urls[url] = direct
+        return direct
 
     async def _post(
         self,

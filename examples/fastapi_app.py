@@ -1,6 +1,6 @@
 """A FastAPI service in front of a vLLM server, through ONE shared ``dsclient.AsyncClient``.
 
-    pip install dsclient fastapi uvicorn
+    pip install . fastapi uvicorn  # in your copy of dsclient (no PyPI release yet)
     DSCLIENT_URL=http://127.0.0.1:8000 uvicorn examples.fastapi_app:app --port 9000
     curl -s localhost:9000/generate -H 'content-type: application/json' \\
          -d '{"prompt": "The capital of France is", "max_tokens": 16}'

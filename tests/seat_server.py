@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -48,7 +49,7 @@ from typing import Any
 
 from aiohttp import web
 
-__all__ = ["SeatServer", "Shape"]
+__all__ = ["Leg", "SeatServer", "Shape", "run_leg"]
 
 MODEL = "sim"
 MAX_MODEL_LEN = 8192
@@ -79,7 +80,12 @@ class Shape:
         if self.per_token:
             out.append("--per-token")
         if self.step_ms is not None:
-            out += ["--step-ms", repr(self.step_ms), "--step-per-seq-ms", repr(self.step_per_seq_ms)]
+            out += [
+                "--step-ms",
+                repr(self.step_ms),
+                "--step-per-seq-ms",
+                repr(self.step_per_seq_ms),
+            ]
         if self.cap is not None:
             out += ["--cap", str(self.cap)]
         if not self.context:
@@ -142,7 +148,7 @@ class _Engine:
         try:
             seconds = shape.service * (tokens if shape.per_token else 1)
             if shape.noise > 0:
-                seconds *= self.rng.lognormvariate(-shape.noise**2 / 2, shape.noise)
+                seconds *= self.rng.lognormvariate(-(shape.noise**2) / 2, shape.noise)
             self.running_peak = max(self.running_peak, self.running)
             await asyncio.sleep(seconds)
         finally:
@@ -179,7 +185,7 @@ class _Engine:
                 continue
             step = shape.step_ms + shape.step_per_seq_ms * len(self.stepping)
             if shape.noise > 0:
-                step *= self.rng.lognormvariate(-shape.noise**2 / 2, shape.noise)
+                step *= self.rng.lognormvariate(-(shape.noise**2) / 2, shape.noise)
             await asyncio.sleep(step / 1000)
             for fut in list(self.stepping):
                 left = self.stepping[fut] - 1
@@ -220,7 +226,6 @@ class _Engine:
             "busy_s": len(samples) * _SAMPLE_S,
             "since_s": time.monotonic() - self.started,
         }
-
 
 
 def _rank(ordered: list[int], pct: float) -> int:
@@ -388,10 +393,66 @@ def main(argv: list[str] | None = None) -> None:
         seed=a.seed,
         context=not a.no_context,
     )
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_main(shape, a.port))
-    except KeyboardInterrupt:
-        pass
+
+
+@dataclass
+class Leg:
+    """What one leg measured (:func:`run_leg`)."""
+
+    makespan: float
+    steady: float  # calls a second over the second half of the batch
+    urgent: list[float]
+    stats: dict[str, object]
+    reason: str
+    errors: int
+
+
+async def run_leg(
+    server: SeatServer, n: int, *, urgent_every: float | None, **options: object
+) -> Leg:
+    """``n`` calls of 4 tokens at once through a fresh ``dsclient.AsyncClient(server.url,
+    **options)``, and one call of the highest urgency every ``urgent_every`` seconds while they
+    run; the server's own counts are reset after a first call, and read at the end."""
+    import dsclient
+
+    async with dsclient.AsyncClient(server.url, **options) as client:  # type: ignore[arg-type]
+        await client.generate("warm", max_tokens=4)
+        server.reset()
+        done_at: list[float] = []
+        urgent: list[float] = []
+        finished = asyncio.Event()
+        errors = 0
+
+        async def one(i: int) -> None:
+            nonlocal errors
+            try:
+                await client.generate(f"prompt {i}", max_tokens=4)
+            except dsclient.DSClientError:
+                errors += 1
+            done_at.append(time.monotonic())
+
+        async def urgent_calls() -> None:
+            assert urgent_every is not None
+            while not finished.is_set():
+                await asyncio.sleep(urgent_every)
+                if finished.is_set():
+                    return
+                t = time.monotonic()
+                await client.generate("urgent", max_tokens=4, urgency=10)
+                urgent.append(time.monotonic() - t)
+
+        t0 = time.monotonic()
+        side = asyncio.create_task(urgent_calls()) if urgent_every else None
+        await asyncio.gather(*(one(i) for i in range(n)))
+        makespan = time.monotonic() - t0
+        finished.set()
+        if side is not None:
+            await side
+        half = t0 + makespan / 2
+        steady = sum(1 for t in done_at if t >= half) / (makespan / 2)
+        return Leg(makespan, steady, urgent, server.stats(), client.stats().control.reason, errors)
 
 
 class SeatServer:
@@ -425,7 +486,7 @@ class SeatServer:
             text=True,
             env=env,
             cwd=root,
-            preexec_fn=pin if cpus else None,  # noqa: PLW1509
+            preexec_fn=pin if cpus else None,
         )
         assert self._proc.stdout is not None
         line = self._proc.stdout.readline()
@@ -450,7 +511,9 @@ class SeatServer:
     def _call(self, method: str, path: str) -> dict[str, Any]:
         import urllib.request
 
-        request = urllib.request.Request(self.url + path, method=method, data=b"" if method == "POST" else None)
+        request = urllib.request.Request(
+            self.url + path, method=method, data=b"" if method == "POST" else None
+        )
         with urllib.request.urlopen(request, timeout=10) as answer:
             out: dict[str, Any] = json.loads(answer.read())
             return out

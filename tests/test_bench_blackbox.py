@@ -215,3 +215,82 @@ def test_each_server_shows_the_newest_invocation_that_ran_it():
     text = render([older, newer])
     assert "transformers: From" in text and "commit `def`" in text
     assert "vllm-priority: From" in text and "commit `abc`" in text
+
+
+def test_the_server_queue_comes_from_the_engine_side_and_is_none_where_there_is_none():
+    from benchmarks._common import engine_summary
+    from benchmarks.bench_blackbox import server_queue
+
+    sampled = engine_summary([(8.0, 0.0), (8.0, 3.0), (8.0, 12.0), (6.0, 1.0)])
+    assert server_queue(sampled) == {"queue_p90": 12.0, "queue_max": 12.0, "running_mean": 7.5}
+    assert server_queue({}) == {"queue_p90": None, "queue_max": None, "running_mean": None}
+
+
+def test_the_table_has_the_server_queue_and_both_sides_cpu_and_three_runs_by_default():
+    import inspect
+
+    from benchmarks import bench_blackbox
+
+    rows = [
+        {**r, "queue_p90": 4.0, "queue_max": 9.0, "own_cores": 0.3, "server_cores": 0.9}
+        for r in ROWS
+    ]
+    text = render([{**record(), "rows": rows}])
+    assert "server queue p90 | queue peak |" in text and "client cores | server cores |" in text
+    assert "| 4 | 9 |" in text
+    assert '"--runs", type=int, default=3' in inspect.getsource(bench_blackbox.main)
+
+
+def test_server_group_finds_a_local_server_by_the_port_in_its_command_line():
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks._common import server_group
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)", "--port", "65531"],
+        start_new_session=True,
+    )
+    try:
+        time.sleep(0.2)
+        assert server_group("http://127.0.0.1:65531") == os.getpgid(child.pid)
+        assert server_group("http://127.0.0.1:65532") is None
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_server_group_prefers_the_process_that_holds_the_listening_socket():
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks._common import listening_pid, server_group
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    listen = (
+        "import socket, time\ns = socket.socket()\n"
+        f"s.bind(('127.0.0.1', {port}))\ns.listen()\ntime.sleep(30)"
+    )
+    server = subprocess.Popen([sys.executable, "-c", listen], start_new_session=True)
+    # A decoy naming the same port in its command line, as a failed second server would.
+    decoy = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)", "--port", str(port)],
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while listening_pid(port) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert listening_pid(port) == server.pid
+        assert server_group(f"http://127.0.0.1:{port}") == os.getpgid(server.pid)
+    finally:
+        for child in (server, decoy):
+            child.kill()
+            child.wait()

@@ -68,3 +68,34 @@ def test_a_leg_that_fails_gives_its_own_error() -> None:
     and the run goes on."""
     got = bench._paired(["aiohttp"], "http://127.0.0.1:9", 10, 2, timeout=60, repeat=2)
     assert "Connect" in " ".join(got["aiohttp"]["error"])
+
+
+def test_dsclient_is_paired_with_the_baseline_commits_dsclient_and_judged_on_its_bounds() -> None:
+    rows = [
+        {"leg": "aiohttp", "rps": 1000.0, "run": 1, "n": 40, "concurrency": 4},
+        {"leg": "dsclient", "rps": 900.0, "run": 1, "n": 40, "concurrency": 4},
+        {"leg": bench.BASE, "rps": 950.0, "run": 1, "n": 40, "concurrency": 4},
+    ]
+    got = {
+        "aiohttp": _got((1.0, 1.0), (1.0, 1.0)),
+        "dsclient": _got((1.0, 0.6), (1.2, 0.8)),
+        bench.BASE: _got((1.0, 0.5), (1.0, 0.7)),
+    }
+    bench._pair(rows, got)  # type: ignore[arg-type]
+    ours = rows[1]
+    assert ours["base_cpu_ratio"] == pytest.approx(1.4 / 1.2)
+    assert ours["base_rate_ratio"] == pytest.approx(2.0 / 2.2)
+    assert "base_cpu_ratio" not in rows[2]  # the baseline is not paired with itself
+    assert any(f"of {bench.BASE} -> MISSED" in line for line in bench.goals(rows))
+
+
+def test_the_baseline_leg_imports_the_baseline_commits_dsclient(server: str) -> None:
+    with bench._checked_out("HEAD") as (tree, commit):
+        assert len(commit) == 40
+        bench.BASELINE_TREE = tree
+        try:
+            got = bench._paired([bench.BASE], server, 20, 2, timeout=120, repeat=1)
+        finally:
+            bench.BASELINE_TREE = ""
+    assert "error" not in got[bench.BASE], got[bench.BASE]
+    assert len(got[bench.BASE]["samples"]) == 1

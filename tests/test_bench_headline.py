@@ -207,3 +207,31 @@ def test_litellm_is_pointed_at_vllm_as_an_openai_compatible_deployment() -> None
     assert params["max_parallel_requests"] == 5
     (uncapped,) = litellm_model_list("http://127.0.0.1:8011", None)
     assert "max_parallel_requests" not in uncapped["litellm_params"]
+
+
+def test_litellm_scheduler_leg_is_set_up_as_its_docs_say_and_sends_priority() -> None:
+    from benchmarks.bench_headline import MAX_NUM_SEQS, litellm_scheduler_settings
+
+    name = f"litellm+scheduler+cap{2 * MAX_NUM_SEQS}"
+    assert name in STRATEGIES and "priority" in ABOUT[name]
+    assert litellm_scheduler_settings(True) == {
+        "polling_interval": 0.03,
+        "routing_strategy": "simple-shuffle",
+    }
+    assert litellm_scheduler_settings(False) == {}
+
+
+def test_the_client_cpu_counts_the_client_processes_it_waited_for() -> None:
+    import subprocess
+    import sys
+
+    from benchmarks._common import cpu_snapshot
+
+    before = CpuSnapshot(wall=100.0, machine=50.0, own=2.0, server=10.0, loadavg=1.0, children=1)
+    after = CpuSnapshot(wall=110.0, machine=68.0, own=3.0, server=19.0, loadavg=1.0, children=3)
+    split = cpu_split(before, after)
+    assert split["own_cores"] == 0.3 and split["others_cores"] == 0.6  # 1 s own + 2 s children
+    first = cpu_snapshot(None)
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+    subprocess.run([sys.executable, "-c", burn], check=True)  # a worker, waited for
+    assert cpu_snapshot(None).children - first.children >= 0.25

@@ -170,3 +170,21 @@ def test_every_kept_result_file_is_a_small_summary_with_its_conditions() -> None
             for key in ("started_utc", "code", "versions", "host", "load_before", "rows"):
                 assert key in record, f"{where} has no {key!r}"
             assert all("leg" in row and "run" in row for row in record["rows"]), where
+
+
+def test_an_aborted_run_is_kept_with_its_reason_and_never_counts_as_current(
+    tmp_path: Path,
+) -> None:
+    from benchmarks import _report as report
+
+    run = Run.begin("x", code=lambda: {"commit": "c" * 40, "dirty": False, "changed": []})
+    with pytest.raises(KeyboardInterrupt), run.kept_if_aborted(tmp_path):
+        raise KeyboardInterrupt  # before any row: nothing kept, as if it had not started
+    assert not (tmp_path / "x").exists()
+    run.add(leg="a", run=1, makespan_s=1.0)
+    with pytest.raises(RuntimeError), run.kept_if_aborted(tmp_path):
+        raise RuntimeError("the server died")
+    [kept] = load_records("x", tmp_path)
+    assert kept["facts"]["aborted"] == "RuntimeError: the server died"
+    assert kept["rows"][0]["leg"] == "a"
+    assert report.staleness(kept) == "the run was aborted (RuntimeError: the server died)"

@@ -276,3 +276,33 @@ def test_diagnostic_index_leg_builds_a_routing_policy_argument() -> None:
 
     policy = dsclient.RoutingPolicy(**DIAGNOSTIC_LEGS["dsclient-index"]["routing"])
     assert policy.index_blocks == 180
+
+
+def test_the_replicas_schedule_by_priority_and_one_router_leg_sends_it() -> None:
+    from benchmarks.bench_routing import (
+        ABOUT,
+        PRIORITY,
+        REPLICA_ARGS,
+        ROUTER_POLICY,
+        SENDS_PRIORITY,
+        Item,
+        body_of,
+    )
+
+    assert REPLICA_ARGS == ("--scheduling-policy", "priority")
+    assert SENDS_PRIORITY == ("router-cache+priority",) and set(SENDS_PRIORITY) <= set(LEGS)
+    assert ROUTER_POLICY["router-cache+priority"] == "cache_aware" and set(LEGS) <= set(ABOUT)
+    short = Item(0, "short", "hi", 16, 0.0, None)
+    long = Item(1, "long", "doc", 32, 0.0, 3)
+    assert "priority" not in body_of(short)
+    assert body_of(short, True)["priority"] == PRIORITY["short"] < body_of(long, True)["priority"]
+
+
+def test_the_background_goes_to_the_slowed_replica_in_every_leg() -> None:
+    import inspect
+
+    from benchmarks import bench_routing
+
+    source = inspect.getsource(bench_routing.run_leg)
+    assert "via_router = False" in source and 'facts["router_url"] if' not in source
+    assert bench_routing.parse_args([]).long_window == 5.0  # long arrivals over a window

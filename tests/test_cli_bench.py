@@ -654,3 +654,84 @@ def test_the_url_may_come_as_map_takes_it_or_not_at_all(capsys, monkeypatch):
     monkeypatch.setenv("DSCLIENT_URL", "http://127.0.0.1:9")
     assert main(["bench", "--step-seconds", "1"]) == 2
     assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
+
+
+# -- goodput (vllm bench serve --goodput) -----------------------------------------------------------
+
+
+def test_goodput_objectives_parse_as_vllm_bench_serve_takes_them():
+    from dsclient.cli.bench import Slo, parse_goodput
+
+    assert parse_goodput("ttft:500,tpot:50") == Slo(ttft_ms=500, tpot_ms=50)
+    assert parse_goodput("e2el:2000 TTFT:1.5") == Slo(ttft_ms=1.5, e2el_ms=2000)
+    assert parse_goodput("ttft:500,tpot:50").text() == "ttft:500,tpot:50"
+    for bad, match in (
+        ("ttft", "NAME:MS"),
+        ("itl:5", "NAME:MS"),
+        ("ttft:x", "not a number"),
+        ("ttft:1,ttft:2", "twice"),
+        ("", "at least one"),
+        ("ttft:-1", ">= 0"),
+        ("tpot:nan", ">= 0"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            parse_goodput(bad)
+
+
+def test_a_request_is_good_only_when_every_objective_holds_inclusively():
+    from dsclient.cli.bench import Slo
+    from dsclient.cli.bench.goodput import goodput_rps, vllm_tpot_s
+
+    slo = Slo(ttft_ms=500, tpot_ms=50)
+    # TPOT (1.5 - 0.5) / (21 - 1) = 50 ms: on the objective counts as met (vLLM's <=).
+    assert slo.met(ttft_s=0.5, latency_s=1.5, output_tokens=21)
+    assert not slo.met(ttft_s=0.5, latency_s=1.6, output_tokens=21)  # TPOT 55 ms
+    assert not slo.met(ttft_s=0.6, latency_s=0.7, output_tokens=2)  # TTFT 600 ms
+    # One token: TPOT is 0 for goodput (vLLM's rule), so only TTFT decides.
+    assert vllm_tpot_s(9.0, 0.1, 1) == 0.0 and slo.met(ttft_s=0.1, latency_s=9.0, output_tokens=1)
+    # No text at all: no TTFT, so a TTFT or TPOT objective is missed (vLLM would count 0).
+    assert not slo.met(ttft_s=None, latency_s=0.2, output_tokens=0)
+    assert Slo(e2el_ms=300).met(ttft_s=None, latency_s=0.3, output_tokens=0)
+    samples = [
+        (True, 0.5, 1.5, 21),  # good
+        (True, 0.5, 1.6, 21),  # TPOT missed
+        (False, 0.1, 0.2, 3),  # failed: never good
+        (True, 0.2, 0.26, 4),  # good: TPOT 20 ms
+    ]
+    assert goodput_rps(samples, slo, duration_s=4.0) == (2, 0.5)
+
+
+def test_summarize_step_adds_goodput_and_the_tails_only_with_objectives():
+    from dsclient.cli.bench import Slo
+
+    samples = [
+        RequestSample(ok=True, latency_s=0.5, ttft_s=0.1, output_tokens=5),  # TPOT 100 ms
+        RequestSample(ok=True, latency_s=0.2, ttft_s=0.1, output_tokens=5),  # TPOT 25 ms
+        RequestSample(ok=False, latency_s=0.01, error="HTTP 503"),
+    ]
+    plain = summarize_step(samples, index=0, duration_s=2.0, concurrency=2)
+    assert plain.goodput_rps is None and plain.good_requests is None
+    assert plain.tpot_p95_s == pytest.approx(0.09625)  # numpy's p95 of 25, 100 ms and plain.ttft_p95_s == pytest.approx(0.1)
+    good = summarize_step(samples, index=0, duration_s=2.0, concurrency=2, slo=Slo(tpot_ms=50))
+    assert (good.good_requests, good.goodput_rps) == (1, 0.5)
+
+
+def test_the_command_reports_goodput_per_step_and_records_the_objectives(tmp_path):
+    fake = FakeVllm(per_token=0.004)
+    code, out, err = go(
+        fake, *FAST, "--max-steps", "2", "--no-governor", "--goodput", "ttft:60000,tpot:60000",
+        "-o", str(tmp_path),
+    )  # fmt: skip
+    assert code == 0, err
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["settings"]["goodput"] == "ttft:60000,tpot:60000"
+    for s in report["steps"]:  # objectives nothing misses: every answer is good
+        assert s["good_requests"] == s["requests"] > 0
+        assert s["goodput_rps"] == pytest.approx(s["throughput_rps"], rel=0.01)
+    assert "good/s" in out and "goodput" in err
+    code, out, err = go(fake, *FAST, "--max-steps", "1", "--no-governor", "--goodput", "ttft:0")
+    assert code == 0, err
+    assert "good/s" in out and ", goodput 0 req/s (0 good)" in err  # nothing is that fast
+    with pytest.raises(SystemExit) as exit_:
+        parse(URL, "--goodput", "speed:1")
+    assert exit_.value.code == 2

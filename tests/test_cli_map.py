@@ -230,3 +230,187 @@ def test_order_flag_starts_the_longest_first_or_as_read(tmp_path, order, first):
     assert code == 0, err
     assert server.bodies[0]["max_tokens"] == first
     assert len(read_lines(out)) == 3
+
+
+# --- limits, Ctrl-C, the resume line (issue 45) ---------------------------------------------------
+class SlowServer:
+    """A real HTTP server on a free port, answering completions after ``delay`` seconds (which
+    a test may change while it runs)."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        owner = self
+        import threading
+        import time
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _send(self, code: int, obj: dict) -> None:
+                data = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                if self.path == "/v1/models":
+                    self._send(200, {"data": [{"id": "m", "max_model_len": 4096}]})
+                else:
+                    self._send(404, {"detail": "Not Found"})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                time.sleep(owner.delay)
+                choice = {"index": 0, "text": "ok " + body["prompt"], "finish_reason": "length"}
+                usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+                self._send(200, {"id": "cmpl-1", "choices": [choice], "usage": usage})
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.http.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.http.server_port}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def _cli(*argv: str, **kw):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return subprocess.Popen(
+        [sys.executable, "-m", "dsclient", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        **kw,
+    )
+
+
+def test_ctrl_c_prints_one_line_with_the_resume_command_and_exits_130(tmp_path):
+    import shlex
+    import signal
+    import time
+
+    server = SlowServer(delay=0.05)
+    try:
+        write_lines(tmp_path / "in.jsonl", [{"prompt": f"item {i}"} for i in range(120)])
+        out = tmp_path / "out.jsonl"
+        argv = ["map", str(tmp_path / "in.jsonl"), "-o", str(out), "--url", server.url]
+        argv += ["--max-tokens", "4", "--no-progress", "--timeout", "300"]
+        proc = _cli(*argv)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (
+            not out.exists() or len(out.read_text().splitlines()) < 10
+        ):
+            time.sleep(0.05)
+        server.delay = 30.0  # what is still out stays out: Ctrl-C lands mid-run, every time
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+        server.delay = 0.01
+        assert proc.returncode == 130, stderr
+        assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1, stderr
+        written = len(out.read_text().splitlines())
+        assert 10 <= written < 120
+        assert lines[0].startswith(f"dsclient map: interrupted: {written} items written to {out}")
+        command = lines[0].split("resume with: ", 1)[1]
+        words = shlex.split(command)
+        assert words[:2] == ["dsclient", "map"] and words[-1] == "--resume"
+        assert words[words.index("--timeout") + 1] == "300"
+        # The printed command, run as printed, finishes the job without redoing what was done.
+        resumed = _cli(*words[1:])
+        _, stderr = resumed.communicate(timeout=120)
+        assert resumed.returncode == 0, stderr
+        assert f"({written} from an earlier run)" in stderr
+        ids = [r["custom_id"] for r in read_lines(out)]
+        assert len(ids) == len(set(ids)) == 120
+    finally:
+        server.close()
+
+
+def test_timeout_and_outage_wait_flags_reach_the_client(tmp_path, monkeypatch):
+    # The CLI takes the client's limits: a typo'd port fails in seconds with what was wrong.
+    import socket
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    write_lines(tmp_path / "in.jsonl", [{"prompt": "a"}])
+    err = io.StringIO()
+    args = parse(
+        str(tmp_path / "in.jsonl"),
+        "-o",
+        str(tmp_path / "out.jsonl"),
+        "--url",
+        f"http://127.0.0.1:{port}",
+        "--no-progress",
+        "--timeout",
+        "60",
+        "--outage-wait",
+        "120",
+    )
+    assert (args.timeout, args.outage_wait) == (60.0, 120.0)
+    started = time.monotonic()
+    assert run(args, stderr=err) == 1
+    assert time.monotonic() - started < 20
+    assert f"nothing listens on 127.0.0.1:{port}" in err.getvalue()
+    assert parse("i", "-o", "o", "--outage-wait", "none").outage_wait is None
+    with pytest.raises(SystemExit):
+        parse("i", "-o", "o", "--timeout", "-1")
+
+
+def test_resume_command_repeats_the_flags_that_were_given():
+    from dsclient.cli.map import resume_command
+
+    args = parse(
+        "in put.jsonl",
+        "-o",
+        "out.jsonl",
+        "--url",
+        "http://h:1",
+        "--model",
+        "m",
+        "--order",
+        "input",
+        "--outage-wait",
+        "none",
+    )
+    assert resume_command(args) == (
+        "dsclient map 'in put.jsonl' -o out.jsonl --url http://h:1 --model m --order input "
+        "--outage-wait none --resume"
+    )
+
+
+def test_the_progress_bar_knows_the_total_of_a_file(tmp_path, monkeypatch):
+    from dsclient.batch import _progress
+
+    seen = {}
+    real = _progress._make_tqdm
+
+    def spy(options):
+        seen.update(options)
+        return real({**options, "file": io.StringIO()})
+
+    monkeypatch.setattr(_progress, "_make_tqdm", spy)
+    monkeypatch.setattr("dsclient.cli.map.wanted", lambda setting: True)
+    write_lines(tmp_path / "in.jsonl", [{"prompt": f"p{i}"} for i in range(7)] + [""])
+    server = EchoServer()
+    err = io.StringIO()
+    args = parse(str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--url", URL)
+    assert run(args, transport=server.transport, stderr=err) == 0
+    assert seen["total"] == 7

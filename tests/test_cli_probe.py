@@ -60,9 +60,12 @@ def test_probe_of_a_silent_url_fails_and_says_why(capsys):
 def test_probe_of_a_server_without_metrics_says_throughput_mode(blackbox_url, capsys):
     assert main(["probe", blackbox_url + "/v1", "--headroom", "1.0"]) == 0
     out = capsys.readouterr().out
-    assert "dsclient limit: starts at 8 in flight" in out
+    # No batch stated: the limit starts at 1 (headroom applies to a stated batch), and the
+    # probe says what bounds it.
+    assert "dsclient limit: starts at 1 in flight" in out
     assert "no queue metrics: the limit finds its knee from the answers" in out
     assert "between 1 and 1024" in out
+    assert "bound: no batch stated: the limit starts at 1, and a queue guard" in out
 
 
 def test_probe_json_names_the_mode_and_signal(blackbox_url, capsys):

@@ -99,7 +99,10 @@ async def test_a_listing_that_never_answers_fails_the_call_without_sending_it():
     flaky = Flaky(fake, fail_models=10**6)
     sleep = RecordedSleep()
     async with _client(flaky, sleep=sleep, retry=Retry(attempts=3)) as client:
-        with pytest.raises(ConnectionError, match=r"/v1/models did not answer in 3 tries"):
+        with pytest.raises(
+            ConnectionError,
+            match=r"/v1/models gave no model list in 3 tries \(it answered HTTP 503\)",
+        ):
             await client.generate("hello", max_tokens=4)
     assert fake.bodies == []  # nothing was sent without a model
     assert flaky.models_asked == 1 + 3
@@ -172,3 +175,66 @@ def test_a_failed_sync_with_stops_the_portal_thread():
         threading.Event().wait(0.02)
     assert not set(_portal_threads()) - before
     assert client.aclient._http.is_closed
+
+
+async def test_a_typod_port_fails_in_seconds_and_says_nothing_listens():
+    # Issue 45: AsyncClient("http://127.0.0.1:8001") with nothing there failed after 301.6 s
+    # ("has not answered for 301 s (max_wait 300 s)"). The real HTTP stack, a real closed port.
+    import socket
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    started = time.monotonic()
+    async with AsyncClient(f"http://127.0.0.1:{port}") as client:
+        with pytest.raises(ConnectionError) as info:
+            await client.generate("hello", max_tokens=4)
+    assert time.monotonic() - started < 20
+    assert f"nothing listens on 127.0.0.1:{port}" in str(info.value)
+    assert "has not answered since the client started" in str(info.value)
+    assert isinstance(info.value, OSError)  # the builtin ConnectionError too
+
+
+async def test_a_server_seen_once_is_waited_for_past_the_first_wait():
+    # An outage of a server that answered before is waited through (outage_wait), not cut at
+    # the few seconds a never-seen server gets.
+    fake = FakeServer()
+    state = {"down_probes": 0}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if state["down_probes"] and request.url.path == "/health":
+            state["down_probes"] -= 1
+            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+        if state["down_probes"]:
+            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+        return fake(request)
+
+    sleep = RecordedSleep()
+    async with _client(handler, sleep=sleep) as client:
+        await client.generate("one", max_tokens=2)
+        state["down_probes"] = 12
+        result = await client.generate("two", max_tokens=2)
+        assert client.reachability.outages == 1 and not client.reachability.down
+    assert result.text and sum(sleep.delays) > 5.0  # waited past FIRST_WAIT_S
+
+
+async def test_several_typod_urls_fail_in_seconds_each_with_its_reason():
+    import socket
+    import time
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    started = time.monotonic()
+    async with AsyncClient(urls, model="m") as client:
+        with pytest.raises(ConnectionError) as info:
+            await client.generate("hello", max_tokens=4)
+    assert time.monotonic() - started < 30
+    message = str(info.value)
+    assert "has not answered since the client started" in message
+    for url, port in zip(urls, ports):
+        assert f"{url}: nothing listens on 127.0.0.1:{port}" in message

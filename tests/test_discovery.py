@@ -24,6 +24,7 @@ from dsclient.client._discovery import (
     parse_tgi_info,
     parse_version,
     parse_vllm_server_info,
+    unreachable,
 )
 
 pytestmark = pytest.mark.anyio
@@ -410,7 +411,7 @@ async def test_plain_openai_compatible_and_nothing_at_all() -> None:
         (),
         None,
     )
-    assert dict(nothing.sources) == {"max_num_seqs": "default"}
+    assert dict(nothing.sources) == {"max_num_seqs": "default", "/v1/models": "answered HTTP 404"}
 
 
 # --- precedence ----------------------------------------------------------------------------------
@@ -675,10 +676,15 @@ async def test_an_absurd_limit_is_not_taken() -> None:
     from dsclient.governor._endpoint import ControlOptions, Endpoint
 
     assert parse_tgi_info({"max_concurrent_requests": 10**400}).max_num_seqs is None  # type: ignore[union-attr]
-    assert parse_sglang_loads(
-        {"loads": [{"num_running_reqs": 1, "max_running_requests": 2**31}] * 2}
-    ).max_num_seqs is None  # type: ignore[union-attr]
-    info = await _discover({"/info": {"max_concurrent_requests": 10**400, "max_total_tokens": 10**400}})
+    assert (
+        parse_sglang_loads(
+            {"loads": [{"num_running_reqs": 1, "max_running_requests": 2**31}] * 2}
+        ).max_num_seqs
+        is None
+    )  # type: ignore[union-attr]
+    info = await _discover(
+        {"/info": {"max_concurrent_requests": 10**400, "max_total_tokens": 10**400}}
+    )
     assert info.max_num_seqs == DEFAULT_MAX_NUM_SEQS and info.max_model_len is None
     endpoint = Endpoint(URL, ControlOptions(), {}, start=1)
     endpoint.seed(info, None)
@@ -725,7 +731,9 @@ def _dev_mode(policy: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("policy", "honoured"), [("priority", True), ("fcfs", False)])
-async def test_vllm_dev_mode_tells_whether_priority_is_honoured(policy: str, honoured: bool) -> None:
+async def test_vllm_dev_mode_tells_whether_priority_is_honoured(
+    policy: str, honoured: bool
+) -> None:
     routes = {**VLLM, "/server_info": _dev_mode(policy)}
     info = await _discover(routes)
     assert (info.priority, info.priority_honoured) == ("lower-first", honoured)
@@ -748,7 +756,10 @@ async def test_the_callers_word_on_priority_wins() -> None:
     gateway = {"/v1/models": VLLM["/v1/models"]}
     told = await _discover(gateway, priority=True)
     assert (told.priority, told.priority_honoured, told.sources["priority"]) == (
-        "lower-first", True, "explicit")
+        "lower-first",
+        True,
+        "explicit",
+    )
     never = await _discover(VLLM, priority=False)
     assert (never.priority, never.priority_honoured) == (None, False)
 
@@ -757,8 +768,84 @@ def test_sglang_server_info_priority_scheduling() -> None:
     on = parse_sglang_server_info({"max_running_requests": 8, "enable_priority_scheduling": True})
     assert on is not None and (on.priority_order, on.priority_honoured) == ("higher-first", True)
     low = parse_sglang_server_info(
-        {"max_running_requests": 8, "enable_priority_scheduling": True,
-         "schedule_low_priority_values_first": True})
+        {
+            "max_running_requests": 8,
+            "enable_priority_scheduling": True,
+            "schedule_low_priority_values_first": True,
+        }
+    )
     assert low is not None and low.priority_order == "lower-first"
     off = parse_sglang_server_info({"max_running_requests": 8, "enable_priority_scheduling": False})
     assert off is not None and (off.priority_order, off.priority_honoured) == (None, False)
+
+
+# --- what a failed listing says (issue 45: a typo'd port, a host that does not resolve) --------
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])  # closed on leaving: nothing listens there now
+
+
+@pytest.mark.anyio
+async def test_a_port_where_nothing_listens_is_named_as_such() -> None:
+    # The real HTTP stack, a real refused connection: the words come from the errno, wrapped.
+    port = _closed_port()
+    async with httpx.AsyncClient() as http:
+        info = await discover(http, f"http://127.0.0.1:{port}", records=None)
+    assert info.kind == "unknown" and not info.complete
+    assert info.sources["/v1/models"] == f"nothing listens on 127.0.0.1:{port} (connection refused)"
+
+
+@pytest.mark.anyio
+async def test_a_host_that_does_not_resolve_is_named_as_such() -> None:
+    async with httpx.AsyncClient() as http:
+        info = await discover(http, "http://no-such-host.invalid:8000", records=None)
+    assert info.sources["/v1/models"].startswith("no such host 'no-such-host.invalid'")
+
+
+@pytest.mark.anyio
+async def test_a_listing_that_answers_html_says_what_it_answered() -> None:
+    page = httpx.Response(
+        200, headers={"content-type": "text/html"}, text="<!DOCTYPE html><p>Welcome to nginx!"
+    )
+    info = await _discover({"/v1/models": page})
+    assert not info.complete
+    assert info.sources["/v1/models"] == (
+        "answered HTTP 200 text/html, not JSON: '<!DOCTYPE html><p>Welcome to nginx!'"
+    )
+
+
+def test_unreachable_reads_the_cause_chain() -> None:
+    import socket
+
+    refused = httpx.ConnectError("cannot connect")
+    refused.__cause__ = ConnectionRefusedError(111, "Connect call failed")
+    assert (
+        unreachable(refused, "http://h:8001/v1/models")
+        == "nothing listens on h:8001 (connection refused)"
+    )
+    dns = httpx.ConnectError("cannot connect")
+    dns.__cause__ = socket.gaierror(-2, "Name or service not known")
+    assert unreachable(dns, "https://x.test/v1/models") == (
+        "no such host 'x.test' (the name does not resolve: Name or service not known)"
+    )
+    slow = httpx.ConnectTimeout("connecting timed out")
+    assert (
+        unreachable(slow, "http://10.0.0.1:80/")
+        == "10.0.0.1:80 did not answer in time (ConnectTimeout)"
+    )
+
+
+@pytest.mark.anyio
+async def test_what_a_listing_answered_never_shows_the_api_key() -> None:
+    def echo(request: httpx.Request) -> httpx.Response:
+        page = f"<pre>GET /v1/models Authorization: {request.headers.get('authorization')}</pre>"
+        return httpx.Response(200, headers={"content-type": "text/html"}, text=page)
+
+    headers = {"Authorization": "Bearer sk-secret-123456"}
+    async with httpx.AsyncClient(transport=httpx.MockTransport(echo), headers=headers) as http:
+        info = await discover(http, URL, records=None)
+    said = info.sources["/v1/models"]
+    assert "sk-secret-123456" not in said and "Bearer ***" in said

@@ -228,3 +228,25 @@ def test_docs_python_block_runs(block: Block, request: pytest.FixtureRequest, tm
         f"{block.id} failed:\n{block.code}\nstdout:\n{out.stdout[-3000:]}\n"
         f"stderr:\n{out.stderr[-3000:]}"
     )
+
+
+def test_docstrings_send_no_one_to_a_docs_path():
+    # A pip user has no docs/ folder (issue 45): docstrings name the guide instead.
+    paths = {w: re.findall(r"docs/\w+\.md", doc) for w, doc in DOCSTRINGS.items()}
+    assert not {w: p for w, p in paths.items() if p}
+
+
+def test_help_on_the_context_managers_shows_a_docstring_not_a_comment():
+    import pydoc
+
+    import dsclient
+
+    for method in (
+        dsclient.AsyncClient.__aenter__,
+        dsclient.AsyncClient.__aexit__,
+        dsclient.Client.__enter__,
+        dsclient.Client.__exit__,
+    ):
+        assert inspect.getdoc(method), method
+        shown = pydoc.render_doc(method, renderer=pydoc.plaintext)
+        assert "#" not in shown.split("\n", 2)[-1], shown  # pydoc shows comments when no doc

@@ -483,7 +483,9 @@ async def test_on_raise_fires_in_throughput_mode() -> None:
         for _ in range(2):
             endpoint.controller.on_outcome(t, "ok", 0.2, 16.0)
         endpoint.tick(t)
-    assert seen == [12]  # the first epoch: slow start (x3), within 2.5x the 5 seen running
+    # The first epoch measured: slow start (x3), within 2.5x what the server is seen to run
+    # and the batch it states (8) plus its target queue.
+    assert len(seen) == 1 and 5 < seen[0] <= 12, seen
     await release(slots)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import json
 
 import pytest
@@ -11,10 +12,12 @@ from dsclient._exceptions import (
     ContextOverflow,
     Overloaded,
     RequestRefused,
+    ServerFault,
     context_overflow_from_response,
     error_from_response,
 )
 from dsclient._http import httpx
+from dsclient.client._retry import is_retryable
 
 
 def _openai_error(message: str, code: int = 400) -> str:
@@ -175,6 +178,61 @@ def test_other_400_is_a_plain_refusal():
     assert "HTTP 400" in str(err)
 
 
+@pytest.mark.parametrize("status", [500, 502, 504])
+def test_a_5xx_is_a_server_error_not_a_refusal(status):
+    # Issue 45: a 500 read "RequestRefused: server refused the request"; it is the server's
+    # failure. Still a RequestRefused (every error status is), so status and body are kept.
+    err = error_from_response(httpx.Response(status, text=_openai_error("CUDA out of memory")))
+    assert type(err) is ServerFault and isinstance(err, RequestRefused)
+    assert str(err) == f"server error: HTTP {status}: CUDA out of memory"
+    assert "refused" not in str(err)
+    assert err.status == status and "CUDA" in err.body
+    assert is_retryable(err)
+
+
+def test_a_4xx_stays_a_refusal_and_a_503_an_overload():
+    assert type(error_from_response(httpx.Response(404, text="no"))) is RequestRefused
+    assert not is_retryable(error_from_response(httpx.Response(404, text="no")))
+    assert type(error_from_response(httpx.Response(503, text="busy"))) is Overloaded
+
+
+def test_timeout_and_connection_errors_are_the_builtins_too():
+    # Issue 45: `except TimeoutError` missed dsclient.TimeoutError, as asyncio's and aiohttp's
+    # are not missed.
+    with pytest.raises(builtins.TimeoutError):
+        raise dsclient.TimeoutError("call did not finish within its timeout of 5 s")
+    with pytest.raises(builtins.ConnectionError):
+        raise dsclient.ConnectionError("nothing listens on 127.0.0.1:8001")
+    with pytest.raises(OSError):
+        raise dsclient.ConnectionError("nothing listens on 127.0.0.1:8001")
+    err = dsclient.ConnectionError("nothing listens on 127.0.0.1:8001")
+    assert str(err) == "nothing listens on 127.0.0.1:8001" and err.args == (str(err),)
+    assert isinstance(err, dsclient.TransportError) and isinstance(err, dsclient.DSClientError)
+
+
+@pytest.mark.anyio
+async def test_a_read_timeout_inside_a_call_keeps_its_words():
+    # dsclient.TimeoutError is a builtin TimeoutError now: the call's deadline handler must not
+    # take one raised from inside (a read timeout) for its own expiry.
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/completions"):
+            raise httpx.ReadTimeout("no byte for 1 s", request=request)
+        return httpx.Response(404)
+
+    client = dsclient.AsyncClient(
+        "http://h:1",
+        transport=httpx.MockTransport(handler),
+        model="m",
+        max_num_seqs=2,
+        max_model_len=64,
+        retry=dsclient.Retry(attempts=1),
+    )
+    async with client:
+        with pytest.raises(dsclient.TimeoutError) as info:
+            await client.generate("hi", max_tokens=4, timeout=30)
+    assert "within its timeout of 30" not in str(info.value)
+
+
 def test_overflow_only_for_client_error_statuses():
     body = _openai_error("This model's maximum context length is 2048 tokens.")
     assert context_overflow_from_response(500, body) is None
@@ -287,6 +345,7 @@ def _samples() -> dict[type, BaseException]:
             418, '{"error": {"message": "teapot"}}', retry_after=1.5
         ),
         dsclient.Overloaded: dsclient.Overloaded(503, "busy", retry_after=2.0),
+        dsclient.ServerFault: dsclient.ServerFault(500, '{"error": {"message": "boom"}}'),
         dsclient.ContextOverflow: dsclient.ContextOverflow(
             "prompt has 2300 tokens; model context is 2048",
             prompt_tokens=2300,

@@ -8,6 +8,7 @@ import random
 import anyio
 import pytest
 
+import dsclient
 from dsclient.governor._health import Reachability
 
 pytestmark = pytest.mark.anyio
@@ -168,3 +169,44 @@ async def test_past_max_wait_waiting_calls_fail_and_later_ones_probe_once():
 def test_max_wait_must_be_positive():
     with pytest.raises(ValueError, match="max_wait"):
         Reachability(Script([True]), max_wait=0)
+
+
+# --- a server that never answered (issue 45: a typo'd port waited 301 s) ----------------------
+async def test_a_server_that_never_answered_fails_after_first_wait_with_what_was_wrong():
+    probe = Script([False])
+    r, slept = reach(probe, first=0.25, cap=2.0, max_wait=300.0, first_wait=5.0)
+    r.unreachable("nothing listens on 127.0.0.1:8001 (connection refused)")
+    r.mark_down("could not talk to the server (ConnectError)")
+    with pytest.raises(ConnectionError) as info:
+        await r.wait_up()
+    message = str(info.value)
+    assert "has not answered since the client started" in message
+    assert "nothing listens on 127.0.0.1:8001 (connection refused)" in message
+    assert 5.0 <= sum(slept) < 7.0  # seconds, not max_wait's five minutes
+    assert isinstance(info.value, dsclient.ConnectionError)
+
+
+async def test_a_server_that_answered_before_is_waited_for_through_an_outage():
+    probe = Script([False] * 12 + [True])
+    r, slept = reach(probe, first=0.25, cap=2.0, max_wait=300.0, first_wait=5.0)
+    r.answered()  # discovery, or a call, got an answer
+    r.mark_down("connection refused")
+    await r.wait_up()
+    assert not r.down and sum(slept) > 5.0  # past first_wait, within max_wait
+
+
+async def test_an_answer_turns_first_wait_into_max_wait():
+    probe = Script([False] * 3 + [True] + [False] * 12 + [True])
+    r, slept = reach(probe, first=0.25, cap=2.0, max_wait=300.0, first_wait=5.0)
+    r.mark_down("refused")
+    await r.wait_up()  # the server came up within first_wait: it has answered now
+    assert r.has_answered
+    slept.clear()
+    r.mark_down("refused")
+    await r.wait_up()
+    assert not r.down and sum(slept) > 5.0
+
+
+def test_first_wait_must_be_positive():
+    with pytest.raises(ValueError, match="first_wait"):
+        Reachability(Script([True]), first_wait=0)

@@ -26,8 +26,8 @@ import openai
 import pytest
 
 import dsclient
-from dsclient import AsyncClient, ConnectionError, ResponseTooLarge, Retry, TimeoutError
-from dsclient._http import AiohttpTransport, adapt_transport, transport_for
+from dsclient import AsyncClient, ConnectionError, ResponseTooLarge, Retry, TimeoutError, _wire
+from dsclient._http import READ_TIMEOUT_S, AiohttpTransport, adapt_transport, transport_for
 
 COMPLETION = json.dumps(
     {
@@ -151,7 +151,7 @@ def _fds() -> int:
 
 # -- each stack --------------------------------------------------------------------------------
 @pytest.mark.anyio
-@pytest.mark.parametrize("stack", ["aiohttp", "httpx2", "httpx"])
+@pytest.mark.parametrize("stack", ["aiohttp", "httpx2"])
 async def test_each_stack_answers_and_closes_every_socket_without_resource_warnings(url, stack):
     gc.collect()
     before = _fds()
@@ -170,9 +170,10 @@ async def test_each_stack_answers_and_closes_every_socket_without_resource_warni
     assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
 
 
-def test_an_unknown_stack_is_refused():
-    with pytest.raises(ValueError, match="http_stack must be one of aiohttp, httpx2, httpx"):
-        AsyncClient("http://127.0.0.1:1", http_stack="curl")
+def test_an_unknown_stack_is_refused_and_httpx_029s_pool_is_gone():
+    for gone in ("curl", "httpx"):
+        with pytest.raises(ValueError, match="http_stack must be one of aiohttp, httpx2; got"):
+            AsyncClient("http://127.0.0.1:1", http_stack=gone)
 
 
 def test_the_default_is_aiohttp_and_a_given_transport_wins():
@@ -382,3 +383,66 @@ def test_dsclient_exports_no_http_stack_names():
 
 if __name__ == "__main__":
     _serve(int(sys.argv[1]))
+
+
+# -- which requests go over the wire (issue 42) ------------------------------------------------
+async def _sent_by(transport: AiohttpTransport, url: str) -> str:
+    answer = await transport.post(
+        url + "/v1/completions",
+        ((b"Content-Type", b"application/json"),),
+        b"{}",
+        {"connect": 5.0, "read": 5.0},
+        read_up_to=2**20,
+    )
+    assert answer.status_code == 200
+    return (
+        "wire" if isinstance(transport._wire, _wire.Wire) and transport._wire._open else "aiohttp"
+    )
+
+
+@pytest.mark.anyio
+async def test_no_proxy_alone_leaves_the_wire_on_and_a_proxy_that_applies_turns_it_off(
+    url, monkeypatch
+):
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    monkeypatch.setenv("NO_PROXY", "example.com")  # getproxies(): {"no": ...}, truthy
+    transport = AiohttpTransport()
+    try:
+        assert await _sent_by(transport, url) == "wire"
+    finally:
+        await transport.aclose()
+    # A proxy set, and NO_PROXY naming the server: still the wire. Not naming it: aiohttp, which
+    # speaks to the proxy (one that refuses every connection here: the request fails there).
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{_free_port()}")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    transport = AiohttpTransport()
+    try:
+        assert await _sent_by(transport, url) == "wire"
+    finally:
+        await transport.aclose()
+    monkeypatch.setenv("NO_PROXY", "example.com")
+    transport = AiohttpTransport()
+    try:
+        with pytest.raises(httpx2.ConnectError):
+            await _sent_by(transport, url)
+        assert transport._wire is not None and not transport._wire._open
+    finally:
+        await transport.aclose()
+
+
+@pytest.mark.anyio
+async def test_without_httptools_the_calls_go_through_aiohttp(url, monkeypatch):
+    monkeypatch.setattr(_wire, "AVAILABLE", False)
+    async with AsyncClient(url, limit=2) as client:
+        assert (await client.generate("x", max_tokens=1)).text == " the sea"
+        transport = client._http._transport
+        assert isinstance(transport, AiohttpTransport) and transport._wire is False
+
+
+def test_every_request_has_a_read_timeout_that_fits_a_generation():
+    client = AsyncClient("http://127.0.0.1:1", model="tiny")
+    timeout = client._http.timeout
+    assert timeout.read == READ_TIMEOUT_S and 60 <= READ_TIMEOUT_S < 600  # under the call's
+    assert timeout.connect == 10.0 and timeout.pool is None and timeout.write is None

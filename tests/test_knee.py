@@ -8,6 +8,7 @@ import math
 import pytest
 
 from dsclient.governor._control import THROUGHPUT_CEILING, LimitController
+from dsclient.governor._guard import QueueGuard
 from dsclient.governor._knee import Epoch, KneeFinder, elasticity
 
 from .sim_blackbox import CPU, GPU, NOISY, REFUSING, Shape, best_fixed, run
@@ -65,9 +66,9 @@ def test_slow_start_grows_while_throughput_scales_and_holds_past_the_knee() -> N
         seen.append(wanted)
         if knee.phase == "hold":
             break
-    # x3 from the start, then x3 while throughput scales (e = 1) but no further than 2.5x
-    # what the server is seen to run (here all 12 of 12)
-    assert seen[:2] == [12, 30]
+    # x3 from the start, then x3 while throughput scales in proportion (e = 1)
+    # (past that, no further than 2x what the server is seen to run)
+    assert seen[:2] == [12, 36]
     assert knee.phase == "hold"
     assert 64 <= knee.limit <= 96, seen  # past 64 only latency grows: near the knee
 
@@ -124,7 +125,9 @@ def test_after_a_cut_counting_waits_for_the_drain() -> None:
 
 
 def test_hold_keeps_a_step_up_that_buys_throughput_and_drops_one_that_does_not() -> None:
-    knee = KneeFinder(start=40, ceiling=1024)
+    # A queue guard that aims at a whole batch of queue: this test is about the knee's own
+    # probes, which the guard would otherwise hold to 40 + 16 on answers this even.
+    knee = KneeFinder(start=40, ceiling=1024, guard=QueueGuard(queue_share=1.0))
     knee.restart(0.0, 40, "start in hold")
     t, wanted = _epoch(knee, 0.0, 1.0, old=40)  # base at 40
     assert wanted == 60
@@ -181,9 +184,13 @@ def test_slow_start_recounts_when_a_rise_makes_the_server_queue() -> None:
     shape = Shape(batch=32, step_s=lambda b: 0.02 + 0.0005 * b, queue_cost=0.0005)
     control = LimitController(start=5, mode="throughput")
     outcome = run(control, shape, n=1000)
-    assert max(limit for _, limit in outcome.limits) <= 80, outcome.limits
+    # x3 steps while throughput scales in proportion: at most three batches in flight (two
+    # waiting), from 30 (a batch of 32 not yet full) to 90.
+    assert max(limit for _, limit in outcome.limits) <= 96, outcome.limits
     best = run(LimitController(start=32, mode="fixed"), shape, n=1000).makespan
-    assert outcome.makespan <= 1.3 * best, (outcome.makespan, best)
+    # 1.35x, not 1.3x: the epoch at 90 now waits for the last call of its cohort (about 17 s
+    # on this slow server) before the guard cuts it.
+    assert outcome.makespan <= 1.35 * best, (outcome.makespan, best)
 
 
 def test_throughput_mode_bounds_and_stats() -> None:

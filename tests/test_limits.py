@@ -29,6 +29,7 @@ from dsclient import (
     Overloaded,
     RequestRefused,
     Retry,
+    ServerFault,
 )
 from dsclient._exceptions import ERROR_BODY_BYTES, ResponseTooLarge
 from dsclient._http import httpx
@@ -429,7 +430,7 @@ async def test_the_api_key_appears_in_no_repr_error_or_log_line(caplog):
     assert all(r.headers["authorization"] == f"Bearer {SECRET}" for r in fake.requests)
     assert [type(e) for e in errors] == [
         RequestRefused,
-        RequestRefused,
+        ServerFault,  # a 500: the server's failure, not a refusal (issue 45)
         MalformedResponse,
         ResponseTooLarge,
         ConnectionError,

@@ -1,5 +1,7 @@
 """The package exports exactly its public names, sorted."""
 
+import builtins
+
 import dsclient
 
 EXPECTED = {
@@ -30,6 +32,7 @@ EXPECTED = {
     "Result",
     "Retry",
     "ServerError",
+    "ServerFault",
     "ServerInfo",
     "Stream",
     "SyncStream",
@@ -54,6 +57,9 @@ def test_every_export_exists():
 def test_exception_tree():
     assert issubclass(dsclient.ContextOverflow, dsclient.RequestRefused)
     assert issubclass(dsclient.Overloaded, dsclient.RequestRefused)
+    assert issubclass(dsclient.ServerFault, dsclient.RequestRefused)
+    assert issubclass(dsclient.TimeoutError, builtins.TimeoutError)
+    assert issubclass(dsclient.ConnectionError, builtins.ConnectionError)
     assert issubclass(dsclient.RequestRefused, dsclient.ServerError)
     assert issubclass(dsclient.TimeoutError, dsclient.TransportError)
     assert issubclass(dsclient.ConnectionError, dsclient.TransportError)

@@ -184,6 +184,7 @@ def test_every_dsclient_exception_pickles() -> None:
         dsclient.MalformedResponse("not JSON", body="<html>"),
         dsclient.Overloaded(503, "busy", retry_after=1.5),
         dsclient.RequestRefused(400, "{}", "bad request"),
+        dsclient.ServerFault(500, '{"error": {"message": "boom"}}'),
         dsclient.ResponseTooLarge("answer", limit=10),
         dsclient.ConnectionError("refused"),
         dsclient.TimeoutError("late"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -415,3 +417,36 @@ def test_lane_is_uncertain_only_when_the_bound_straddles_the_threshold():
     # the edges: at the threshold is short, one above is long
     assert not lane_is_uncertain(estimate=256, error_bound=0, wanted=256, threshold=512)
     assert lane_is_uncertain(estimate=256, error_bound=1, wanted=256, threshold=512)
+
+
+def test_a_tokenizer_json_without_the_tokenizers_package_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 45: tokenizers (with huggingface-hub and hf-xet) is an extra now; a plain install
+    # that is handed a tokenizer.json must say which extra reads it.
+    path = tmp_path / "tokenizer.json"
+    path.write_text("{}")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'tokenizers>=0\.15' \(dsclient's 'tokenizers' extra"):
+        TokenCounter(path)
+
+
+def test_a_launched_model_without_tokenizers_falls_back_to_tiktoken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from types import SimpleNamespace
+
+    from dsclient.client._options import handle_tokenizer
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    handle = SimpleNamespace(model_path=str(tmp_path))
+    assert handle_tokenizer(handle) == str(tmp_path / "tokenizer.json")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    assert handle_tokenizer(handle) is None
+
+
+def test_the_plain_install_does_not_pull_tokenizers() -> None:
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    dependencies = re.search(r"^dependencies = \[(.*?)^\]", text, flags=re.M | re.S)
+    assert dependencies and "tokenizers" not in re.sub(r"#.*", "", dependencies[1])
+    assert re.search(r'^tokenizers = \["tokenizers>=0\.15"\]$', text, flags=re.M)

@@ -31,7 +31,22 @@ from .probe import _add_probe
 from .serve import _add_serve, _serve
 from .tiny_model import _add_make_tiny_model, _make_tiny_model
 
-__all__ = ["build_parser", "main"]
+__all__ = ["LogFormat", "build_parser", "main"]
+
+
+class LogFormat(logging.Formatter):
+    """``LEVEL logger: message`` on stderr, the logger's name left out where the message
+    already starts with it: dsclient's own lines say ``dsclient: ...`` so that they read alone
+    in any handler, and ``WARNING dsclient: dsclient: ...`` said it twice."""
+
+    def __init__(self) -> None:
+        super().__init__("%(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        root = record.name.partition(".")[0]
+        if record.message.startswith(f"{root}: "):
+            return f"{record.levelname} {record.message}"
+        return super().formatMessage(record)
 
 
 def _add_map(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -85,10 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra and args.func is not _serve:
         parser.error("arguments after '--' are only for 'serve'")
     args.extra_args = extra
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(LogFormat())
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
     if args.func in (_install_server, _make_tiny_model) and not args.verbose:
         logging.getLogger("dsclient").setLevel(logging.INFO)  # these narrate their steps
     try:

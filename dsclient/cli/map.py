@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import sys
 import textwrap
 import time
@@ -40,10 +41,19 @@ from .._http import httpx
 from .._models import ChatResult, CompletionResult, Failure, Result, Usage
 from ..batch._batch import InvalidItem, Outcome, _Options, _run_direct
 from ..batch._jsonl import JsonlStore, derive_id, explicit_id
+from ..batch._progress import wanted
 from ..client._client import USE_DEFAULT, AsyncClient
 from ._common import URL_ENV
 
-__all__ = ["BATCH_RECORDS", "BatchRecords", "add_map_parser", "main", "read_requests", "run"]
+__all__ = [
+    "BATCH_RECORDS",
+    "BatchRecords",
+    "add_map_parser",
+    "main",
+    "read_requests",
+    "resume_command",
+    "run",
+]
 
 _ENDPOINTS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 
@@ -222,7 +232,8 @@ _EPILOG = (
     "examples:\n"
     "  dsclient map requests.jsonl -o results.jsonl --url http://127.0.0.1:8000\n"
     "  dsclient map requests.jsonl -o results.jsonl --resume --max-tokens 64\n"
-    "exit status: 0 all succeeded, 1 some failed, 2 usage error"
+    "exit status: 0 all succeeded, 1 some failed, 2 usage error, 130 interrupted (Ctrl-C;\n"
+    "  it prints the command that resumes)"
 )
 
 
@@ -268,6 +279,83 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "and the longest first, within a window of 1024 lines; 'input' starts them as read "
         "(custom_id and resume do not depend on it)",
     )
+    parser.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=600.0,
+        metavar="SECONDS",
+        help="each request's whole time, waiting for a slot and retries included; 'none' for no "
+        "bound (default 600, as AsyncClient's timeout=)",
+    )
+    parser.add_argument(
+        "--outage-wait",
+        type=_seconds,
+        default=300.0,
+        metavar="SECONDS",
+        help="how long requests wait for a server that stopped answering; 'none' for as long "
+        "as --timeout allows. A server that has not answered since the start is given 5 s of "
+        "it (a typo'd URL fails fast); 'none' waits for one that is still starting "
+        "(default 300, as AsyncClient's outage_wait=)",
+    )
+
+
+def _seconds(text: str) -> float | None:
+    """A ``--timeout`` / ``--outage-wait`` value: positive seconds, or ``none``."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or 'none', got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0 or 'none', got {text!r}")
+    return value
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The ``dsclient map`` command line that resumes the run ``args`` describe.
+
+    resume_command(args)  # "dsclient map in.jsonl -o out.jsonl --url http://h:8000 --resume"
+    """
+    words = ["dsclient", "map", args.input, "-o", args.output]
+    for url in args.url or ():
+        words += ["--url", url]
+    if args.model is not None:
+        words += ["--model", args.model]
+    if args.max_tokens is not None:
+        words += ["--max-tokens", str(args.max_tokens)]
+    if args.order != "shape":
+        words += ["--order", args.order]
+    for flag, value, default in (
+        ("--timeout", args.timeout, 600.0),
+        ("--outage-wait", args.outage_wait, 300.0),
+    ):
+        if value != default:
+            words += [flag, "none" if value is None else f"{value:g}"]
+    if args.no_progress:
+        words.append("--no-progress")
+    words.append("--resume")
+    return shlex.join(words)
+
+
+def _count_lines(path: str) -> int | None:
+    """Non-blank lines of the input, for the progress bar's total (``None``: not a file)."""
+    try:
+        if not os.path.isfile(path):
+            return None
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    except OSError:
+        return None
+
+
+class _Tally:
+    """What a run has done so far: read by the line an interrupted run prints."""
+
+    def __init__(self) -> None:
+        self.total = self.failed = self.resumed = 0
+        #: The first failure of this run, in words: the summary line names it.
+        self.first_error: str | None = None
 
 
 def run(
@@ -297,24 +385,35 @@ def run(
     except OSError as exc:
         report(f"cannot read {args.input}: {exc.strerror}")
         return 2
+    tally = _Tally()
     try:
         with f:
             requests = read_requests(
                 f, drop_model=args.model is not None, report=report, name=args.input
             )
-            counts = anyio.run(_run, url, args, requests, store, transport)
+            elapsed = anyio.run(_run, url, args, requests, store, transport, tally)
+    except KeyboardInterrupt:
+        # Ctrl-C is how a long run is paused (see --resume): one line, not a traceback.
+        written = tally.total - tally.resumed
+        report(
+            f"interrupted: {written} item{'s' if written != 1 else ''} written to "
+            f"{args.output}; resume with: {resume_command(args)}"
+        )
+        return 130
     except FileExistsError as exc:
         report(str(exc).replace("resume=True", "--resume"))
         return 2
     except (DSClientError, OSError) as exc:
         report(f"stopped: {type(exc).__name__}: {exc}")
         return 1
-    total, failed, resumed, elapsed = counts
+    total, failed, resumed = tally.total, tally.failed, tally.resumed
     report(
         f"{total} items, {total - failed} ok, {failed} failed"
         f"{f' ({resumed} from an earlier run)' if resumed else ''} in {elapsed:.1f} s "
         f"-> {args.output}"
     )
+    if tally.first_error is not None:
+        report(f"first failure: {tally.first_error}")
     return 1 if failed else 0
 
 
@@ -324,20 +423,31 @@ async def _run(
     requests: Iterator[dict[str, Any] | InvalidItem],
     store: JsonlStore,
     transport: httpx.AsyncBaseTransport | None,
-) -> tuple[int, int, int, float]:
+    tally: _Tally,
+) -> float:
     start = time.perf_counter()
-    total = failed = resumed = 0
 
     def count(_index: int, outcome: Outcome, from_file: bool) -> None:
-        nonlocal total, failed, resumed
-        total += 1
-        failed += isinstance(outcome, Failure)
-        resumed += from_file
+        tally.total += 1
+        tally.failed += isinstance(outcome, Failure)
+        tally.resumed += from_file
+        if isinstance(outcome, Failure) and tally.first_error is None and not from_file:
+            tally.first_error = f"{type(outcome.error).__name__}: {outcome.error}"
 
-    async with AsyncClient(url, model=args.model, transport=transport) as client:
+    progress: bool | dict[str, Any] | None = False if args.no_progress else None
+    if progress is None and wanted(None):
+        lines = _count_lines(args.input)  # a file's length is known: the bar gets a total
+        progress = {"total": lines} if lines is not None else None
+    async with AsyncClient(
+        url,
+        model=args.model,
+        transport=transport,
+        timeout=args.timeout,
+        outage_wait=args.outage_wait,
+    ) as client:
         options = _Options(
             on_error="return",
-            progress=False if args.no_progress else None,
+            progress=progress,
             output=store,
             resume=args.resume,
             max_tokens=args.max_tokens,
@@ -349,7 +459,7 @@ async def _run(
         )
         # The batch runner's direct entry (no consumer task): the client's caller and planner.
         await _run_direct(client, client._caller, client._planner, requests, count, options)
-    return total, failed, resumed, time.perf_counter() - start
+    return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,6 +84,7 @@ def _run_probe(args: argparse.Namespace) -> int:
             "limit_mode": control.mode,
             "limit_signal": control.signal,
             "limit_ceiling": control.ceiling,
+            "limit_bound": _bound(info, control),
             "queue_metrics": queue,
         }
         print(json.dumps(payload, indent=2))
@@ -108,4 +109,30 @@ def _run_probe(args: argparse.Namespace) -> int:
         )
     else:
         print("  fixed: the limit does not move (limit= or adaptive=False)")
+    print(f"  bound: {_bound(info, control)}")
     return 0
+
+
+def _bound(info: Any, control: Any) -> str:
+    """What bounds the limit, in words: a hard cap the server states, a batch it states, or
+    the queue guard alone (issue 41: the server's queue held near half its batch)."""
+    sources = info.sources
+    if control.mode == "fixed":
+        return "none: the limit is fixed"
+    if info.max_concurrent is not None:
+        return (
+            f"never more than {info.max_concurrent} in flight: a hard cap the server states "
+            f"({sources.get('max_concurrent', '?')}) and refuses past"
+        )
+    stated = sources.get("max_num_seqs")
+    if stated not in (None, "default", "ollama default"):
+        return (
+            f"a batch of {info.max_num_seqs} that the server queues behind ({stated}): the limit "
+            "stops at it plus the target queue, unless completions prove more"
+        )
+    if control.mode == "throughput":
+        return (
+            "no batch stated: the limit starts at 1, and a queue guard keeps what is in flight "
+            "within what the server is seen to run (throughput x unqueued time) plus half of it"
+        )
+    return "the server's own queue, held near its target"

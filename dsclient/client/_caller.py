@@ -33,6 +33,7 @@ from ..governor._pool import NoServerError
 from ._degrade import Degrade, Pace, predict_s
 from ._pipeline import Answer, Call, RequestPath, WouldMiss
 from ._request import USE_DEFAULT, Deadlines, Plan, Prompt, UseDefault, build_result
+from ._silence import Silence
 
 __all__ = ["Caller", "Planning"]
 
@@ -94,6 +95,9 @@ class Caller:
         self._pace = Pace()
         #: The calls' timeouts, on one timer (it finds its loop on the first call).
         self._deadlines = Deadlines()
+        #: Says once when the calls out have had nothing back for a minute (a hung server).
+        backend = self.backend
+        self.silence = Silence(url, in_flight=lambda: backend.in_flight)
 
     def timeout_of(self, timeout: float | UseDefault | None) -> float | None:
         """A call's timeout in seconds: its own, checked, or the default (``USE_DEFAULT``)."""
@@ -138,6 +142,9 @@ class Caller:
         plan: Plan | None = None
         call: Call | None = None
         degraded: str | None = None
+        silence = self.silence
+        silence.sent()
+        back = False  # whether the server gave anything back (an answer or an error)
         try:
             try:
                 async with self._deadlines.after(limit_s):  # self.deadline(), one call less
@@ -167,7 +174,9 @@ class Caller:
                         )
                         call = path.new_call(_admission(plan, urgency, group, prefix, batch))
                         answer = await path.send_json(plan.path, plan.body, call)
-            except builtins.TimeoutError as exc:
+            except TimeoutError:  # dsclient's, from inside (a read timeout): it says what
+                raise
+            except builtins.TimeoutError as exc:  # the call's own deadline
                 expired = TimeoutError(f"call did not finish within its timeout of {limit_s} s")
                 if call is not None and call.cut is not None:
                     expired.server = call.cut.url  # cut in flight there: its record names it
@@ -190,7 +199,9 @@ class Caller:
             self._pace.observe(
                 plan.body.get("model"), latency - answer.queued_s, result.usage.completion_tokens
             )
+            back = True
         except Exception as exc:
+            back = not isinstance(exc, builtins.TimeoutError)  # a timeout is more silence
             if self.observers:
                 self.record(
                     kind,
@@ -200,6 +211,8 @@ class Caller:
                     latency_s=self.clock() - start,
                 )
             raise
+        finally:
+            silence.ended(back)
         if self.observers:
             self.record(
                 kind,

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import sniffio
 
-from .._http import httpx, transport_for
+from .._http import READ_TIMEOUT_S, httpx, transport_for
 from .._models import ChatResult, CompletionResult, Failure, Result
 from .._observe import Observer
 from .._streaming import MAX_BODY_BYTES
@@ -93,11 +93,11 @@ class AsyncClient:
     The in-flight limit starts at ``floor(headroom x max_num_seqs)`` and then follows the
     server: it grows while calls wait here and the server's own queue is short, and shrinks
     when that queue grows, on 429 / 503, and when a ``latency_target`` is missed (see
-    ``docs/governor.md``). Where the server publishes no queue, it finds the point past which
+    the guide "The governor"). Where the server publishes no queue, it finds the point past which
     more in flight buys no throughput (up to ``max_limit``).
 
     Several servers (replicas, or servers of other models) go in a list, and each attempt goes
-    to one of them (``docs/routing.md``):
+    to one of them (the guide "Several servers"):
 
     ```python
     async with dsclient.AsyncClient(["http://a:8000", "http://b:8000"]) as client:
@@ -125,8 +125,8 @@ class AsyncClient:
         http_stack: how requests are sent when no ``transport`` is given: ``"aiohttp"``
             (default: the client's own calls over dsclient's own HTTP/1.1 connections, streams
             and other SDKs' requests over aiohttp's pool under httpx2's API; httpx2's own pool
-            under trio), ``"httpx2"`` or ``"httpx"`` (their own pools for everything, several
-            times the CPU per request at hundreds in flight: ``docs/transport.md``).
+            under trio) or ``"httpx2"`` (its own pool for everything, several times the CPU per
+            request at hundreds in flight: the guide "The HTTP stack").
         max_num_seqs: the server's batch size, if you know it better than discovery.
         server_priority: whether the server reorders by the request field ``priority``
             (vLLM ``--scheduling-policy priority``, SGLang ``--enable-priority-scheduling``):
@@ -147,7 +147,7 @@ class AsyncClient:
             :class:`dsclient.Overloaded` at once. ``None`` (default) waits.
         long_threshold: estimated prompt + max_tokens above which a call takes the long lane;
             default a quarter of the context, or where the server does not say its context,
-            4x the usual recent call (256 to 1024 tokens; see ``docs/governor.md#lanes``).
+            4x the usual recent call (256 to 1024 tokens; see the guide "The governor").
         long_share: the share of the limit the long lane may hold (default 0.5).
         long_idle_borrow: seconds without short traffic after which long calls may borrow
             idle short slots (short calls reclaim them); ``None`` makes the long share a hard
@@ -161,8 +161,8 @@ class AsyncClient:
             else tiktoken calibrated against the server's ``/tokenize`` at discovery.
         shared: a Redis URL (``redis://host:6379/0``; ``rediss://`` for TLS; a password in it
             never shows in logs or reprs): every client of the same server and ``shared_key``
-            shares one in-flight limit, leased from Redis (``docs/shared.md``; needs
-            ``dsclient[redis]``). ``None`` (default): this client's own limit.
+            shares one in-flight limit, leased from Redis (the guide "Many processes, one
+            budget"; needs the ``redis`` extra). ``None`` (default): this client's own limit.
         shared_key: the key prefix in Redis, so that several budgets can share one Redis.
         routing: the router's policy for several servers (:class:`dsclient.RoutingPolicy`:
             weights, breaker, prefix blocks); default ``RoutingPolicy()``.
@@ -285,14 +285,14 @@ class AsyncClient:
             request_headers["Authorization"] = f"Bearer {self._api_key.reveal()}"
         # The governor is the only concurrency limit: the pool must never be the tighter one,
         # so it is unbounded; keep-alive connections cover a large limit without reconnects.
-        # Reads get no timeout of their own: each call's deadline (its own timeout, or the
-        # client's) bounds the whole call. A read timeout of the client's value cut every attempt
-        # of a call whose own timeout was longer (or None) short, and the call failed after its
-        # retries although the server was answering. Connecting stays bounded per attempt.
+        # Each call's deadline (its own timeout, or the client's) bounds the whole call. A read
+        # waits at most READ_TIMEOUT_S for the next byte, as long as a whole completion may take
+        # to come back: a read timeout of the client's timeout cut every attempt of a call whose
+        # own timeout was longer (or None) short. Connecting stays bounded per attempt.
         self._http = httpx.AsyncClient(
             transport=transport_for(http_stack, transport),
             headers=request_headers,
-            timeout=httpx.Timeout(None, connect=_CONNECT_TIMEOUT_S),
+            timeout=httpx.Timeout(None, connect=_CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
         )
         self._sleep = sleep or anyio.sleep
@@ -373,6 +373,10 @@ class AsyncClient:
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncClient:
+        """Discover the server (its model, context and limits) and start the load poller.
+
+        A failed discovery closes what was opened before it raises.
+        """
         try:
             await self.discover()
         except BaseException:
@@ -391,6 +395,7 @@ class AsyncClient:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        """Close the client (:meth:`aclose`) and stop its background work."""
         await self.aclose()
         group, self._task_group = self._task_group, None
         if group is not None:
@@ -524,7 +529,7 @@ class AsyncClient:
     @property
     def reachability(self) -> Reachability:
         """Whether the server answers: ``down``, ``outages``, ``last_outage_s`` (see
-        ``docs/robustness.md``). While it is down, calls wait here for it."""
+        the guide "Faults and limits"). While it is down, calls wait here for it."""
         return self._path.reach
 
     @property
@@ -691,11 +696,13 @@ class AsyncClient:
 
             results = await client.map(["Hello", "Bonjour"], max_tokens=16, output="out.jsonl")
 
-        Parameters are those of :func:`dsclient.batch._batch.run_map` (``docs/batch.md``): items are
-        prompts, message lists or request dicts; ``output`` a JSONL file that ``resume=True``
-        continues; ``on_error="raise"`` stops at the first failure; ``sampling`` goes into every
-        request body. ``order="shape"`` (default) starts items that share a prefix together and
-        the longest first, within a window of the input; ``order="input"`` starts them as read.
+        Parameters are those of :func:`dsclient.batch._batch.run_map` (the guide "Batch jobs"):
+        items are prompts, message lists or request dicts; ``output`` a JSONL file that
+        ``resume=True`` continues (a second run sends only what is missing or failed; without it,
+        an existing file is an error, never overwritten); ``on_error="raise"`` stops at the first
+        failure; ``sampling`` goes into every request body. ``order="shape"`` (default) starts
+        items that share a prefix together and the longest first, within a window of the input;
+        ``order="input"`` starts them as read.
         """
         return await run_map(
             self,
@@ -770,7 +777,7 @@ class AsyncClient:
         Same limit, lanes, retries (openai's own are off), outage wait and response cap as
         :meth:`generate`; errors come back as openai's own types. Per call, headers
         ``x-dsclient-urgency`` / ``-group`` / ``-overflow`` (or ``extra_body={"dsclient": {...}}``)
-        override the defaults here. See ``docs/openai.md``.
+        override the defaults here. See the guide "Already using the openai SDK?".
 
         Parameters:
             urgency, group: defaults for calls that do not say (see :meth:`generate`).

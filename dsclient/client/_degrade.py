@@ -33,7 +33,7 @@ _UNKNOWN_SHARE = 0.2
 
 @dataclass(frozen=True, kw_only=True)
 class Degrade:
-    """What a call may give up to meet its deadline (see ``docs/routing.md``).
+    """What a call may give up to meet its deadline (see the guide "Several servers").
 
     ``Degrade(model="small")``, ``Degrade(max_tokens=64)``, or both (the model changes, and
     ``max_tokens`` is cut too).

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -63,6 +64,7 @@ __all__ = [
     "parse_tgi_info",
     "parse_version",
     "parse_vllm_server_info",
+    "unreachable",
 ]
 
 logger = logging.getLogger("dsclient")
@@ -501,36 +503,92 @@ PROBE_BODY_BYTES = 4 * 2**20
 _PASSING_STATUSES = frozenset({408, 425, 429})
 
 
-async def _get_json(http: httpx.AsyncClient, url: str, seconds: float) -> tuple[Any | None, bool]:
-    """GET and decode JSON, reading at most :data:`PROBE_BODY_BYTES`: ``(json, answered)``.
+def unreachable(exc: BaseException, url: str) -> str:
+    """What a failed connection to ``url`` says, in a newcomer's words.
 
-    Any failure gives ``None`` for the JSON. ``answered`` tells a route the server does not have
-    or will not serve (a 4xx: ask again and the answer is the same) from a probe that got no
-    answer (a connection error, a timeout, a 5xx or 429, an unreadable body), which is worth
+        unreachable(httpx.ConnectError(...), "http://127.0.0.1:8001/v1/models")
+        # "nothing listens on 127.0.0.1:8001 (connection refused)"
+
+    The layers below wrap the operating system's error (``ConnectionRefusedError``,
+    ``socket.gaierror``) in their own; the chain of causes is searched for it.
+    """
+    target = httpx.URL(url)
+    host = target.host or url
+    port = target.port or (443 if target.scheme == "https" else 80)
+    seen: BaseException | None = exc
+    for _ in range(8):  # the cause chain, bounded
+        if seen is None:
+            break
+        if isinstance(seen, ConnectionRefusedError):
+            return f"nothing listens on {host}:{port} (connection refused)"
+        if isinstance(seen, socket.gaierror):
+            return f"no such host {host!r} (the name does not resolve: {seen.strerror or seen})"
+        if isinstance(seen, UnicodeError):
+            return f"no such host {host!r} (not a valid host name)"
+        if isinstance(seen, (httpx.TimeoutException, TimeoutError)):
+            return f"{host}:{port} did not answer in time ({type(exc).__name__})"
+        seen = seen.__cause__ or seen.__context__
+    text = str(exc)
+    if "Name or service not known" in text or "nodename nor servname" in text:
+        return f"no such host {host!r} ({text})"
+    if "refused" in text.lower():
+        return f"nothing listens on {host}:{port} ({text})"
+    return f"could not connect to {host}:{port} ({type(exc).__name__}: {text})"
+
+
+def _shown(body: bytes, http: httpx.AsyncClient) -> str:
+    """The start of an answer that was not JSON, for an error message; the API key blanked
+    out, should the page echo the request's headers (a debugging proxy's does)."""
+    text = " ".join(body[:2000].decode("utf-8", "replace").split())
+    scheme, _, token = http.headers.get("authorization", "").partition(" ")
+    secret = token.strip() or scheme.strip()
+    if len(secret) >= 6:
+        text = text.replace(secret, "***")
+    return repr(text[:80] + ("..." if len(text) > 80 else ""))
+
+
+async def _get_json(
+    http: httpx.AsyncClient, url: str, seconds: float
+) -> tuple[Any | None, bool, str | None]:
+    """GET and decode JSON, reading at most :data:`PROBE_BODY_BYTES`: ``(json, answered, why)``.
+
+    Any failure gives ``None`` for the JSON, and ``why`` says what went wrong in words a
+    message can quote ("nothing listens on 127.0.0.1:8001 (connection refused)", "HTTP 200
+    text/html, not JSON: '<!DOCTYPE html>...'"). ``answered`` tells a route the server does not
+    have or will not serve (a 4xx: ask again and the answer is the same) from a probe that got
+    no answer (a connection error, a timeout, a 5xx or 429, an unreadable body), which is worth
     trying again later."""
     with anyio.move_on_after(seconds):  # httpx's timeout is per phase; bound the whole probe
         try:
             response = await http.send(http.build_request("GET", url, timeout=seconds), stream=True)
         except httpx.HTTPError as exc:
             logger.debug("dsclient: probe %s failed: %r", url, exc)
-            return None, False
+            return None, False, unreachable(exc, url)
         try:
             if response.status_code != 200:
                 logger.debug("dsclient: probe %s answered HTTP %d", url, response.status_code)
                 status = response.status_code
-                return None, status < 500 and status not in _PASSING_STATUSES
-            return parse_json(await read_body(response, limit=PROBE_BODY_BYTES)), True
+                why = f"answered HTTP {status}"
+                return None, status < 500 and status not in _PASSING_STATUSES, why
+            body = await read_body(response, limit=PROBE_BODY_BYTES)
+            try:
+                return parse_json(body), True, None
+            except ValueError:
+                kind = response.headers.get("content-type", "no content-type").split(";")[0]
+                why = f"answered HTTP 200 {kind}, not JSON: {_shown(body, http)}"
+                logger.debug("dsclient: probe %s %s", url, why)
+                return None, False, why
         except ResponseTooLarge as exc:
             logger.warning("dsclient: probe %s ignored: %s", url, exc)
-            return None, True  # asking again brings the same oversized answer
+            return None, True, str(exc)  # asking again brings the same oversized answer
         except (DSClientError, ValueError, httpx.HTTPError) as exc:
             logger.debug("dsclient: probe %s gave nothing usable: %r", url, exc)
-            return None, False
+            return None, False, f"its answer could not be read ({type(exc).__name__}: {exc})"
         finally:
             with anyio.CancelScope(shield=True):
                 await response.aclose()
     logger.debug("dsclient: probe %s timed out", url)
-    return None, False
+    return None, False, f"no answer within {seconds:g} s"
 
 
 async def discover(
@@ -580,9 +638,10 @@ async def discover(
     root = root_url(url)
     answers: dict[str, Any] = {}
     answered: dict[str, bool] = {}
+    probe_failed: dict[str, str | None] = {}
 
     async def probe(key: str, path: str) -> None:
-        answers[key], answered[key] = await _get_json(http, root + path, timeout)
+        answers[key], answered[key], probe_failed[key] = await _get_json(http, root + path, timeout)
 
     async with anyio.create_task_group() as tg:
         for key, path in _PROBES.items():
@@ -613,6 +672,9 @@ async def discover(
         "ollama_ps": "ollama /api/ps",
     }
     sources: dict[str, str] = {}
+    if facts["models"] is None:
+        # What the listing answered instead, for the messages of calls that need it.
+        sources["/v1/models"] = probe_failed.get("models") or "not the OpenAI model list"
 
     # -- kind: the most specific signal first. /version alone is weak (other servers may have
     # one), so it only decides when nothing more specific answered.

@@ -5,6 +5,7 @@ the API key kept out of every repr (:class:`Secret`). Pure: no I/O.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -123,12 +124,16 @@ class Secret:
 
 
 def handle_tokenizer(handle: Any) -> str | None:
-    """The launched model's own ``tokenizer.json``, when the handle's model is a local folder."""
+    """The launched model's own ``tokenizer.json``, when the handle's model is a local folder
+    and the optional ``tokenizers`` package is there to read it (else ``None``: tiktoken,
+    calibrated against the server's ``/tokenize``)."""
     model_path = getattr(handle, "model_path", None) if handle is not None else None
     if not isinstance(model_path, str):
         return None
     candidate = Path(model_path) / "tokenizer.json"
-    return str(candidate) if candidate.is_file() else None
+    if not candidate.is_file() or importlib.util.find_spec("tokenizers") is None:
+        return None
+    return str(candidate)
 
 
 def servers_of(base_url: Any) -> list[tuple[str, Any]]:

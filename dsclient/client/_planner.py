@@ -265,16 +265,20 @@ class Planner:
         tries = 0
         while True:
             info = self.info()
+            why = info.sources.get("/v1/models") if info is not None else None
             if info is not None and info.kind == "unknown" and not await backend.probe_all():
-                reach.mark_down("discovery: nothing answered")
+                reach.mark_down(why or "discovery: nothing answered")
                 await reach.wait_up()
             else:
                 tries += 1
                 if tries > self._attempts:
+                    said = f" ({'it ' if why.startswith('answered') else ''}{why})" if why else ""
+                    foreign = why is not None and ("not JSON" in why or "HTTP 404" in why)
                     raise ConnectionError(
-                        f"{backend.endpoints[0].url}/v1/models did not answer in {tries - 1} "
-                        "tries, so the model to ask for is unknown; pass model= to AsyncClient "
-                        "to send without it"
+                        f"{backend.endpoints[0].url}/v1/models gave no model list in "
+                        f"{tries - 1} tries{said}, so the model to ask for is unknown; "
+                        + ("is this an OpenAI-compatible server's URL? " if foreign else "")
+                        + "pass model= to AsyncClient to send without the list"
                     )
                 if tries > 1:
                     await self._sleep(rediscover_backoff(tries - 1, self._rng))

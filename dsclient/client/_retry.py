@@ -17,6 +17,7 @@ from .._exceptions import (
     ConnectionError,
     Overloaded,
     RequestRefused,
+    ServerFault,
     TimeoutError,
 )
 from .._retry_after import parse_retry_after
@@ -148,7 +149,7 @@ def is_retryable(exc: BaseException) -> bool:
         # The client's own queue bound (status 0) is a decision, not a server hiccup.
         return exc.status != 0
     if isinstance(exc, RequestRefused):
-        return exc.status in RETRYABLE_STATUSES and type(exc) is RequestRefused
+        return exc.status in RETRYABLE_STATUSES and type(exc) in (RequestRefused, ServerFault)
     return False
 
 

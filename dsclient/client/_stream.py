@@ -76,6 +76,8 @@ class Stream:
                 plan, opened = await caller.open_stream(
                     self._prompt, self._max_tokens, self._urgency, self._group, self._sampling
                 )
+        except TimeoutError:  # dsclient's, from inside: it says what ran out
+            raise
         except builtins.TimeoutError as exc:
             raise TimeoutError(
                 f"stream did not open within its timeout of {self._timeout} s"
@@ -106,6 +108,8 @@ class Stream:
                         event = await anext(events)
                 except StopAsyncIteration:
                     return
+                except TimeoutError:  # dsclient's, from inside: it says what ran out
+                    raise
                 except builtins.TimeoutError as exc:
                     raise TimeoutError(
                         f"stream did not finish within its timeout of {self._timeout} s"

@@ -112,6 +112,7 @@ class Client:
 
     # lifecycle
     def __enter__(self) -> Client:
+        """Discover the server (its model, context and limits); a failure closes the client."""
         try:
             self.discover()
         except BaseException:
@@ -120,6 +121,7 @@ class Client:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        """Close the client (:meth:`close`)."""
         self.close()
 
     def close(self) -> None:

@@ -184,6 +184,20 @@ def _tiktoken_encoding(name: str) -> Any:
     return tiktoken.get_encoding(name)
 
 
+def _need_tokenizers(path: str) -> None:
+    """Fail now, naming the extra, when ``tokenizers`` (which reads a ``tokenizer.json``) is
+    not installed: it is optional, as it brings ``huggingface-hub`` and ``hf-xet`` along."""
+    try:
+        import tokenizers  # noqa: F401 - only whether it imports
+    except ImportError as exc:
+        raise ImportError(
+            f"counting tokens with {path!r} needs the 'tokenizers' package, which a plain "
+            "install leaves out: pip install 'tokenizers>=0.15' (dsclient's 'tokenizers' "
+            "extra: pip install '.[tokenizers]' in your copy of dsclient). Without a "
+            "tokenizer.json, dsclient counts with tiktoken and the server's /tokenize."
+        ) from exc
+
+
 @functools.lru_cache(maxsize=8)
 def _hf_tokenizer(path: str) -> Any:
     from tokenizers import Tokenizer
@@ -274,6 +288,7 @@ class TokenCounter:
             path = os.fspath(tokenizer)
             if not os.path.isfile(path):
                 raise ValueError(f"TokenCounter tokenizer: no tokenizer.json at {path!r}")
+            _need_tokenizers(path)
             self.backend = f"tokenizers:{path}"
         elif isinstance(tokenizer, str):
             import tiktoken

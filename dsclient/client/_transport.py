@@ -234,7 +234,9 @@ class GovernedTransport(httpx.AsyncBaseTransport):
                 sent = await caller.path.send_raw(outgoing, call, stream=planned.stream)
         except Exception as exc:
             failure: Exception = exc
-            if isinstance(exc, builtins.TimeoutError):
+            # The call's own deadline (dsclient's TimeoutError from inside is one too, and
+            # keeps its words).
+            if isinstance(exc, builtins.TimeoutError) and not isinstance(exc, DSClientError):
                 failure = late = TimeoutError(
                     f"call did not finish within its timeout of {limit_s} s"
                 )

@@ -28,7 +28,7 @@ import anyio
 
 from ._admission import Admission, slot_for
 from ._governor import Governor, GovernorStats
-from ._health import Reachability
+from ._health import FIRST_WAIT_S, Reachability
 
 if TYPE_CHECKING:
     from .._http import httpx
@@ -177,7 +177,8 @@ class SingleServer:
         sleep, rng, clock: injectable for tests (the probe backoff, and
             :func:`rediscover_backoff` on ``clock``).
         outage_wait: seconds calls wait for the server while it does not answer (``None``:
-            only their own timeouts).
+            only their own timeouts). A server that has not answered since the client started
+            is given :data:`~dsclient.governor._health.FIRST_WAIT_S` of it (when not ``None``).
     """
 
     def __init__(
@@ -195,7 +196,12 @@ class SingleServer:
         self._governor: Governor = endpoint.governor
         self._probe = probe
         self.reach = Reachability(
-            self.probe_all, sleep=sleep, rng=rng, label=endpoint.url, max_wait=outage_wait
+            self.probe_all,
+            sleep=sleep,
+            rng=rng,
+            label=endpoint.url,
+            max_wait=outage_wait,
+            first_wait=None if outage_wait is None else min(FIRST_WAIT_S, outage_wait),
         )
         reach = self.reach
         endpoint.watch_health(lambda: "down" if reach.down else "up")
@@ -225,7 +231,7 @@ class SingleServer:
         return self.endpoint
 
     def settle(self, lease: Lease, exc: BaseException | None, model: str | None) -> bool:
-        if exc is None and self.reach.down:
+        if exc is None and (self.reach.down or not self.reach.has_answered):
             self.reach.mark_up()  # any answer opens the gate
         return False  # no other server
 
@@ -279,6 +285,10 @@ class SingleServer:
         """An incomplete discovery is asked again by a later call, after
         :func:`rediscover_backoff` (there is no other server to take the calls meanwhile)."""
         info, url = endpoint.info, endpoint.url
+        if info is not None and (info.complete or info.kind != "unknown"):
+            self.reach.answered()
+        elif info is not None and "/v1/models" in info.sources:
+            self.reach.unreachable(info.sources["/v1/models"])
         if info is not None and info.complete:
             if self._failures:
                 logger.warning("dsclient: %s/v1/models answers again; model %s", url, info.model)
@@ -289,10 +299,11 @@ class SingleServer:
         self._again_at = self._clock() + delay
         log = logger.warning if self._failures == 1 else logger.debug
         log(
-            "dsclient: %s/v1/models did not answer (try %d); the model and context stay "
-            "unknown, asked again in %.1f s or later",
+            "dsclient: %s/v1/models gave no model list (try %d: %s); the model and context "
+            "stay unknown, asked again in %.1f s or later",
             url,
             self._failures,
+            (info.sources.get("/v1/models") if info is not None else None) or "no answer",
             delay,
         )
 

@@ -13,6 +13,12 @@ attempt that succeeds, marks it up again and every waiting call proceeds. No bac
 the probing is done by a waiting call, and if that call is cancelled (its timeout) the next
 waiting one takes over. How long a call waits is bounded by its own timeout.
 
+A server that has never answered since the client started is another matter: a typo'd port or
+host, not an outage. With ``first_wait`` set, calls wait that long for it (a few probes), then
+fail with what was wrong ("nothing listens on 127.0.0.1:8001", "no such host"): the words given
+to :meth:`Reachability.mark_down` or :meth:`Reachability.unreachable`. Once it has answered
+(:meth:`Reachability.answered`), an outage is waited through for up to ``max_wait``.
+
 An outage is *confirmed* once a probe in it fails: the server really did not answer, as opposed
 to one connection dropped by a live server (whose first probe answers at once). The request path
 uses that to tell the victims of an outage (calls whose connection died with the server) from
@@ -31,9 +37,13 @@ import anyio
 
 from .._exceptions import ConnectionError
 
-__all__ = ["Reachability"]
+__all__ = ["FIRST_WAIT_S", "Reachability"]
 
 logger = logging.getLogger("dsclient")
+
+#: Seconds of probing a client gives a server that has not answered since the client started
+#: (a typo'd port or host) before its calls fail: six probes or so, with the default backoff.
+FIRST_WAIT_S = 5.0
 
 
 class Reachability:
@@ -47,6 +57,8 @@ class Reachability:
         label: how log lines name the server (its URL).
         max_wait: seconds of probing in one outage before calls stop waiting (``None``: only
             the calls' own timeouts bound the wait).
+        first_wait: the same, for a server that has not answered since this object was made
+            (``None``: ``max_wait`` applies to it too).
     """
 
     def __init__(
@@ -60,12 +72,20 @@ class Reachability:
         cap: float = 2.0,
         label: str = "server",
         max_wait: float | None = 300.0,
+        first_wait: float | None = None,
     ) -> None:
         if not 0 < first <= cap:
             raise ValueError(f"need 0 < first <= cap, got first={first!r}, cap={cap!r}")
         if max_wait is not None and not max_wait > 0:
             raise ValueError(f"max_wait must be > 0 seconds or None, got {max_wait!r}")
+        if first_wait is not None and not first_wait > 0:
+            raise ValueError(f"first_wait must be > 0 seconds or None, got {first_wait!r}")
         self.max_wait = max_wait
+        self.first_wait = first_wait
+        #: Whether the server has answered since this object was made.
+        self.has_answered = False
+        #: What the last attempt that could not reach it said (``None``: nothing yet).
+        self.why: str | None = None
         self._probe = probe
         self._sleep = sleep
         self._rng = rng or random.Random()
@@ -95,6 +115,8 @@ class Reachability:
         """
         if self.down:
             return self.outages
+        if self.why is None or self.has_answered:
+            self.why = why  # an earlier, more telling word (unreachable()) is kept
         self.down = True
         self.down_since = self._clock()
         self._waited = 0.0
@@ -105,6 +127,15 @@ class Reachability:
             why,
         )
         return self.outages
+
+    def answered(self) -> None:
+        """The server answered (discovery, a call): from now on, not answering is an outage."""
+        self.has_answered = True
+
+    def unreachable(self, why: str) -> None:
+        """What was wrong the last time the server could not be reached (discovery's words:
+        "nothing listens on 127.0.0.1:8001 (connection refused)"), for the error calls get."""
+        self.why = why
 
     def confirmed(self, outage: int) -> bool:
         """Whether outage number ``outage`` was real: a probe failed while it lasted."""
@@ -117,6 +148,7 @@ class Reachability:
 
     def mark_up(self) -> None:
         """The server answered: let every waiting call through."""
+        self.has_answered = True
         if not self.down:
             return
         self.down = False
@@ -134,13 +166,29 @@ class Reachability:
             event.set()
 
     @property
+    def _limit(self) -> float | None:
+        if not self.has_answered and self.first_wait is not None:
+            return self.first_wait
+        return self.max_wait
+
+    @property
     def given_up(self) -> bool:
-        """Down for longer than ``max_wait`` of probing: calls no longer wait for it."""
-        return self.down and self.max_wait is not None and self._waited >= self.max_wait
+        """Down for longer than ``max_wait`` of probing (``first_wait`` for a server that never
+        answered): calls no longer wait for it."""
+        limit = self._limit
+        return self.down and limit is not None and self._waited >= limit
 
     def _gone(self) -> ConnectionError:
+        why = f": {self.why}" if self.why else ""
+        if not self.has_answered and self.first_wait is not None:
+            return ConnectionError(
+                f"{self.label} has not answered since the client started{why}; is the URL "
+                f"right? (probed for {self._waited:.0f} s; a server that answered before is "
+                f"waited for through an outage, up to outage_wait)"
+            )
         return ConnectionError(
-            f"{self.label} has not answered for {self._waited:.0f} s (max_wait {self.max_wait:g} s)"
+            f"{self.label} has not answered for {self._waited:.0f} s "
+            f"(max_wait {self.max_wait:g} s){why}"
         )
 
     async def wait_up(self) -> None:

@@ -81,8 +81,15 @@ _DOUBLE: Final = 2.0
 #: x3, not x4: a step from a limit the server still runs whole (no queue yet) to three times
 #: it leaves at most two batches waiting however small the batch; x4 left three.
 _FAST: Final = 3.0
-#: Slow start never goes past this many times what the server is seen to run.
-_REACH: Final = 2.5
+#: Slow start never goes past this many times what the server is seen to run: a step from
+#: there leaves at most one batch waiting (2.5 left a server of 256 seats 310 waiting).
+_REACH: Final = 2.0
+_FREE_REACH: Final = 3.0
+#: An epoch sets the guard's unqueued time only if its mean in flight reached this share of
+#: its limit.
+_FILLED: Final = 0.9
+#: Slow start ends where the guard sees this share of what is in flight waiting (at least one).
+_QUEUED_SHARE: Final = 0.1
 #: The hold phase's step, as a factor of the limit.
 _STEP: Final = 1.5
 #: The smallest step a probe up is judged on: over a step of one call in fifteen, the noise
@@ -349,22 +356,25 @@ class KneeFinder:
         self.epochs = [*self.epochs[-2:], epoch]
         previous, self.last = self.last, epoch
         step_from = None
+        probe = self._pending
         if (
-            self.phase == "hold"
-            and previous is not None
-            and _SMALLEST_STEP * previous.limit <= epoch.limit
-            and elasticity(previous, epoch) >= self._elasticity
+            probe is not None
+            and probe[0] == "up"
+            and _SMALLEST_STEP * probe[1].limit <= epoch.limit
+            and elasticity(probe[1], epoch) >= self._elasticity
         ):
             # A probe up that bought throughput proves what the server runs. Only the hold
             # phase's probes, measured on twice the answers: slow start's small epochs on a
             # noisy server (service times x1.6 either way) "proved" 9.5 seats of 8, for good.
-            step_from = (previous.in_flight or float(previous.limit), previous.throughput)
+            step_from = (probe[1].in_flight or float(probe[1].limit), probe[1].throughput)
         self.guard.observe(
             limit=epoch.limit,
             in_flight=epoch.in_flight or float(epoch.limit),
             throughput=epoch.throughput,
             per_work=self._busy / self._work if self._work > 0 else 0.0,
-            samples=epoch.samples,
+            # An epoch that did not keep its limit full (a batch still being handed out: the
+            # client's own start-up slowed its first answers by half) sets no unqueued time.
+            samples=epoch.samples if epoch.in_flight >= _FILLED * epoch.limit else 0,
             step_from=step_from,
         )
         wanted = self._guarded(now, epoch, previous)
@@ -380,7 +390,15 @@ class KneeFinder:
         cap = self.guard.cap()
         limit = self.limit
         above, self._probe_above = self._probe_above, False
-        if cap is not None and limit > cap:
+        # A step into this limit that bought throughput in proportion (e >= 0.5) shows no
+        # queue, whatever Little's count says: a GPU's answers slow as its batch fills, so
+        # the count comes out low there (a batch of 256 read as 150 and cut to 190).
+        strong = (
+            previous is not None
+            and previous.limit < epoch.limit
+            and elasticity(previous, epoch) >= _FAST_ELASTICITY
+        )
+        if cap is not None and limit > cap and not strong:
             if above:
                 # A probe past the guard that proved nothing: wait longer for the next one.
                 self._above_fails += 1
@@ -405,9 +423,33 @@ class KneeFinder:
         if wanted <= limit:
             return wanted
         if self.phase == "slow start":
+            stated = self.guard.stated_cap()
+            if stated is not None and wanted > stated:
+                # A batch the server states is where slow start stops (with the target queue).
+                self.phase = "hold"
+                self.reason = f"slow start ends at what the server states: limit -> {stated}"
+                return max(limit, stated)
             seen = self.guard.seen_running()
-            if seen is not None:
-                wanted = min(wanted, max(limit + 1, math.floor(_REACH * seen)))
+            if seen is None:
+                return wanted
+            queued = epoch.in_flight - seen
+            waits = queued > max(1.0, _QUEUED_SHARE * limit)
+            # Throughput rose in proportion and nothing waits: x3, up to three times what the
+            # server runs (at most two batches waiting, if the batch fills within the step).
+            # Otherwise no further than twice what it runs (at most one batch waiting).
+            reach = _FREE_REACH if strong and not waits else _REACH
+            wanted = min(wanted, max(limit + 1, math.floor(reach * seen)))
+            if cap is not None and wanted > cap and waits and not strong:
+                # A queue stands and the step bought little: the batch filled within it. More
+                # would only queue: no further than the guard's cap. (A step that bought much,
+                # e >= 0.5, went on above: a GPU's answers slow as its batch fills, so Little's
+                # count of what it runs comes out low there while its throughput still scales.)
+                self.phase = "hold"
+                self.reason = (
+                    f"slow start ends: the server runs about {seen:.0f} of "
+                    f"{epoch.in_flight:.0f} in flight; limit {limit} -> {max(limit, cap)}"
+                )
+                return max(limit, cap)
             return wanted
         if cap is None or wanted <= cap:
             return wanted

@@ -53,7 +53,7 @@ from .._exceptions import TimeoutError as DSTimeoutError
 from .._server_info import ServerInfo
 from ._admission import Admission, slot_for
 from ._governor import Governor, GovernorStats, Slot
-from ._health import Reachability
+from ._health import FIRST_WAIT_S, Reachability
 from ._lanes import Lane
 from ._routing import (
     CircuitBreaker,
@@ -193,7 +193,10 @@ class ServerPool:
             clock=clock,
             label="every server (" + ", ".join(self._by_url) + ")",
             max_wait=outage_wait,
+            first_wait=None if outage_wait is None else min(FIRST_WAIT_S, outage_wait),
         )
+        #: Why each server that never answered did not (discovery's words), for the error.
+        self._unreached: dict[str, str] = {}
         for endpoint in self.endpoints:
             endpoint.on_change(self.refresh)
             endpoint.traffic = self.traffic
@@ -272,11 +275,22 @@ class ServerPool:
         ``/v1/models`` stays out of rotation until a probe answers (:meth:`run_health` then
         discovers it again)."""
         info = endpoint.info
+        if info is not None and (info.complete or info.kind != "unknown"):
+            self.reach.answered()
+            self._unreached.pop(endpoint.url, None)
+        elif info is not None and "/v1/models" in info.sources:
+            self._unreached[endpoint.url] = info.sources["/v1/models"]
+            self.reach.unreachable(
+                "; ".join(f"{url}: {why}" for url, why in self._unreached.items())
+            )
         if info is None or not info.complete:
             self.router.record_failure(endpoint.url, "connect")
+            why = info.sources.get("/v1/models") if info is not None else None
             logger.warning(
-                "dsclient: %s/v1/models did not answer; it stays out of rotation until it does",
+                "dsclient: %s/v1/models gave no model list (%s); it stays out of rotation "
+                "until it does",
                 endpoint.url,
+                why or "no answer",
             )
         self.refresh()  # the fronts follow the servers that serve each model
 
@@ -496,6 +510,8 @@ class ServerPool:
         router = self.router
         if exc is None:
             router.record_success(url)
+            if not self.reach.has_answered:
+                self.reach.answered()
             return True
         kind = failure_kind(exc)
         if kind is None:

@@ -55,6 +55,33 @@ async def _map_sampled(
     return results, limits
 
 
+async def _vllm_queue(url: str, done: anyio.Event, seen: list[int]) -> None:
+    """The engine's own queue (``vllm:num_requests_waiting`` on ``/metrics``, behind the
+    gateway's back), every 0.1 s until ``done``: for the report and the queue goal only."""
+    async with httpx.AsyncClient(base_url=url, timeout=5) as http:
+        while not done.is_set():
+            text = (await http.get("/metrics")).text
+            waiting = sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("vllm:num_requests_waiting{")
+            )
+            seen.append(round(waiting))
+            await anyio.sleep(0.1)
+
+
+def _queue_goal(seen: list[int], seats: int) -> dict[str, int]:
+    """The server's queue p90 at most ``max(2, seats // 2)``, its peak at most two batches
+    (issue 41); returns the figures for the report."""
+    assert seen, "no sample of the server's queue"
+    ordered = sorted(seen)
+    figures = {"p90": ordered[max(0, -(-9 * len(ordered) // 10) - 1)], "peak": ordered[-1]}
+    print(f"server queue: {figures} over {len(seen)} samples, {seats} seats")
+    assert figures["p90"] <= max(2, seats // 2), figures
+    assert figures["peak"] <= 2 * seats, figures
+    return figures
+
+
 def _assert_every_item_once(results: dsclient.BatchResults, n: int) -> None:
     failures = results.failures
     assert not failures, f"{len(failures)} of {n} failed, e.g. {failures[0].error!r}"
@@ -85,11 +112,19 @@ async def test_the_gateway_passes_only_v1_and_the_load_header(nginx_vllm):
     assert "num_requests_waiting" in answer.headers.get("endpoint-load-metrics", "")
 
 
-async def test_vllm_behind_nginx_map_every_item_once_and_the_limit_moves(nginx_vllm):
+async def test_vllm_behind_nginx_map_every_item_once_and_the_limit_moves(
+    nginx_vllm, vllm_server
+):
+    seen: list[int] = []
     async with AsyncClient(nginx_vllm) as client:
         assert client.server is not None and client.server.model == "tiny"
-        results, limits = await _map_sampled(client, BATCH, ignore_eos=True)
+        done = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_vllm_queue, vllm_server.url, done, seen)
+            results, limits = await _map_sampled(client, BATCH, ignore_eos=True)
+            done.set()
         control = client.stats().control
+    _queue_goal(seen, vllm_server.max_num_seqs)
     _assert_every_item_once(results, BATCH)
     _assert_limit_moved(control, limits)
     # The gateway hides /metrics; vLLM's answer header is what drives the limit.
@@ -138,10 +173,24 @@ async def test_llama_cpp_server_map_every_item_once_and_the_limit_moves(llama_cp
     async with httpx.AsyncClient(base_url=llama_cpp_server, timeout=30) as http:
         for route in ("/metrics", "/slots"):  # llama.cpp's C++ server has them; this one not
             assert (await http.get(route)).status_code == 404, route
+    seen: list[int] = []
     async with AsyncClient(llama_cpp_server) as client:
         assert client.server is not None and client.server.model == LLAMA_CPP_MODEL
-        results, limits = await _map_sampled(client, BATCH)
+        done = anyio.Event()
+
+        async def queue() -> None:
+            # One request at a time and no count of its own: the fixture's count is what this
+            # client has in flight beyond the one the server runs.
+            while not done.is_set():
+                seen.append(max(0, client.servers[0].in_flight - 1))
+                await anyio.sleep(0.1)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(queue)
+            results, limits = await _map_sampled(client, BATCH)
+            done.set()
         control = client.stats().control
+    _queue_goal(seen, 1)
     _assert_every_item_once(results, BATCH)
     _assert_limit_moved(control, limits)
     assert (control.mode, control.signal) == ("throughput", "throughput"), control

@@ -21,6 +21,8 @@ Metrics are those of ``vllm bench serve``, so the numbers compare:
 * throughput: successful requests (and their output tokens) over the step's wall time, from its
   start until its last request finished (requests started before the end are waited for, as
   ``vllm bench serve`` does).
+* goodput (``--goodput ttft:MS,tpot:MS``): successful requests that met every objective given,
+  per second of the step, as ``vllm bench serve --goodput`` counts them (:mod:`.goodput`).
 * percentiles: linear interpolation between the two nearest ranks (numpy's default, which
   ``vllm bench serve`` uses).
 
@@ -46,6 +48,7 @@ import anyio
 
 from ..._http import httpx, transport_for
 from .._common import add_url, given_url
+from .goodput import Slo, parse_goodput
 from .policy import (
     DEFAULT_TOKENS_PER_WORD,
     KNEE_FRACTION,
@@ -72,6 +75,7 @@ __all__ = [
     "BenchRequest",
     "Knee",
     "RequestSample",
+    "Slo",
     "StepResult",
     "SyntheticMix",
     "add_bench_parser",
@@ -81,6 +85,7 @@ __all__ = [
     "load_workload_file",
     "main",
     "next_concurrency",
+    "parse_goodput",
     "percentile",
     "prompt_of",
     "run",
@@ -104,6 +109,7 @@ _EPILOG = (
     "  dsclient bench http://127.0.0.1:8000 -o bench-out\n"
     "  dsclient bench http://127.0.0.1:8000 --slo-p99 1.5 --max-steps 10 --step-seconds 5\n"
     "  dsclient bench http://127.0.0.1:8000 --rates 1,2,4,8 --workload requests.jsonl --json\n"
+    "  dsclient bench http://127.0.0.1:8000 --rates 2,4,8 --goodput ttft:500,tpot:50\n"
     "knee without --slo-p99: the last step beyond which one more request in flight buys less\n"
     f"than {KNEE_FRACTION:.0%} of the throughput the first step bought per request in flight.\n"
     "exit status: 0 done, 1 every request failed, 2 bad arguments or server unreachable,\n"
@@ -129,6 +135,13 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
     return value
+
+
+def _goodput(text: str) -> Slo:
+    try:
+        return parse_goodput(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _rates(text: str) -> list[float]:
@@ -202,6 +215,14 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         default=KNEE_FRACTION,
         help=f"knee without an SLO: marginal share of the first step's gain ({KNEE_FRACTION})",
     )
+    report.add_argument(
+        "--goodput",
+        type=_goodput,
+        default=None,
+        metavar="ttft:MS,tpot:MS",
+        help="report goodput: requests/s meeting every objective (ms; ttft, tpot, e2el), as"
+        " vllm bench serve --goodput counts them",
+    )
     report.add_argument("--timeout", type=_positive_float, default=600.0, help="per request (s)")
     report.add_argument(
         "--no-governor", dest="governor", action="store_false", help="skip the governor phase"
@@ -273,9 +294,10 @@ def run(
         "settings": {
             key: value
             for key, value in vars(args).items()
-            if key not in ("func", "extra_args", "verbose", "url", "url_option")
+            if key not in ("func", "extra_args", "verbose", "url", "url_option", "goodput")
             and not callable(value)
-        },
+        }
+        | {"goodput": args.goodput.text() if args.goodput is not None else None},
         "workload": {"kind": "synthetic", **dataclasses.asdict(mix)}
         if file_requests is None
         else {"kind": "file", "path": args.workload, "requests": len(file_requests)},
@@ -314,6 +336,7 @@ def run(
                 step_seconds=args.step_seconds,
                 rng=random.Random(args.seed + 1),
                 progress=err,
+                slo=args.goodput,
             )
             state["bench"] = bench
             what = "closed loop" if mode == "closed" else "open loop"

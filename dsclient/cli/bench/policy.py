@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ...governor._load import Load
+from .goodput import Slo, goodput_rps
 
 #: Tokens a plain English word costs when the server cannot count them (``/tokenize`` absent).
 DEFAULT_TOKENS_PER_WORD = 1.3
@@ -148,7 +149,8 @@ class StepResult:
     Times are seconds, rates per second; a percentile without samples is ``None``.
     ``concurrency`` is the step's number of workers (closed loop), or the mean number of requests
     in flight (open loop, by Little's law: the requests' summed latency over the step's time).
-    ``server`` is :func:`summarize_load` of the step's ``/metrics`` scrapes.
+    ``server`` is :func:`summarize_load` of the step's ``/metrics`` scrapes. ``good_requests``
+    and ``goodput_rps`` are ``None`` unless objectives were given (:mod:`.goodput`).
     """
 
     index: int
@@ -171,6 +173,11 @@ class StepResult:
     p99_s: float | None
     mean_latency_s: float | None
     server: Mapping[str, Any] | None = None
+    ttft_p95_s: float | None = None
+    tpot_p95_s: float | None = None
+    tpot_p99_s: float | None = None
+    good_requests: int | None = None  # with ``--goodput``: requests that met every objective
+    goodput_rps: float | None = None
 
     @property
     def load(self) -> float:
@@ -193,10 +200,12 @@ def summarize_step(
     concurrency: int | None = None,
     rate_rps: float | None = None,
     loads: Sequence[Load] = (),
+    slo: Slo | None = None,
 ) -> StepResult:
     """A :class:`StepResult` from a step's requests, its wall time and its ``/metrics`` scrapes.
 
-    ``concurrency`` ``None`` (open loop) takes the mean in flight over the step.
+    ``concurrency`` ``None`` (open loop) takes the mean in flight over the step; ``slo`` adds
+    goodput over the step's duration, as ``vllm bench serve --goodput`` counts it.
     """
     duration = max(duration_s, 1e-9)
     good = [s for s in samples if s.ok]
@@ -237,7 +246,20 @@ def summarize_step(
         p99_s=_round(percentile(latencies, 99)),
         mean_latency_s=_round(sum(latencies) / len(latencies)) if latencies else None,
         server=summarize_load(loads),
+        ttft_p95_s=_round(percentile(ttfts, 95)),
+        tpot_p95_s=_round(percentile(tpots, 95), 5),
+        tpot_p99_s=_round(percentile(tpots, 99), 5),
+        **_goodput(samples, slo, duration),
     )
+
+
+def _goodput(samples: Sequence[RequestSample], slo: Slo | None, duration: float) -> dict[str, Any]:
+    if slo is None:
+        return {}
+    good, rate = goodput_rps(
+        ((s.ok, s.ttft_s, s.latency_s, s.output_tokens) for s in samples), slo, duration
+    )
+    return {"good_requests": good, "goodput_rps": rate}
 
 
 def _flat(steps: Sequence[StepResult], rise: float) -> bool:

@@ -21,6 +21,9 @@ def _table(steps: Sequence[StepResult], mode: Mode) -> str:
     def f(value: float | None, width: int = 7) -> str:
         return f"{'-':>{width}}" if value is None else f"{value:>{width}.3g}"
 
+    good = any(s.goodput_rps is not None for s in steps)
+    if good:
+        columns += f" {'good/s':>7}"
     lines = [columns]
     for s in steps:
         server = s.server or {}
@@ -31,6 +34,7 @@ def _table(steps: Sequence[StepResult], mode: Mode) -> str:
             f" {f(s.p50_s)} {f(s.p95_s)} {f(s.p99_s)} {s.errors:>5}"
             f" {f(server.get('running_mean'), 5)} {f(server.get('waiting_mean'), 5)}"
             f" {'-' if kv is None else format(kv, '.0%'):>5}"
+            + (f" {f(s.goodput_rps)}" if good else "")
         )
     return "\n".join(lines)
 

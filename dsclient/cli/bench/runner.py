@@ -13,6 +13,7 @@ import anyio
 
 from ..._http import httpx
 from ...governor._load import Load
+from .goodput import Slo
 from .policy import (
     DEFAULT_TOKENS_PER_WORD,
     Knee,
@@ -45,6 +46,7 @@ class Bench:
         step_seconds: how long each step sends.
         clock, rng: injectable (the rng draws the open loop's arrival gaps).
         progress: where the live line goes (``None``: nowhere).
+        slo: objectives for goodput (``--goodput``); ``None``: no goodput.
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class Bench:
         clock: Callable[[], float] = time.perf_counter,
         rng: random.Random | None = None,
         progress: IO[str] | None = None,
+        slo: Slo | None = None,
     ) -> None:
         self.http = http
         self.url = url
@@ -67,6 +70,7 @@ class Bench:
         self.clock = clock
         self.rng = rng or random.Random(0)
         self.progress = progress
+        self.slo = slo
         self.live = bool(progress is not None and getattr(progress, "isatty", lambda: False)())
         self.has_metrics: bool | None = None
         self.steps: list[StepResult] = []
@@ -206,6 +210,7 @@ class Bench:
             concurrency=concurrency,
             rate_rps=rate,
             loads=loads,
+            slo=self.slo,
         )
         self.steps.append(result)
         if self.progress is not None:
@@ -341,6 +346,8 @@ def step_line(step: StepResult) -> str:
         f" {s(step.ttft_p99_s)} s, TPOT {s(step.tpot_p50_s)} s, latency p50 {s(step.p50_s)}"
         f" p99 {s(step.p99_s)} s, {step.errors} errors"
     ]
+    if step.goodput_rps is not None:
+        parts.append(f", goodput {step.goodput_rps:.3g} req/s ({step.good_requests} good)")
     server = step.server
     if server:
         kv = server.get("kv_usage_mean")

@@ -1,0 +1,173 @@
+"""Servers that queue: the governor against seats and a first-come queue, judged by the
+server's own queue (issue 41).
+
+Each server is a process of its own (``tests/seat_server.py``): at most ``seats`` requests run at
+once, each for a fixed service time, and the rest wait first come, first served, as vLLM, SGLang,
+TGI, llama.cpp and transformers' server do once their batch is full. It counts its own queue
+(time-sampled every 10 ms). Per server, three legs, one after another, on the same batch with
+one call of the highest urgency every 0.5 s beside it:
+
+* ``fixed = seats``: ``AsyncClient(url, limit=seats)``, the best fixed limit on such a server;
+* ``dsclient``: defaults; the server states its batch (``vllm``: dev-mode ``/server_info``)
+  or nothing (``none``: a black box);
+* ``unbounded``: ``AsyncClient(url, limit=n)``, everything in flight at once (what a plain
+  ``asyncio.gather`` does to the server's queue).
+
+Rows: makespan, throughput over the second half of the batch (``steady_rps``: after the limit
+found the server), the server's queue p90 and peak, the urgent calls' p99. Goals (issue 41): the
+queue p90 at most ``max(2, seats // 2)`` and its peak at most two batches; steady throughput at
+least 0.9x the fixed leg's; the urgent p99 within two service times (+0.15 s of transit).
+
+    python -m benchmarks seats                       # 1, 8, 64, 256 seats, both states, 2 runs
+    python -m benchmarks seats --sizes 8,64 --runs 3
+
+The server runs on the CPUs after the first, the client on the first (``_common.Placement``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks import _report as report_
+from benchmarks._common import default_placement, pin_process, say
+from benchmarks._results import Run
+from tests.seat_server import SeatServer, Shape, run_leg
+
+#: seats -> (service seconds, calls): about 25-40 batches, 10-20 s a leg.
+SIZES: dict[int, tuple[float, int]] = {
+    1: (0.05, 200),
+    8: (0.1, 800),
+    64: (0.2, 5120),
+    256: (0.5, 10240),
+}
+URGENT_EVERY_S = 0.5
+SLACK_S = 0.15
+TABLE = (
+    report_.Column("makespan s", "makespan_s", 2),
+    report_.Column("steady calls/s", "steady_rps", 0),
+    report_.Column("server queue p90", "queue_p90", 0),
+    report_.Column("server queue peak", "queue_peak", 0),
+    report_.Column("urgent p99 s", "urgent_p99_s", 2),
+)
+ABOUT = {
+    "fixed = seats": "AsyncClient(url, limit=seats): the best fixed limit",
+    "dsclient": "AsyncClient(url), defaults",
+    "unbounded": "AsyncClient(url, limit=n): everything in flight at once",
+}
+
+
+def _p99(values: Sequence[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+async def _server(run: Run, seats: int, states: str, runs: int, cpus: set[int] | None) -> None:
+    service, n = SIZES[seats]
+    with SeatServer(Shape(seats=seats, service=service, states=states), cpus=cpus) as server:
+        for r in range(1, runs + 1):
+            for leg, options in (
+                ("fixed = seats", {"limit": seats}),
+                ("dsclient", {}),
+                ("unbounded", {"limit": n}),
+            ):
+                got = await run_leg(server, n, urgent_every=URGENT_EVERY_S, **options)
+                stats = got.stats
+                row = run.add(
+                    leg=leg,
+                    run=r,
+                    seats=seats,
+                    states=states,
+                    service_s=service,
+                    calls=n,
+                    makespan_s=round(got.makespan, 3),
+                    steady_rps=round(got.steady, 1),
+                    queue_p90=int(stats["queue_p90"]),  # type: ignore[call-overload]
+                    queue_peak=int(stats["queue_peak"]),  # type: ignore[call-overload]
+                    urgent_p99_s=_p99(got.urgent),
+                    errors=got.errors,
+                    reason=got.reason if leg == "dsclient" else None,
+                )
+                say(f"{seats} seats, states {states}, run {r}, {leg}: {row}")
+
+
+def goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per server and run, whether dsclient met issue 41's goals against the fixed leg."""
+    out = []
+    for mine in (r for r in rows if r["leg"] == "dsclient"):
+        fixed = [
+            r for r in rows
+            if r["leg"] == "fixed = seats" and r["run"] == mine["run"]
+            and r["seats"] == mine["seats"] and r["states"] == mine["states"]
+        ]  # fmt: skip
+        seats, service = int(mine["seats"]), float(mine["service_s"])
+        checks = {
+            "queue p90": mine["queue_p90"] <= max(2, seats // 2),
+            "queue peak": mine["queue_peak"] <= 2 * seats,
+            "urgent p99": mine["urgent_p99_s"] is not None
+            and mine["urgent_p99_s"] <= 2 * service + SLACK_S,
+        }
+        if fixed:
+            checks["steady >= 0.9x fixed"] = mine["steady_rps"] >= 0.9 * fixed[0]["steady_rps"]
+        out.append({"seats": seats, "states": mine["states"], "run": mine["run"], **checks})
+    return out
+
+
+def render(records: Sequence[dict[str, Any]]) -> str:
+    """The newest invocation: one table per server (median and range over runs), then goals."""
+    record = report_.latest(records)
+    assert record is not None
+    rows = record["rows"]
+    parts = []
+    for seats in sorted({r["seats"] for r in rows}):
+        for states in ("none", "vllm"):
+            mine = report_.select(rows, seats=seats, states=states)
+            if mine:
+                said = "states its batch" if states == "vllm" else "states nothing"
+                title = f"**{seats} seats, {mine[0]['service_s']} s a call, {said}**"
+                parts.append(title + "\n\n" + report_.leg_table(mine, TABLE, about=ABOUT))
+    checks = goals(rows)
+    if checks:
+        names = [k for k in checks[0] if k not in ("seats", "states", "run")]
+        lines = [
+            "| seats | states | run | " + " | ".join(names) + " |",
+            "|---|---|---|" + "---|" * len(names),
+        ]
+        for c in checks:
+            cells = " | ".join("yes" if c.get(k) else "**no**" for k in names)
+            lines.append(f"| {c['seats']} | {c['states']} | {c['run']} | {cells} |")
+        parts.append("Goals of issue 41, per run:\n\n" + "\n".join(lines))
+    parts.append(report_.conditions(record, records))
+    return "\n\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks seats", description=__doc__)
+    parser.add_argument("--sizes", default="1,8,64,256", help="seats, comma-separated")
+    parser.add_argument("--states", default="none,vllm", help="none (black box), vllm")
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--no-save", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        parser.error(f"--sizes takes {sorted(SIZES)}, got {unknown}")
+    placement = default_placement()
+    pin_process(placement.client)
+    run = Run.begin("seats", params={"sizes": sizes, "states": args.states, "runs": args.runs})
+    run.fact("placement", placement.note)
+    for seats in sizes:
+        for states in args.states.split(","):
+            asyncio.run(_server(run, seats, states, args.runs, set(placement.server)))
+    if not args.no_save:
+        say(f"results: {run.save()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
