@@ -4,6 +4,7 @@
     python -m benchmarks batch-shape --workloads prefix-heavy --runs 1       # some only
     python -m benchmarks batch-shape --replicas 2 --legs shape,input,router-cache
     python -m benchmarks batch-shape --urls http://127.0.0.1:8000            # servers running
+    python -m benchmarks batch-shape --server flat --runs 3                   # issue 46's server
 
 One tiny vLLM (the launcher's), with prefix caching on and a **small KV cache**
 (``--num-gpu-blocks-override``, default 24 blocks of 128 tokens: 3072 tokens, the least that
@@ -45,10 +46,17 @@ over that of ``vllm:prefix_cache_queries_total`` (tokens), summed over the repli
 and after; vLLM's engine steps over the leg (``vllm:iteration_tokens_total_count``, summed): how
 many batches the server ran for the leg, which a busy machine moves less than the makespan (a
 schedule that keeps the server's batch fuller takes fewer steps; the page shows their ratios
-beside the goals, :func:`step_lines`); for the shape leg, how many items it started at another
+beside the goals, :func:`step_lines`); the sequences vLLM preempted for lack of KV cache
+(``vllm:num_preemptions_total``): whether an order that starts long items together thrashed
+the cache (issue 46); for the shape leg, how many items it started at another
 place than input order (:func:`moved`, computed without a server). Goals (issue 27), against
 each other leg: prefix-heavy hit rate >= 1.5x and makespan <= 0.85x; mixed makespan <= 0.9x;
 plain within 3%.
+
+``--server flat`` runs issue 46's batch on a simulated server whose decode step is nearly flat
+in its batch, as a GPU's is (:data:`FLAT_LEGS`, :func:`render_flat`): what a start order gains
+where the steps are the makespan, against a plain client with a semaphore in input order and
+sorted longest first, and an interactive call's latency beside the batch.
 
 Against servers given by ``--urls`` the model is not run (their batch and cache are not the
 flags'); a server without vLLM's ``/metrics`` gives no hit rate, steps or step time, only
@@ -310,19 +318,20 @@ def summed(rows: Sequence[dict[str, Any]], workload: str, key: str, peer: str) -
     return round(mine / theirs, 3) if theirs else float("nan")
 
 
-async def metrics(urls: Sequence[str]) -> tuple[float, float, float]:
-    """``(hits, queries, steps)``: vLLM's prefix cache (tokens) and engine steps, summed over
-    ``urls``."""
+async def metrics(urls: Sequence[str]) -> tuple[float, float, float, float]:
+    """``(hits, queries, steps, preemptions)``: vLLM's prefix cache (tokens), engine steps and
+    preempted sequences, summed over ``urls``."""
     import httpx
 
-    hits = queries = steps = 0.0
+    hits = queries = steps = preempted = 0.0
     async with httpx.AsyncClient(timeout=30.0) as http:
         for url in urls:
             text = (await http.get(url + "/metrics")).text
             hits += gauge(text, "vllm:prefix_cache_hits_total")
             queries += gauge(text, "vllm:prefix_cache_queries_total")
             steps += gauge(text, "vllm:iteration_tokens_total_count")
-    return hits, queries, steps
+            preempted += gauge(text, "vllm:num_preemptions_total")
+    return hits, queries, steps, preempted
 
 
 #: How many sequences :func:`step_cost` runs at once, in turn.
@@ -373,7 +382,14 @@ async def run_leg(
         found = await send(list(urls) if len(urls) > 1 else urls[0], items, leg)
     after = await metrics(urls)
     steps = after[2] - before[2]
-    return {**found, "hit_rate": hit_rate(before, after), "engine_steps": steps or None}
+    # A long item preempted for lack of KV cache recomputes its prompt and what it had answered:
+    # the count says whether an order that starts long items together thrashed the cache.
+    return {
+        **found,
+        "hit_rate": hit_rate(before, after),
+        "engine_steps": steps or None,
+        "preemptions": after[3] - before[3] if steps else None,
+    }
 
 
 async def send(url: str | list[str], items: list[dict[str, Any]], order: str) -> dict[str, Any]:
@@ -445,6 +461,223 @@ def servers(args: argparse.Namespace) -> Iterator[list[str]]:
         yield list(group.urls)
 
 
+# -- the flat-step server (issue 46) ----------------------------------------------------------
+#: ``--server flat``: a simulated continuous-batching server process (``tests/seat_server.py``:
+#: real sockets, real time) whose decode step is nearly flat in its batch, as a GPU's is:
+#: ``FLAT_STEP_S[0] + FLAT_STEP_S[1] x running`` seconds, :data:`FLAT_SEATS` sequences, a
+#: first-come queue, no KV limit and no ``/metrics``; the client is told its batch. On it the
+#: schedule is the makespan (a step's time hardly depends on how full it is), which this CPU's
+#: vLLM cannot show.
+FLAT_SEATS = 16
+FLAT_STEP_S = (0.010, 0.0002)
+#: Legs on the flat server: map() in both orders (client defaults, told ``max_num_seqs``), the
+#: same beside an interactive call every :data:`CALL_EVERY_S`, map() with its limit fixed at
+#: the batch plus half a batch (24: what the governor alone costs, apart from where the limit
+#: controller starts and how it grows), and a plain client (httpx and a semaphore) in input
+#: order and sorted longest first, at the server's batch and at 1.5x it.
+FLAT_LEGS = (
+    "shape",
+    "input",
+    "shape-limit-24",
+    "shape+calls",
+    "input+calls",
+    "semaphore-input",
+    "semaphore-longest-16",
+    "semaphore-longest-24",
+)
+CALL_EVERY_S = 0.25
+#: The issue's goals on the flat server: (leg, peers (the best of them), at most this).
+FLAT_GOALS: list[tuple[str, tuple[str, ...], float]] = [
+    ("shape", ("input",), 0.9),
+    ("shape", ("semaphore-longest-16", "semaphore-longest-24"), 1.02),
+    ("input", ("semaphore-input",), 1.02),
+]
+
+
+def make_flat_batch(seed: int, salt: str) -> list[dict[str, Any]]:
+    """Issue 46's batch: 400 items, 27 asking 300 tokens and 373 asking 8, in random order."""
+    rng = random.Random(seed)
+    items = [
+        {"prompt": f"[{salt}] Item {i}: {words(rng, 12)}", "max_tokens": 300 if i < 27 else 8}
+        for i in range(400)
+    ]
+    rng.shuffle(items)
+    return items
+
+
+async def send_plain(url: str, items: list[dict[str, Any]], n: int, longest: bool) -> float:
+    """The plain client's makespan: every item at once behind ``asyncio.Semaphore(n)``, in
+    input order or sorted longest first (by ``max_tokens``)."""
+    import httpx
+
+    if longest:
+        items = sorted(items, key=lambda item: -int(item["max_tokens"]))
+    gate = asyncio.Semaphore(n)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=300.0, limits=limits) as http:
+
+        async def one(item: dict[str, Any]) -> None:
+            async with gate:
+                body = {"model": FLAT_MODEL, **item}
+                answer = await http.post(url + "/v1/completions", json=body)
+                answer.raise_for_status()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(item) for item in items))
+        return round(time.perf_counter() - t0, 3)
+
+
+async def send_with_calls(
+    url: str,
+    items: list[dict[str, Any]],
+    order: str,
+    seats: int,
+    calls: bool,
+    limit: int | None = None,
+) -> dict[str, Any]:
+    """``client.map(items, order=order)`` on a client told the server's batch (``limit``: a
+    fixed limit; ``None``: the client's own); with ``calls``, one ``generate()`` of 8 tokens
+    every :data:`CALL_EVERY_S` beside it, from the same client (someone waits on those: their
+    latency, from the call to its answer)."""
+    from dsclient import AsyncClient
+
+    latencies: list[float] = []
+    async with AsyncClient(url, model=FLAT_MODEL, max_num_seqs=seats, limit=limit) as client:
+        await client.discover()
+
+        async def call(i: int) -> None:
+            t = time.perf_counter()
+            await client.generate(f"Interactive {i}: a short question.", max_tokens=8)
+            latencies.append(time.perf_counter() - t)
+
+        async def caller(done: asyncio.Event) -> None:
+            async with asyncio.TaskGroup() as tg:
+                i = 0
+                while not done.is_set():
+                    tg.create_task(call(i))
+                    i += 1
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(done.wait(), CALL_EVERY_S)
+
+        done = asyncio.Event()
+        task = asyncio.create_task(caller(done)) if calls else None
+        t0 = time.perf_counter()
+        results = await client.map(items, progress=False, order=order)
+        makespan = time.perf_counter() - t0
+        done.set()
+        if task is not None:
+            await task
+        end = client.limit
+    found: dict[str, Any] = {
+        "makespan_s": round(makespan, 3),
+        "failed": len(results.failures),
+        "items": len(results),
+        "limit_end": end,
+    }
+    if latencies:
+        ordered = sorted(latencies)
+        found["calls"] = len(ordered)
+        found["call_p50_s"] = round(ordered[len(ordered) // 2], 3)
+        found["call_p99_s"] = round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3)
+    return found
+
+
+async def flat_leg(url: str, items: list[dict[str, Any]], leg: str) -> dict[str, Any]:
+    """One leg of the flat server's runs (:data:`FLAT_LEGS`)."""
+    if leg.startswith("semaphore-"):
+        n = int(leg.rsplit("-", 1)[1]) if leg.startswith("semaphore-longest") else FLAT_SEATS
+        took = await send_plain(url, items, n, leg.startswith("semaphore-longest"))
+        return {"makespan_s": took, "items": len(items)}
+    order, _, calls = leg.partition("+")
+    order, _, limit = order.partition("-limit-")
+    return await send_with_calls(
+        url, items, order, FLAT_SEATS, bool(calls), int(limit) if limit else None
+    )
+
+
+#: The seat server's model name.
+FLAT_MODEL = "sim"
+
+
+@contextlib.contextmanager
+def flat_server(url: str | None) -> Iterator[str]:
+    """The flat server at ``url``, else one started here for the run (it states no context:
+    what is long, the client judges beside the calls it sends)."""
+    if url:
+        yield url.rstrip("/")
+        return
+    from tests.seat_server import SeatServer, Shape
+
+    a, b = FLAT_STEP_S
+    shape = Shape(seats=FLAT_SEATS, step_ms=1000 * a, step_per_seq_ms=1000 * b, context=False)
+    # Not pinned: on this shared 2-core machine other tenants' vLLM engines bind themselves to
+    # a core, and a server (or client) pinned to that core ran a 10 s batch in 29-53 s.
+    with SeatServer(shape) as server:
+        yield server.url
+
+
+async def run_flat(args: argparse.Namespace, url: str, run: Run) -> None:
+    for n in range(1, args.runs + 1):
+        for leg in leg_order(list(FLAT_LEGS), n):
+            items = make_flat_batch(args.seed + n, f"flat-{leg}-{n}-{args.seed}")
+            say(f"run {n}, flat, {leg}: {len(items)} items ...")
+            row = run.add(leg=leg, run=n, workload="flat", **await flat_leg(url, items, leg))
+            say(f"  {row}")
+
+
+def flat_ratios(rows: Sequence[dict[str, Any]], leg: str, peers: Sequence[str]) -> list[float]:
+    """Per run, ``leg``'s makespan over the best (least) of ``peers``'."""
+    out = []
+    for run in sorted({r["run"] for r in rows}):
+        times = {r["leg"]: r.get("makespan_s") for r in rows if r["run"] == run}
+        mine = times.get(leg)
+        theirs = [t for p in peers if isinstance(t := times.get(p), int | float)]
+        if isinstance(mine, int | float) and theirs:
+            out.append(round(mine / min(theirs), 3))
+    return out
+
+
+def flat_goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Issue 46's goals on the flat server, per run, and whether every run met each."""
+    lines = []
+    for leg, peers, bound in FLAT_GOALS:
+        found = flat_ratios(rows, leg, peers)
+        if not found:
+            continue
+        shown = ", ".join(f"{x:.2f}x" for x in found)
+        peer = peers[0] if len(peers) == 1 else "the best of " + " and ".join(peers)
+        met = all(x <= bound for x in found)
+        lines.append(
+            f"- {leg} / {peer} = {shown} (goal <= {bound}x): " + ("met" if met else "**not met**")
+        )
+    return lines
+
+
+FLAT_TABLE = (
+    report_.Column("makespan s", "makespan_s"),
+    report_.Column("interactive p50 s", "call_p50_s", 3),
+    report_.Column("interactive p99 s", "call_p99_s", 3),
+    report_.Column("failed", "failed", 0),
+)
+
+
+def render_flat(record: dict[str, Any]) -> str:
+    """The flat server's block: one line per leg, the goals, the conditions."""
+    rows = report_.select(record["rows"], workload="flat")
+    step = record.get("facts", {}).get("server", {})
+    parts = [
+        f"*A simulated server whose step is flat in its batch ({step.get('step_ms', '?')} ms "
+        f"+ {step.get('step_ms_per_sequence', '?')} ms a sequence, {step.get('seats', '?')} "
+        "sequences, no KV limit, no `/metrics`; the client told its batch):*",
+        "**flat** (400 items: 27 asking 300 tokens, 373 asking 8, in random order)\n\n"
+        + report_.leg_table(rows, FLAT_TABLE),
+    ]
+    goals = flat_goal_lines(rows)
+    if goals:
+        parts.append("Against the issue's goals, per run:\n\n" + "\n".join(goals))
+    return "\n\n".join(parts)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks batch-shape",
@@ -464,6 +697,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--legs", default="shape,input", help="from " + ", ".join(LEGS))
     parser.add_argument("--replicas", type=int, default=1, help="vLLM replicas to launch")
     parser.add_argument("--urls", help="running vLLMs (comma-separated) instead of launched ones")
+    parser.add_argument(
+        "--server",
+        choices=("vllm", "flat"),
+        default="vllm",
+        help="flat: issue 46's simulated server whose step is flat in its batch (its own legs)",
+    )
     parser.add_argument(
         "--wait",
         type=float,
@@ -491,6 +730,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     params = {k: v for k, v in vars(args).items() if k != "urls"}
     params["urls_given"] = bool(args.urls)
+    if args.server == "flat":
+        main_flat(args, params)
+        return
     router = None
     versions = {}
     if "router-cache" in args.legs:
@@ -518,12 +760,36 @@ def main(argv: list[str] | None = None) -> None:
     print(render([{**run.payload(), "_file": path.name}]))
 
 
+def main_flat(args: argparse.Namespace, params: dict[str, Any]) -> None:
+    """The flat server's legs (:data:`FLAT_LEGS`), on ``--urls`` or on a server started here."""
+    for key in ("workloads", "legs", "blocks", "max_num_seqs", "replicas", "scale"):
+        params.pop(key, None)  # the vLLM runs' settings: not this server's
+    run = Run.begin("batch-shape", params=params)
+    with flat_server(args.urls) as url:
+        a, b = FLAT_STEP_S
+        run.fact(
+            "server",
+            {
+                "seats": FLAT_SEATS,
+                "step_ms": 1000 * a,
+                "step_ms_per_sequence": 1000 * b,
+                "states_context": False,
+                "pinned": False,
+            },
+        )
+        asyncio.run(run_flat(args, url, run))
+    path = run.save()
+    say(f"kept {path}")
+    print(render([{**run.payload(), "_file": path.name}]))
+
+
 TABLE = (
     report_.Column("makespan s", "makespan_s"),
     report_.Column("prefix hit rate", "hit_rate", 3),
     report_.Column("engine steps", "engine_steps", 0),
     report_.Column("output tokens a step", "tokens_per_step", 1),
     report_.Column("ms a step", "ms_per_step", 2),
+    report_.Column("preemptions", "preemptions", 0),
     report_.Column("failed", "failed", 0),
 )
 
@@ -565,6 +831,8 @@ def render(records: Sequence[dict[str, Any]]) -> str:
     """The latest invocation per server setup (:func:`setup_of`): per workload, one line per leg
     (median (range) over the runs), then the goals, then its conditions."""
     sections = []
+    flat = [r for r in records if r.get("params", {}).get("server") == "flat"]
+    records = [r for r in records if r.get("params", {}).get("server", "vllm") == "vllm"]
     setups = sorted({setup_of(r) for r in records})
     for n, seqs, blocks in setups:
         mine = [r for r in records if setup_of(r) == (n, seqs, blocks)]
@@ -612,6 +880,9 @@ def render(records: Sequence[dict[str, Any]]) -> str:
             )
         parts.append(report_.conditions(record, mine))
         sections.append("\n\n".join(parts))
+    latest = report_.latest(flat)
+    if latest is not None:
+        sections.append(render_flat(dict(latest)) + "\n\n" + report_.conditions(latest, flat))
     return "\n\n".join(sections)
 
 

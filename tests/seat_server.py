@@ -69,6 +69,10 @@ class Shape:
     cap: int | None = None
     states: str = "none"
     seed: int = 1
+    #: Whether ``/v1/models`` gives the context (``max_model_len``); off, the client judges
+    #: what is long beside the calls it sends (its ``RecentSizes``), as on a server that says
+    #: nothing.
+    context: bool = True
 
     def args(self) -> list[str]:
         out = ["--seats", str(self.seats), "--service", repr(self.service)]
@@ -84,6 +88,8 @@ class Shape:
             ]
         if self.cap is not None:
             out += ["--cap", str(self.cap)]
+        if not self.context:
+            out.append("--no-context")
         return out
 
 
@@ -282,7 +288,9 @@ def _app(engine: _Engine) -> web.Application:
         return response
 
     async def models(_: web.Request) -> web.Response:
-        entry = {"id": MODEL, "object": "model", "owned_by": "sim", "max_model_len": MAX_MODEL_LEN}
+        entry: dict[str, Any] = {"id": MODEL, "object": "model", "owned_by": "sim"}
+        if shape.context:
+            entry["max_model_len"] = MAX_MODEL_LEN
         return web.json_response({"object": "list", "data": [entry]})
 
     async def health(_: web.Request) -> web.Response:
@@ -371,6 +379,7 @@ def main(argv: list[str] | None = None) -> None:
         "--states", choices=["none", "vllm", "sglang", "llamacpp", "tgi"], default="none"
     )
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--no-context", action="store_true", help="no max_model_len in /v1/models")
     a = parser.parse_args(argv)
     shape = Shape(
         seats=a.seats,
@@ -382,6 +391,7 @@ def main(argv: list[str] | None = None) -> None:
         cap=a.cap,
         states=a.states,
         seed=a.seed,
+        context=not a.no_context,
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_main(shape, a.port))

@@ -551,6 +551,24 @@ async def test_shape_order_starts_the_longest_first():
     assert [r.index for r in results] == list(range(11))
 
 
+@pytest.mark.parametrize("order", ["shape", "input"])
+async def test_where_the_context_is_unknown_a_batchs_long_items_take_the_long_lane(order):
+    # The server says no context: long is judged beside the calls seen (RecentSizes). Started
+    # longest first, the long items would be planned before any short one was seen, under the
+    # fallback of 1024 tokens, and take the short lane; the batch's read items count first.
+    server = EchoServer()
+    server.models = FakeServer(max_model_len=None)
+    items = [{"prompt": f"short {i}", "max_tokens": 8} for i in range(12)]
+    items[5:5] = [{"prompt": f"long {i}", "max_tokens": 300} for i in range(3)]
+    async with make_client(server, max_num_seqs=4) as client:
+        results = await client.map(items, progress=False, order=order)
+    assert server.calls[0].startswith("long" if order == "shape" else "short")
+    lanes = {r.text.split()[0]: set() for r in results}
+    for r in results:
+        lanes[r.text.split()[0]].add(r.lane)
+    assert lanes == {"long": {"long"}, "short": {"short"}}
+
+
 @pytest.mark.parametrize(("via", "servers"), [("map", 1), ("imap", 1), ("map", 2)])
 async def test_shape_order_runs_short_items_while_its_long_ones_wait_for_the_long_lane(
     via, servers

@@ -261,3 +261,61 @@ def test_the_page_shows_the_servers_step_cost_by_sequences_when_measured():
     text = bench.render([record])
     assert "by the sequences it ran" in text and "1: 4.1 ms, 8: 4.6 ms, 16: 6.0 ms." in text
     assert "by the sequences it ran" not in bench.render([{**record, "facts": {}}])
+
+
+def test_the_flat_batch_is_issue_46s():
+    items = bench.make_flat_batch(1, "s")
+    outs = Counter(item["max_tokens"] for item in items)
+    assert outs == {300: 27, 8: 373}
+    assert [i["max_tokens"] for i in items[:27]] != [300] * 27  # shuffled
+    assert items != bench.make_flat_batch(2, "s")
+
+
+def flat_rows(shape: float, runs: int = 2) -> list[dict]:
+    legs = {
+        "shape": shape,
+        "input": 11.0,
+        "semaphore-input": 10.9,
+        "semaphore-longest-16": 10.2,
+        "semaphore-longest-24": 9.9,
+    }
+    return [
+        {"leg": leg, "run": run, "workload": "flat", "makespan_s": m, "failed": 0}
+        for run in range(1, runs + 1)
+        for leg, m in legs.items()
+    ]
+
+
+def test_flat_goals_take_the_best_semaphore_and_are_judged_per_run():
+    assert bench.flat_ratios(flat_rows(9.9), "shape", ("input",)) == [0.9, 0.9]
+    best = ("semaphore-longest-16", "semaphore-longest-24")
+    assert bench.flat_ratios(flat_rows(9.9), "shape", best) == [1.0, 1.0]  # 9.9, not 10.2
+    lines = bench.flat_goal_lines(flat_rows(9.9))
+    assert lines[0] == "- shape / input = 0.90x, 0.90x (goal <= 0.9x): met"
+    assert lines[1].startswith("- shape / the best of semaphore-longest-16 and semaphore-longest")
+    assert lines[1].endswith(": met")
+    assert lines[2] == "- input / semaphore-input = 1.01x, 1.01x (goal <= 1.02x): met"
+    rows = flat_rows(10.5)
+    rows[0]["makespan_s"] = 9.0  # one run meets it, the other does not
+    assert bench.flat_goal_lines(rows)[0].endswith("**not met**")
+
+
+def test_the_flat_servers_block_is_apart_from_the_vllm_setups():
+    vllm = {
+        "benchmark": "batch-shape",
+        "_file": "v.json",
+        "rows": rows(),
+        "params": {"server": "vllm"},
+        "host": {"cores": 2},
+        "code": {"commit": "abc", "dirty": False},
+        "versions": {},
+    }
+    flat = dict(vllm, _file="f.json", rows=flat_rows(9.8), params={"server": "flat"})
+    flat["facts"] = {"server": {"seats": 16, "step_ms": 10.0, "step_ms_per_sequence": 0.2}}
+    text = bench.render([vllm, flat])
+    assert "**prefix-heavy** (600 items)" in text
+    assert "10.0 ms + 0.2 ms a sequence, 16 sequences" in text
+    assert "| semaphore-longest-24 | 2 | 9.90 |" in text
+    assert "- shape / input = 0.89x, 0.89x (goal <= 0.9x): met" in text
+    assert "benchmarks/results/batch-shape/f.json" in text
+    assert "**flat**" not in bench.render([vllm])

@@ -451,6 +451,8 @@ class _Shaped:
     def _add(self, index: int, item: Any) -> None:
         prepared = self._run.prepare(index, item)
         shape = self._run.shape_of(prepared)
+        if not shape.free:
+            self._run.planner.read_size(shape.cost)
         prepared.long = not shape.free and self._is_long(shape.cost)
         self._lineup.add(prepared, shape)
         self._held += 1
@@ -498,6 +500,9 @@ class _Run:
         self.done_ids = done_ids
         self.options = options
         self.running = 0
+        #: This batch, to the governor: its own short items do not hold its long ones back,
+        #: another batch's do ("Batches" in dsclient.governor._governor).
+        self.key = object()
 
     async def worker(
         self, feed: _Feed, send: MemoryObjectSendStream[_Done | _InputFailed], pool: _Pool
@@ -574,6 +579,7 @@ class _Run:
                 options.timeout,
                 sampling,
                 index=index,
+                batch=self.key,
             )
         except Exception as exc:
             # Every item gets an outcome: a bug-shaped error shows up as a Failure too.

@@ -12,7 +12,7 @@ names what it uses of each instead, and any objects with these members can drive
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any, Literal, Protocol
 
 from .._arguments import Prompt, UseDefault
@@ -69,13 +69,20 @@ class BatchCaller(Protocol):
         sampling: dict[str, Any],
         *,
         index: int | None = None,
+        batch: Hashable = False,
     ) -> Result:
-        """One call, its arguments already checked; raises what ``generate()`` raises."""
+        """One call, its arguments already checked; raises what ``generate()`` raises.
+        ``batch``: the key of the batch it is an item of (the governor lets a batch's long
+        items borrow beside its own short items, not beside another batch's)."""
         ...
 
 
 class BatchPlanner(Protocol):
     """Sizes items (the client's :class:`~dsclient.client._planner.Planner` is one)."""
+
+    def read_size(self, tokens: int) -> None:
+        """A batch read an item of about ``tokens``: what is long is judged beside it too."""
+        ...
 
     def is_long(self, tokens: int) -> bool:
         """Whether an item of about ``tokens`` (prompt + ``max_tokens``) takes the long lane."""

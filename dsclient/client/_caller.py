@@ -20,7 +20,7 @@ import builtins
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Literal, Protocol
 
 import anyio
@@ -125,6 +125,7 @@ class Caller:
         sampling: dict[str, Any],
         *,
         index: int | None = None,
+        batch: Hashable = False,
         degrade: Degrade | UseDefault | None = USE_DEFAULT,
     ) -> Result:
         """One call (``generate``, ``chat``, ``map()``): plan, then attempts under the governor
@@ -136,7 +137,8 @@ class Caller:
             raise TypeError(f"degrade must be a Degrade or None, got {type(option).__name__}")
         start = self.clock()
         path = self.path
-        batch = index is not None  # an item of a map(): the governor's "Batches"
+        # An item of a map(): the governor's "Batches", keyed by its map where it says which.
+        batch = batch or index is not None
         plan: Plan | None = None
         call: Call | None = None
         degraded: str | None = None
@@ -340,7 +342,7 @@ class Caller:
 
 
 def _admission(
-    plan: Plan, urgency: int, group: str | None, prefix: str | None, batch: bool
+    plan: Plan, urgency: int, group: str | None, prefix: str | None, batch: Hashable
 ) -> Admission:
     """The governor's view of one call as ``plan`` sends it (its lane and KV cache tokens; its
     prompt's tokens, as held less ``max_tokens``, and ``max_tokens``, for its tenant's charge)."""

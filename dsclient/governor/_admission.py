@@ -12,6 +12,7 @@ attempt.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, NamedTuple
 
 from ._lanes import Lane
@@ -33,8 +34,9 @@ class Admission(NamedTuple):
             the server's only model.
         prefix: the text a pool's router matches against the prefixes each server probably
             holds in its cache (``None``: no affinity).
-        batch: the call is an item of a batch (``map()``): the governor lets the batch's long
-            items borrow beside its own short ones ("Batches" in
+        batch: the batch (``map()``) the call is an item of, as a key that tells one batch
+            from another (``False``: none): the governor lets the batch's long items borrow
+            beside its own short ones, not beside another's ("Batches" in
             :mod:`dsclient.governor._governor`).
         tokens: the KV cache tokens the call may hold, its prompt + ``max_tokens`` (0: not
             known); long calls borrow only as far as the server's cache holds them.
@@ -50,7 +52,7 @@ class Admission(NamedTuple):
     group: str | None = None
     model: str | None = None
     prefix: str | None = None
-    batch: bool = False
+    batch: Hashable = False
     tokens: int = 0
     prompt_tokens: int = 0
     input_tokens: int = 0

@@ -64,16 +64,26 @@ long calls of 5 blocks each started 8 at a time preempted one another 5-7 times 
 batch took 1.2-1.6x as long as with 4 running. ``tokens`` is an upper bound (the output may
 stop early), so this only ever lends less; calls within the share are never held by it.
 
-**Batches.** The items of a batch (``map()``: ``slot(batch=True)``) are waited on as a whole,
-not one by one, and the batch runner starts its longest items first. Where the KV cache is
-known, their own short items do not count as short calls about: while no other short call is
-waiting, running or has asked for ``long_idle_borrow`` seconds, long calls borrow up to
-``limit - 1`` beside them, as far as the cache holds them, and a batch's short item takes only
-a free slot (it reclaims no borrowed one). Held to the long share beside the batch's own short
-items, a batch of 200 with 20 items of 512 tokens out ran its long items 4 at a time of 8, and
-starting them first gained nothing over input order (0.97x in the median of six runs). Short
-calls that are not a batch's keep every rule above, so a batch does not hold up the calls
-someone waits on; where the cache is not known, a batch's items are ordinary calls.
+**Batches.** The items of a batch (``map()``: ``slot(batch=key)``, one key per ``map()``) are
+waited on as a whole, not one by one, and the batch runner starts its longest items first. A
+batch's own short items do not count as short calls about for its long items: while no other
+short call (someone's ``generate()``, or another batch's item) is waiting, running or has asked
+for ``long_idle_borrow`` seconds, they borrow up to ``limit - 1`` beside them, the server's
+batch less one where it is known, and as far as the KV cache holds them where that is known;
+a batch's short item takes only a free slot (it reclaims no borrowed one). Held to the long
+share beside the batch's own short items, a batch of 200 with 20 items of 512 tokens out ran
+its long items 4 at a time of 8 on a vLLM, and starting them first gained nothing over input
+order (0.97x in the median of six runs); on a server whose step is flat in its batch (10 ms +
+0.2 ms a sequence, 16 seats, nothing published, issue 46) the 27 long items of a batch of 400
+ran 8 at a time, and map() given the best order took 1.17x a plain semaphore's time; beside
+only its own short items, at a limit of 24, it took 9.72-9.81 s against the best semaphore's
+9.77-9.92 s (sorted longest first; three runs). Where the cache is not known nothing stops
+long items that fill the server's batch from thrashing a small cache (on a vLLM of 24 blocks
+they preempted one another 5-7 times a batch); a server that publishes its cache (vLLM's
+``/metrics``) has it read before the first call. Calls that are not this batch's keep every
+rule above, so a batch holds up neither the calls someone waits on nor another batch; and
+while its long items hold borrowed seats, its short items queue in the server no deeper than
+the seats left to short calls (``_shorts_past_server``).
 
 **Growth.** A call's KV cache tokens grow as it answers: its prompt at first, one more a step, all
 of them (prompt + ``max_tokens``) only at its end. Where the cache is known and its prompt is
@@ -133,7 +143,7 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Final
@@ -283,6 +293,7 @@ class _LaneState:
         "in_flight",
         "last_entry",
         "name",
+        "own",
         "samples",
         "waiting",
     )
@@ -295,11 +306,26 @@ class _LaneState:
         #: Of those, the items of a batch (see "Batches" in the module docstring).
         self.batch_in_flight = 0
         self.batch_waiting = 0
+        #: The same per batch: its key to ``[in flight, waiting]`` (a key with neither leaves).
+        self.own: dict[Hashable, list[int]] = {}
         self.done = 0
         self.failed = 0
         self.last_entry = -math.inf  # when a request not of a batch last asked for a slot
         # A bounded deque: appending is O(1) and old samples fall off; stats() sorts a copy.
         self.samples: deque[float] = deque(maxlen=window)
+
+    def count_batch(self, key: Hashable, waiting: bool, n: int) -> None:
+        """One item of the batch ``key`` more (``n`` 1) or less (-1) in flight or waiting."""
+        counts = self.own.get(key)
+        if counts is None:
+            counts = self.own[key] = [0, 0]
+        counts[waiting] += n
+        if waiting:
+            self.batch_waiting += n
+        else:
+            self.batch_in_flight += n
+        if not (counts[0] or counts[1]):
+            del self.own[key]
 
     def snapshot(self) -> LaneStats:
         ordered = sorted(self.samples)
@@ -367,8 +393,9 @@ class Slot:
         lane: ``"short"`` or ``"long"``.
         urgency: higher is admitted first among waiters.
         group: the caller's group tag, or ``None``.
-        batch: an item of a batch (``map()``), whose own latency nobody waits on (only where
-            the governor knows the server's KV cache: see "Batches" in the module docstring).
+        batch: the batch (``map()``) the call is an item of, whose own latency nobody waits
+            on: a key that tells one batch from another (``True``: one batch not told apart),
+            or ``False`` (see "Batches" in the module docstring).
         tokens: the KV cache tokens the call may hold (prompt + ``max_tokens``, in whole
             blocks); 0: not known.
         queued_s: seconds spent waiting for admission (0.0 when admitted at once).
@@ -410,7 +437,7 @@ class Slot:
         group: str | None,
         lane_state: _LaneState,
         group_state: _GroupState | None,
-        batch: bool = False,
+        batch: Hashable = False,
         tokens: int = 0,
         prompt_tokens: int = 0,
         input_tokens: int = 0,
@@ -753,7 +780,7 @@ class Governor:
         lane: Lane = "short",
         urgency: int = 0,
         group: str | None = None,
-        batch: bool = False,
+        batch: Hashable = False,
         tokens: int = 0,
         prompt_tokens: int = 0,
         input_tokens: int = 0,
@@ -770,8 +797,9 @@ class Governor:
                 vLLM's ``priority``, which runs lower values first.
             group: the tenant: capped when named in ``group_caps``, weighted by
                 ``group_weights``; among groups, the lowest virtual token counter goes first.
-            batch: the call is an item of a batch (``map()``): see "Batches" in the module
-                docstring. It counts only while the server's KV cache is known (``set_kv``).
+            batch: the call is an item of a batch (``map()``): the batch's key (one per
+                ``map()``; ``True``: a batch not told from others), see "Batches" in the
+                module docstring. ``False``: a call someone waits on.
             tokens: the KV cache tokens the call may hold (its prompt + ``max_tokens``); 0:
                 not known. See "Borrowing stops where the KV cache does".
             prompt_tokens: of those, its prompt's (a bound); 0: not known. A batch's long
@@ -785,7 +813,6 @@ class Governor:
         if isinstance(urgency, bool) or not isinstance(urgency, int):
             raise TypeError(f"urgency must be an int, got {type(urgency).__name__}")
         group_state = self._groups.get(group) if group is not None else None
-        kv = self._kv_tokens is not None
         held = self._held(tokens)
         return Slot(
             self,
@@ -794,7 +821,7 @@ class Governor:
             group,
             lane_state,
             group_state,
-            batch and kv,
+            batch,
             held,
             prompt_tokens,
             input_tokens,
@@ -807,7 +834,7 @@ class Governor:
         lane: Lane = "short",
         urgency: int = 0,
         group: str | None = None,
-        batch: bool = False,
+        batch: Hashable = False,
         tokens: int = 0,
         prompt_tokens: int = 0,
         input_tokens: int = 0,
@@ -839,7 +866,7 @@ class Governor:
         *,
         lane: Lane = "short",
         group: str | None = None,
-        batch: bool = False,
+        batch: Hashable = False,
         tokens: int = 0,
         prompt_tokens: int = 0,
     ) -> bool:
@@ -849,10 +876,7 @@ class Governor:
         if lane_state is None:
             raise ValueError(f"lane must be 'short' or 'long', got {lane!r}")
         group_state = self._groups.get(group) if group is not None else None
-        kv = self._kv_tokens is not None
-        return self._admissible(
-            lane_state, group_state, batch and kv, self._held(tokens), prompt_tokens
-        )
+        return self._admissible(lane_state, group_state, batch, self._held(tokens), prompt_tokens)
 
     @property
     def kv_tokens(self) -> int | None:
@@ -924,7 +948,12 @@ class Governor:
         return -(-tokens // block) * block
 
     def _admissible(
-        self, lane: _LaneState, group: _GroupState | None, batch: bool, tokens: int, prompt: int = 0
+        self,
+        lane: _LaneState,
+        group: _GroupState | None,
+        batch: Hashable,
+        tokens: int,
+        prompt: int = 0,
     ) -> bool:
         # Dispatch runs after every change that frees capacity, so whenever this is true no
         # waiter could use the slot: a caller taking it at once jumps nobody who could go.
@@ -932,7 +961,7 @@ class Governor:
             group is None or group.in_flight < group.cap
         )
 
-    def _has_room(self, lane: _LaneState, batch: bool, tokens: int, prompt: int = 0) -> bool:
+    def _has_room(self, lane: _LaneState, batch: Hashable, tokens: int, prompt: int = 0) -> bool:
         if lane is self._short:
             if batch:
                 # A batch's short item waits for a free slot: the long slots its batch
@@ -941,7 +970,7 @@ class Governor:
             # Long slots beyond the long share are borrowed: a short request reclaims them.
             long = self._long
             return lane.in_flight + min(long.in_flight, long.cap) < self._limit
-        if self._in_flight >= self._limit or lane.in_flight >= self._lane_cap(lane):
+        if self._in_flight >= self._limit or lane.in_flight >= self._lane_cap(lane, batch):
             return False
         return not self._past_server(lane, batch, tokens, prompt)
 
@@ -953,10 +982,21 @@ class Governor:
         filled the limit of 12 ran its long items 4-5 at a time, and took 1.13-1.17x as long).
         Not while the first of them waits for the cache ("Growth"): no slot that frees would
         start it, and held to the batch the server had no call queued when a sequence ended
-        (a mixed batch in shape order ran 1.1-1.3x as long as in input order)."""
+        (a mixed batch in shape order ran 1.1-1.3x as long as in input order).
+
+        Nor, while the batch's long items hold seats they borrowed, do its short items queue
+        in the server deeper than the seats left to short calls: those seats alone turn over,
+        so a call queued behind the batch's short items there waits for all of them, a
+        ``generate()`` beside the batch included. On a server of 16 seats running 15 of a
+        batch's long items, the batch's short items filled a limit of 24, and a call every
+        0.25 s beside it took 1.2-7 s at p99 in input order (0.2 s in shape order)."""
         size = self._batch
         long = self._long
-        if size is None or not long.batch_waiting or self._in_flight < size:
+        if size is None:
+            return False
+        if long.in_flight > long.cap and self._in_flight >= 2 * size - long.in_flight:
+            return True
+        if not long.batch_waiting or self._in_flight < size:
             return False
         for queue in self._queues:
             if queue.lane is long and queue.live:
@@ -969,7 +1009,7 @@ class Governor:
                     return False
         return True
 
-    def _past_server(self, long: _LaneState, batch: bool, tokens: int, prompt: int = 0) -> bool:
+    def _past_server(self, long: _LaneState, batch: Hashable, tokens: int, prompt: int = 0) -> bool:
         """Whether one more long call would pass what the server holds: beyond the lane's
         share, its KV cache or (a batch's item) its batch less one; a batch's item whose prompt
         is known, the cache as its long calls grow ("Growth"). A higher limit would not run
@@ -988,12 +1028,12 @@ class Governor:
         kv = self._kv_tokens
         return kv is not None and self._tokens + tokens > kv
 
-    def _grows(self, batch: bool, prompt: int) -> bool:
+    def _grows(self, batch: Hashable, prompt: int) -> bool:
         """Whether a long call is admitted as the batch's long calls grow ("Growth"): a
         batch's item whose prompt is known, on a server whose KV cache is, while the check
         (quadratic in them) has at most ``_GROWTH_MOST`` calls to count."""
         return (
-            batch
+            bool(batch)
             and prompt > 0
             and self._kv_tokens is not None
             and len(self._ramps) <= _GROWTH_MOST
@@ -1064,9 +1104,10 @@ class Governor:
                 return True
         return False
 
-    def _lane_cap(self, lane: _LaneState) -> int:
-        """The lane's cap now: the long share, more while short calls leave room (see
-        "Borrowing" in the module docstring), or ``limit - 1`` while shorts are idle."""
+    def _lane_cap(self, lane: _LaneState, batch: Hashable = False) -> int:
+        """The lane's cap now, for a long call of ``batch`` (``False``: none): the long share,
+        more while short calls leave room (see "Borrowing" in the module docstring), or
+        ``limit - 1`` while shorts are idle."""
         if lane is not self._long:
             return lane.cap
         paced = self._long_paced
@@ -1075,10 +1116,15 @@ class Governor:
             return cap
         short = self._short
         # Only short calls someone waits on count here: a batch's own short items do not
-        # hold its long ones back (see "Batches").
-        if short.waiting > short.batch_waiting:
+        # hold its long ones back, another batch's do (see "Batches"); nor do a batch's short
+        # items hold back a long call someone waits on.
+        if batch:
+            in_flight, waiting = short.own.get(batch, (0, 0))
+        else:
+            in_flight, waiting = short.batch_in_flight, short.batch_waiting
+        if short.waiting > waiting:
             return cap
-        calls = short.in_flight > short.batch_in_flight
+        calls = short.in_flight > in_flight
         if calls or self._clock() - short.last_entry < self._long_idle_borrow:
             if self._batch is None:
                 return cap
@@ -1105,7 +1151,7 @@ class Governor:
             self._ramps[slot] = self._long_started = self._clock()
         slot._lane_state.in_flight += 1
         if slot.batch:
-            slot._lane_state.batch_in_flight += 1
+            slot._lane_state.count_batch(slot.batch, False, 1)
         if slot._group_state is not None:
             slot._group_state.in_flight += 1
 
@@ -1119,7 +1165,7 @@ class Governor:
             self._ramps.pop(slot, None)
         slot._lane_state.in_flight -= 1
         if slot.batch:
-            slot._lane_state.batch_in_flight -= 1
+            slot._lane_state.count_batch(slot.batch, False, -1)
         if slot._group_state is not None:
             slot._group_state.in_flight -= 1
 
@@ -1211,7 +1257,7 @@ class Governor:
         queue.tenant.waiting += 1
         slot._lane_state.waiting += 1
         if slot.batch:
-            slot._lane_state.batch_waiting += 1
+            slot._lane_state.count_batch(slot.batch, True, 1)
         self._waiting += 1
         slot._state = _WAITING
         return event
@@ -1241,7 +1287,7 @@ class Governor:
         self._fair.leave(queue.tenant)
         slot._lane_state.waiting -= 1
         if slot.batch:
-            slot._lane_state.batch_waiting -= 1
+            slot._lane_state.count_batch(slot.batch, True, -1)
         self._waiting -= 1
         # Removing from the middle of a heap is O(n), so the entry stays as a tombstone. Drop
         # them all when the queue holds no live waiter, and compact when they dominate, so that
@@ -1365,7 +1411,7 @@ class Governor:
             best.tenant.waiting -= 1
             slot._lane_state.waiting -= 1
             if slot.batch:
-                slot._lane_state.batch_waiting -= 1
+                slot._lane_state.count_batch(slot.batch, True, -1)
             self._waiting -= 1
             slot._granted = True
             # Admitted now, not when its task next runs: the slot counts in flight from here,

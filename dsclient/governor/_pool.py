@@ -42,7 +42,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -364,7 +364,7 @@ class ServerPool:
         model: str | None,
         lane: Lane,
         group: str | None,
-        batch: bool = False,
+        batch: Hashable = False,
         tokens: int = 0,
         prompt_tokens: int = 0,
     ) -> list[ServerState]:
