@@ -160,7 +160,7 @@ class AsyncClient:
         group_weights: each group's (tenant's) weight in the token-fair order, e.g.
             ``{"chat": 3, "batch": 1}``; groups not named weigh 1. While calls of several groups
             wait, the one whose group was served the fewest tokens over its weight goes next;
-            a group alone gets every slot (``docs/tenants.md``).
+            a group alone gets every slot (the guide "Tenants").
         group_priority: also send the group's rank by weight in the server's ``priority``
             field (heaviest first), where the server takes one. Default ``False``: the fair
             order is the client's; the server keeps its own.
