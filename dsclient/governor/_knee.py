@@ -40,10 +40,12 @@ is cut to it; growth past that must be proven by completions (a step up whose th
 
 * *Slow start*: from the start (1 where the server states no batch: a server of one seat then
   never holds more than two waiting), multiply the limit by 3 an epoch while throughput rises
-  well (``e >= 0.5``), by 2 while ``e >= ELASTICITY``, never past 2.5 times what the server is
-  seen to run (so a step that crosses the batch leaves at most one and a half batches
-  waiting); then settle between the last two limits, nearer the lower the flatter the last
-  step was.
+  in proportion (``e >= 0.5``) and nothing waits, up to three times what the server is seen to
+  run; otherwise by 2 while ``e >= ELASTICITY``, up to twice what it runs (a step that crosses
+  the batch leaves at most two batches waiting, one past a queue already seen). It ends at a
+  batch the server states (plus the target queue), where a queue stands after a step that
+  bought little (at the guard's cap), or between the last two limits, nearer the lower the
+  flatter the last step was.
 * *Hold*: probe one step up (x1.5, within the guard's cap; past it once per
   :data:`_ABOVE_GUARD_S`, doubling while such probes buy nothing), keep it if ``e >=
   ELASTICITY`` and probe up again from there; otherwise probe one step down, keep it if the
