@@ -156,12 +156,17 @@ async def test_a_call_allowed_longer_than_the_client_timeout_gets_its_time(proxy
 )
 async def test_a_broken_answer_is_retried(proxy, fault):
     """A body cut short, a reset or bytes that are not HTTP: a ConnectionError, retried, so the
-    call succeeds on its second attempt; a stream that failed before its first byte likewise."""
+    call succeeds on its second attempt; a stream that failed before its first byte likewise.
+    A reset before any byte on a *reused* connection is what a server's keep-alive close looks
+    like: the wire sends the request again at once on a fresh connection, outside the retry
+    budget (issue 42), so that call succeeds on its first attempt."""
+    # A reset reaches the retry loop only where its connection was a fresh one.
+    attempts = {1, 2} if isinstance(fault, Reset) else {2}
     async with make_client(proxy) as client:
         proxy.inject(fault)
-        assert (await generate(client)).attempts == 2
+        assert (await generate(client)).attempts in attempts
         proxy.inject(fault)
-        assert (await chat(client)).attempts == 2
+        assert (await chat(client)).attempts in attempts
         assert proxy.fired == {fault.name: 2}
         if isinstance(fault, (Reset, Garbage)):
             proxy.inject(fault)  # nothing of the stream arrives: it is retried too
@@ -348,7 +353,8 @@ async def test_map_writes_every_item_once_and_a_resume_completes_the_failures(pr
 
 async def test_map_rides_out_transient_faults(proxy, tmp_path):
     """With retries, a batch through refusals and broken answers fails and loses nothing: every
-    faulted request costs its item one more attempt, and the file has every index once."""
+    faulted request costs its item one more attempt (a reset on a reused connection may cost
+    none: the wire resends it at once, issue 42), and the file has every index once."""
     out = tmp_path / "out.jsonl"
     proxy.inject(Status(503), times=5)
     for fault in (Truncate(), Truncate(), Drop(), Reset(), Garbage()):
@@ -360,7 +366,7 @@ async def test_map_rides_out_transient_faults(proxy, tmp_path):
         assert_drained(client)
     assert proxy.pending == 0
     assert not results.failures
-    assert sum(r.attempts - 1 for r in results) == 10
+    assert sum(r.attempts - 1 for r in results) in (9, 10)
     lines = read_lines(out)
     assert sorted(line["index"] for line in lines) == list(range(40))
     assert all(line["ok"] for line in lines)
