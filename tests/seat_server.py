@@ -108,6 +108,7 @@ class _Engine:
     def reset(self) -> None:
         self.queue_samples: list[int] = []
         self.running_samples: list[int] = []
+        self.sampled_at: list[float] = []
         self.queue_peak = 0
         self.running_peak = 0
         self.served = 0
@@ -204,12 +205,15 @@ class _Engine:
             if self.running or queued:
                 self.queue_samples.append(queued)
                 self.running_samples.append(self.running)
+                self.sampled_at.append(time.monotonic() - self.started)
 
     def in_system(self) -> int:
         return self.running + len(self.waiting)
 
-    def stats(self) -> dict[str, Any]:
-        samples = sorted(self.queue_samples)
+    def stats(self, after: float = 0.0) -> dict[str, Any]:
+        """The counts since the reset; the queue's quantiles over the samples ``after`` seconds
+        past it (the peak is always the whole run's)."""
+        samples = sorted(q for q, t in zip(self.queue_samples, self.sampled_at) if t >= after)
         running = self.running_samples
         return {
             "seats": self.shape.seats,
@@ -329,8 +333,8 @@ def _app(engine: _Engine) -> web.Application:
             {"total_slots": shape.seats, "default_generation_settings": settings}
         )
 
-    async def stats(_: web.Request) -> web.Response:
-        return web.json_response(engine.stats())
+    async def stats(request: web.Request) -> web.Response:
+        return web.json_response(engine.stats(float(request.query.get("after", "0"))))
 
     async def reset(_: web.Request) -> web.Response:
         engine.reset()
@@ -403,6 +407,8 @@ class Leg:
 
     makespan: float
     steady: float  # calls a second over the second half of the batch
+    steady_stats: dict[str, object]  # the server's counts over the second half
+    steady_urgent: list[float]  # the urgent calls sent in the second half
     urgent: list[float]
     stats: dict[str, object]
     reason: str
@@ -422,6 +428,7 @@ async def run_leg(
         server.reset()
         done_at: list[float] = []
         urgent: list[float] = []
+        urgent_at: list[float] = []
         finished = asyncio.Event()
         errors = 0
 
@@ -442,6 +449,7 @@ async def run_leg(
                 t = time.monotonic()
                 await client.generate("urgent", max_tokens=4, urgency=10)
                 urgent.append(time.monotonic() - t)
+                urgent_at.append(t)
 
         t0 = time.monotonic()
         side = asyncio.create_task(urgent_calls()) if urgent_every else None
@@ -452,7 +460,16 @@ async def run_leg(
             await side
         half = t0 + makespan / 2
         steady = sum(1 for t in done_at if t >= half) / (makespan / 2)
-        return Leg(makespan, steady, urgent, server.stats(), client.stats().control.reason, errors)
+        return Leg(
+            makespan,
+            steady,
+            server.stats(after=makespan / 2),
+            [u for u, t in zip(urgent, urgent_at) if t >= half],
+            urgent,
+            server.stats(),
+            client.stats().control.reason,
+            errors,
+        )
 
 
 class SeatServer:
@@ -518,9 +535,10 @@ class SeatServer:
             out: dict[str, Any] = json.loads(answer.read())
             return out
 
-    def stats(self) -> dict[str, Any]:
-        """The server's own counts since the last reset (see the module docstring)."""
-        return self._call("GET", "/sim/stats")
+    def stats(self, after: float = 0.0) -> dict[str, Any]:
+        """The server's own counts since the last reset (see the module docstring); the
+        queue's quantiles over what came ``after`` seconds past the reset."""
+        return self._call("GET", f"/sim/stats?after={after}")
 
     def reset(self) -> None:
         """Clear the counts (a new leg on the same server)."""

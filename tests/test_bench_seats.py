@@ -34,9 +34,9 @@ def test_goals_judge_the_servers_queue_throughput_and_the_urgent_call() -> None:
         "seats": 8,
         "states": "none",
         "run": 1,
-        "queue p90": True,
+        "queue p90 (steady)": True,
         "queue peak": True,
-        "urgent p99": True,
+        "urgent p99 (steady)": True,
         "steady >= 0.9x fixed": True,
     }
     missed = _row("dsclient", steady=70.0, p90=5, peak=17, urgent=0.36)

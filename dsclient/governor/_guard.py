@@ -170,9 +170,12 @@ class QueueGuard:
         (0 for a server of one seat: a queue there only adds a whole service time)."""
         return max(0, math.floor(self.queue_share * running + 1e-9))
 
-    def cap(self) -> int | None:
+    def cap(self, *, room: bool = True) -> int | None:
         """The most in flight: what the server runs plus the target queue, within what it
-        states (``None``: nothing known yet, no bound)."""
+        states (``None``: nothing known yet, no bound). ``room``: where nothing waits, one
+        more than is in flight is allowed (how slow start leaves a limit of 1); the hold
+        phase asks without it, so that it does not probe a server of one seat over and over
+        (each probe put a call behind another, and an urgent call behind both)."""
         bound: int | None = None
         seen = self.seen_running()
         if seen is not None:
@@ -183,7 +186,7 @@ class QueueGuard:
             # the target itself the queue's p90 stood over it (38 against 32, 64 seats).
             bound = round(running) + math.floor(_AIM * self.target(running) + 1e-9)
             last = self.last_in_flight
-            if last is not None and last - seen < max(0.5, self.target(running)):
+            if room and last is not None and last - seen < max(0.5, self.target(running)):
                 # The queue is within its target: the server may run more than has been
                 # tried (the estimate is noisy, and a limit of 1 has no target at all), so
                 # one more is always allowed; the knee judges whether it buys anything.

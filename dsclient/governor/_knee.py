@@ -40,9 +40,9 @@ is cut to it; growth past that must be proven by completions (a step up whose th
 
 * *Slow start*: from the start (1 where the server states no batch: a server of one seat then
   never holds more than two waiting), multiply the limit by 3 an epoch while throughput rises
-  in proportion (``e >= 0.5``) and nothing waits, up to three times what the server is seen to
+  in proportion (``e >= 0.5``) and nothing waits, up to 2.5 times what the server is seen to
   run; otherwise by 2 while ``e >= ELASTICITY``, up to twice what it runs (a step that crosses
-  the batch leaves at most two batches waiting, one past a queue already seen). It ends at a
+  the batch leaves at most 1.5 batches waiting, one past a queue already seen). It ends at a
   batch the server states (plus the target queue), where a queue stands after a step that
   bought little (at the guard's cap), or between the last two limits, nearer the lower the
   flatter the last step was.
@@ -86,10 +86,14 @@ _FAST: Final = 3.0
 #: Slow start never goes past this many times what the server is seen to run: a step from
 #: there leaves at most one batch waiting (2.5 left a server of 256 seats 310 waiting).
 _REACH: Final = 2.0
-_FREE_REACH: Final = 3.0
+_FREE_REACH: Final = 2.5
 #: An epoch sets the guard's unqueued time only if its mean in flight reached this share of
 #: its limit.
 _FILLED: Final = 0.9
+#: Where more than this share of what is in flight waits (by the guard's count), no step's
+#: elasticity overrides the guard: a noisy epoch read 235 -> 671 on 256 seats as "in
+#: proportion", and slow start went on to 1024 in flight.
+_DEEP_SHARE: Final = 0.5
 #: Slow start ends where the guard sees this share of what is in flight waiting (at least one).
 _QUEUED_SHARE: Final = 0.1
 #: The hold phase's step, as a factor of the limit.
@@ -389,16 +393,19 @@ class KneeFinder:
 
     def _guarded(self, now: float, epoch: Epoch, previous: Epoch | None) -> int:
         """The knee's decision within the queue guard's cap (see the module docstring)."""
-        cap = self.guard.cap()
+        cap = self.guard.cap(room=self.phase == "slow start")
         limit = self.limit
         above, self._probe_above = self._probe_above, False
         # A step into this limit that bought throughput in proportion (e >= 0.5) shows no
         # queue, whatever Little's count says: a GPU's answers slow as its batch fills, so
         # the count comes out low there (a batch of 256 read as 150 and cut to 190).
+        seen = self.guard.seen_running()
+        deep = seen is not None and epoch.in_flight - seen > _DEEP_SHARE * epoch.in_flight
         strong = (
             previous is not None
             and previous.limit < epoch.limit
             and elasticity(previous, epoch) >= _FAST_ELASTICITY
+            and not deep  # more than half of what is in flight waits: no step says otherwise
         )
         if cap is not None and limit > cap and not strong:
             if above:
@@ -431,13 +438,15 @@ class KneeFinder:
                 self.phase = "hold"
                 self.reason = f"slow start ends at what the server states: limit -> {stated}"
                 return max(limit, stated)
-            seen = self.guard.seen_running()
             if seen is None:
-                return wanted
+                # No unqueued time yet (no epoch kept its limit full: a client starting
+                # thousands of calls at once): no further than 2.5x what was in flight. Without
+                # this, x3 steps ran a server of 256 seats to 905 in flight.
+                return min(wanted, max(limit + 1, math.floor(_FREE_REACH * epoch.in_flight)))
             queued = epoch.in_flight - seen
             waits = queued > max(1.0, _QUEUED_SHARE * limit)
-            # Throughput rose in proportion and nothing waits: x3, up to three times what the
-            # server runs (at most two batches waiting, if the batch fills within the step).
+            # Throughput rose in proportion and nothing waits: x3, up to 2.5 times what the
+            # server runs (at most 1.5 batches waiting, if the batch fills within the step).
             # Otherwise no further than twice what it runs (at most one batch waiting).
             reach = _FREE_REACH if strong and not waits else _REACH
             wanted = min(wanted, max(limit + 1, math.floor(reach * seen)))
