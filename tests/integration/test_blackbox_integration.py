@@ -31,6 +31,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 #: A map of a few hundred short requests: long enough for the limit to move, short enough for CI.
 BATCH = 300
 MAX_TOKENS = 8
+#: Behind nginx, long enough for a steady state to judge the server's queue in (issue 41).
+QUEUE_BATCH = 1500
 
 
 async def _map_sampled(
@@ -70,14 +72,20 @@ async def _vllm_queue(url: str, done: anyio.Event, seen: list[int]) -> None:
             await anyio.sleep(0.1)
 
 
-def _queue_goal(seen: list[int], seats: int, p90_most: int | None = None) -> dict[str, int]:
-    """The server's queue p90 at most ``max(2, seats // 2)`` (or ``p90_most``), its peak at
-    most two batches (issue 41); returns the figures for the report."""
+def _queue_goal(seen: list[int], seats: int) -> dict[str, int]:
+    """Issue 41's queue goal, judged as the seats tests judge it: the server's queue p90 over the
+    second half of the samples (once the limit has found the server) at most
+    ``max(2, seats // 2)``, and its peak over the whole run at most two batches. Returns the
+    figures for the report, the whole run's p90 beside them."""
     assert seen, "no sample of the server's queue"
-    ordered = sorted(seen)
-    figures = {"p90": ordered[max(0, -(-9 * len(ordered) // 10) - 1)], "peak": ordered[-1]}
+
+    def p90(values: list[int]) -> int:
+        ordered = sorted(values)
+        return ordered[max(0, -(-9 * len(ordered) // 10) - 1)]
+
+    figures = {"p90": p90(seen), "p90_steady": p90(seen[len(seen) // 2 :]), "peak": max(seen)}
     print(f"server queue: {figures} over {len(seen)} samples, {seats} seats")
-    assert figures["p90"] <= (max(2, seats // 2) if p90_most is None else p90_most), figures
+    assert figures["p90_steady"] <= max(2, seats // 2), figures
     assert figures["peak"] <= 2 * seats, figures
     return figures
 
@@ -121,15 +129,17 @@ async def test_vllm_behind_nginx_map_every_item_once_and_the_limit_moves(
         done = anyio.Event()
         async with anyio.create_task_group() as tg:
             tg.start_soon(_vllm_queue, vllm_server.url, done, seen)
-            results, limits = await _map_sampled(client, BATCH, ignore_eos=True)
+            results, limits = await _map_sampled(client, QUEUE_BATCH, ignore_eos=True)
             done.set()
         control = client.stats().control
     # Behind the gateway the batch is not stated: the client takes it as what is in flight
-    # less the queue, transit included, and aims at half of that. Measured: p90 5 and 12,
-    # peak 12 and 12, against a batch of 8 over the few seconds of this map (issue 41's goal
-    # of 4 is not met on this box; it stays open there). Held to two batches, p90 and peak.
-    _queue_goal(seen, vllm_server.max_num_seqs, p90_most=2 * vllm_server.max_num_seqs)
-    _assert_every_item_once(results, BATCH)
+    # less the queue (transit included) and aims at half of that. Measured with 1500 items
+    # (about 7 s): queue p90 4 and 3 over the whole run, 4 and 2 over its second half, peak
+    # 12 and 11, against a batch of 8; makespan 7.8 s and 6.9 s, where a fixed limit of 16 took
+    # 8.4 s and 7.9 s (queue p90 8) and one of 8 took 13.2 s and 11.4 s. Over the 300 items of
+    # the other maps (2-3 s) the ramp is the whole run: p90 5-12.
+    _queue_goal(seen, vllm_server.max_num_seqs)
+    _assert_every_item_once(results, QUEUE_BATCH)
     _assert_limit_moved(control, limits)
     # The gateway hides /metrics; vLLM's answer header is what drives the limit.
     assert control.signal == "endpoint-load-metrics", control
