@@ -41,8 +41,9 @@ is cut to it; growth past that must be proven by completions (a step up whose th
 * *Slow start*: from the start (1 where the server states no batch: a server of one seat then
   never holds more than two waiting), multiply the limit by 3 an epoch while throughput rises
   in proportion (``e >= 0.5``) and nothing waits, up to 2.5 times what the server is seen to
-  run; otherwise by 2 while ``e >= ELASTICITY``, up to twice what it runs (a step that crosses
-  the batch leaves at most 1.5 batches waiting, one past a queue already seen). It ends at a
+  run, under a limit of :data:`_BIG_STEP_UNDER`; otherwise by 2 while ``e >= ELASTICITY``,
+  up to twice what it runs (a step that crosses the batch leaves at most 1.5 batches waiting,
+  one past a queue already seen). It ends at a
   batch the server states (plus the target queue), where a queue stands after a step that
   bought little (at the guard's cap), or between the last two limits, nearer the lower the
   flatter the last step was.
@@ -87,6 +88,12 @@ _FAST: Final = 3.0
 #: there leaves at most one batch waiting (2.5 left a server of 256 seats 310 waiting).
 _REACH: Final = 2.0
 _FREE_REACH: Final = 2.5
+#: x3 steps (and the 2.5x reach) only under this limit. A step of hundreds of calls at once
+#: opens hundreds of connections, and the calls admitted meanwhile on the connections the
+#: answers freed reach the server first: their cohort finds no queue and reads a server past
+#: its batch as elastic (256 seats: 179 -> 446 read x2.42, and the next step went to 1024 in
+#: flight, a queue of three batches, in 2 of 6 runs).
+_BIG_STEP_UNDER: Final = 64
 #: An epoch sets the guard's unqueued time only if its mean in flight reached this share of
 #: its limit.
 _FILLED: Final = 0.9
@@ -448,7 +455,7 @@ class KneeFinder:
             # Throughput rose in proportion and nothing waits: x3, up to 2.5 times what the
             # server runs (at most 1.5 batches waiting, if the batch fills within the step).
             # Otherwise no further than twice what it runs (at most one batch waiting).
-            reach = _FREE_REACH if strong and not waits else _REACH
+            reach = _FREE_REACH if strong and not waits and limit < _BIG_STEP_UNDER else _REACH
             wanted = min(wanted, max(limit + 1, math.floor(reach * seen)))
             if cap is not None and wanted > cap and waits and not strong:
                 # A queue stands and the step bought little: the batch filled within it. More
@@ -489,7 +496,8 @@ class KneeFinder:
             e = elasticity(previous, epoch)
             if e >= self._elasticity:
                 self._confirming = False
-                factor = _FAST if e >= _FAST_ELASTICITY else _DOUBLE
+                fast = e >= _FAST_ELASTICITY and limit < _BIG_STEP_UNDER
+                factor = _FAST if fast else _DOUBLE
                 self.reason = (
                     f"slow start: throughput x{epoch.throughput / previous.throughput:.2f} "
                     f"for limit {previous.limit} -> {limit} (elasticity {e:.2f})"
