@@ -23,6 +23,7 @@ import pytest
 
 import dsclient
 from dsclient import AsyncClient
+from dsclient._percentile import nearest_rank
 from tests.integration.blackbox import HUB_MODEL, LLAMA_CPP_MODEL
 from tests.integration.test_client_integration import words
 
@@ -80,8 +81,7 @@ def _queue_goal(seen: list[int], seats: int) -> dict[str, int]:
     assert seen, "no sample of the server's queue"
 
     def p90(values: list[int]) -> int:
-        ordered = sorted(values)
-        return ordered[max(0, -(-9 * len(ordered) // 10) - 1)]
+        return int(nearest_rank(sorted(values), 90))
 
     figures = {"p90": p90(seen), "p90_steady": p90(seen[len(seen) // 2 :]), "peak": max(seen)}
     print(f"server queue: {figures} over {len(seen)} samples, {seats} seats")
