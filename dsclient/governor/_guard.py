@@ -156,6 +156,12 @@ class QueueGuard:
                 if shown > low:  # the step bought something: that much is proven
                     self.proven = max(self.proven or 0.0, shown)
 
+    def disprove(self, running: float) -> None:
+        """A step down to ``running`` in flight lost nothing: the server runs no more than
+        that, whatever a step up (a noisy epoch) proved before."""
+        if self.proven is not None:
+            self.proven = min(self.proven, running)
+
     def forget_proof(self) -> None:
         """The server changed (a refusal, a restart): what steps proved no longer holds."""
         self.proven = None

@@ -34,7 +34,13 @@ After a cut, it starts once what is in flight has drained to the new limit.
 **The queue guard** (:class:`~dsclient.governor._guard.QueueGuard`) reads every epoch too: what
 the server is seen to run (throughput times the unqueued time per unit of work) and the queue
 beyond it. Whatever the elasticity says, a limit over what the server runs plus the target queue
-is cut to it; growth past that must be proven by completions (a step up whose throughput rose).
+is cut to it; growth past that must be proven by completions: a step up whose throughput rose
+(e >= :data:`ELASTICITY`), measured on enough answers, passes the guard unless more than half
+of what is in flight waits. Little's count reads a server whose calls slow as its batch fills
+(transformers' on a CPU) as queueing; only completions tell it from one whose batch is full
+(that one's throughput is flat past its batch; the other's keeps rising, step after step). What
+a noisy step proved, a probe down that loses nothing takes back. In slow start a count of less
+than two waiting cuts nothing: at limits of 2 or 3 it is off by half either way.
 
 **Phases.**
 
@@ -48,8 +54,11 @@ is cut to it; growth past that must be proven by completions (a step up whose th
   bought little (at the guard's cap), or between the last two limits, nearer the lower the
   flatter the last step was.
 * *Hold*: probe one step up (x1.5, within the guard's cap; past it once per
-  :data:`_ABOVE_GUARD_S`, doubling while such probes buy nothing), keep it if ``e >=
-  ELASTICITY`` and probe up again from there; otherwise probe one step down, keep it if the
+  :data:`_ABOVE_GUARD_S`, doubling while such probes buy nothing, at once again after one that
+  bought throughput; under a limit of :data:`_BIG_STEP_UNDER` the first comes right after the
+  first rest), keep it if ``e >= ELASTICITY`` and probe up again from there; where the cap
+  leaves no room to probe up and a queue is seen, probe down instead; otherwise (the probe up
+  bought nothing) probe one step down, keep it if the
   step it gave up was worth less than that too and probe down again, else go back to the base
   and rest there a few epochs (2, then 4, up to 16 while nothing changes) before probing again:
   a probe down a step costs a third of the throughput for its epoch. A server that changes
@@ -103,6 +112,9 @@ _FILLED: Final = 0.9
 _DEEP_SHARE: Final = 0.5
 #: Slow start ends where the guard sees this share of what is in flight waiting (at least one).
 _QUEUED_SHARE: Final = 0.1
+#: A slow-start step proves what the server runs (as a hold phase's probe up does) only if
+#: both its epochs counted this many answers.
+_PROOF_SAMPLES: Final = 8
 #: The hold phase's step, as a factor of the limit.
 _STEP: Final = 1.5
 #: The smallest step a probe up is judged on: over a step of one call in fifteen, the noise
@@ -370,16 +382,26 @@ class KneeFinder:
         previous, self.last = self.last, epoch
         step_from = None
         probe = self._pending
+        low = probe[1] if probe is not None and probe[0] == "up" else None
+        if low is None and self.phase == "slow start" and previous is not None:
+            # Slow start's steps prove too, where both epochs counted enough answers: a server
+            # whose calls slow as its batch fills (transformers' on a CPU) shows partial gains
+            # step after step, which a server of N seats never does past N; Little's count
+            # (from the unqueued time at the lowest limit) reads it as running a few and
+            # queueing the rest. Epochs of a few answers prove nothing (see _PROOF_SAMPLES),
+            # nor do steps of hundreds of calls (see _BIG_STEP_UNDER: 282 -> 561 read x1.99 on
+            # a server of 256 seats, and "proved" 351 running).
+            few = min(previous.samples, epoch.samples) < _PROOF_SAMPLES
+            if not few and epoch.limit <= _BIG_STEP_UNDER:
+                low = previous
         if (
-            probe is not None
-            and probe[0] == "up"
-            and _SMALLEST_STEP * probe[1].limit <= epoch.limit
-            and elasticity(probe[1], epoch) >= self._elasticity
+            low is not None
+            and _SMALLEST_STEP * low.limit <= epoch.limit
+            and elasticity(low, epoch) >= self._elasticity
         ):
-            # A probe up that bought throughput proves what the server runs. Only the hold
-            # phase's probes, measured on twice the answers: slow start's small epochs on a
-            # noisy server (service times x1.6 either way) "proved" 9.5 seats of 8, for good.
-            step_from = (probe[1].in_flight or float(probe[1].limit), probe[1].throughput)
+            # A step up that bought throughput proves what the server runs. What a noisy
+            # epoch proved wrongly, the hold phase's probe down takes back (see _decide).
+            step_from = (low.in_flight or float(low.limit), low.throughput)
         self.guard.observe(
             limit=epoch.limit,
             in_flight=epoch.in_flight or float(epoch.limit),
@@ -390,7 +412,7 @@ class KneeFinder:
             samples=epoch.samples if epoch.in_flight >= _FILLED * epoch.limit else 0,
             step_from=step_from,
         )
-        wanted = self._guarded(now, epoch, previous)
+        wanted = self._guarded(now, epoch, previous, proved=step_from is not None)
         wanted = max(1, min(wanted, self.ceiling))
         self._begin(now, drained=wanted >= self.limit)
         if wanted == self.limit:
@@ -398,8 +420,9 @@ class KneeFinder:
         self.limit = wanted
         return wanted
 
-    def _guarded(self, now: float, epoch: Epoch, previous: Epoch | None) -> int:
-        """The knee's decision within the queue guard's cap (see the module docstring)."""
+    def _guarded(self, now: float, epoch: Epoch, previous: Epoch | None, *, proved: bool) -> int:
+        """The knee's decision within the queue guard's cap (see the module docstring);
+        ``proved``: the step into this epoch bought throughput, measured on enough answers."""
         cap = self.guard.cap(room=self.phase == "slow start")
         limit = self.limit
         above, self._probe_above = self._probe_above, False
@@ -407,17 +430,35 @@ class KneeFinder:
         # queue, whatever Little's count says: a GPU's answers slow as its batch fills, so
         # the count comes out low there (a batch of 256 read as 150 and cut to 190).
         seen = self.guard.seen_running()
-        deep = seen is not None and epoch.in_flight - seen > _DEEP_SHARE * epoch.in_flight
+        queued = None if seen is None else epoch.in_flight - seen
+        deep = queued is not None and queued > _DEEP_SHARE * epoch.in_flight
         strong = (
             previous is not None
             and previous.limit < epoch.limit
             and elasticity(previous, epoch) >= _FAST_ELASTICITY
             and not deep  # more than half of what is in flight waits: no step says otherwise
         )
-        if cap is not None and limit > cap and not strong:
+        # In slow start, a count of less than two calls waiting cuts nothing: at a limit of 2
+        # or 3 it is off by half either way, and on transformers' server one such epoch read
+        # "1 of 2 running" and held the limit at 1, a third of the server's throughput, for
+        # 30 s. The knee's own step judges it (a server of one seat: flat from 1 to 2).
+        few = self.phase == "slow start" and (queued is None or queued < 2)
+        # A step that bought throughput on enough answers passes the guard too, unless the
+        # queue is deep: completions, not service times, say what the server runs (a server
+        # whose calls slow as its batch fills reads as queueing by Little's count). The next
+        # step up from there must prove itself again, and a probe down takes back what noise
+        # proved.
+        if cap is not None and limit > cap and not strong and not few and not (proved and not deep):
             if above:
                 # A probe past the guard that proved nothing: wait longer for the next one.
                 self._above_fails += 1
+            elif self._above_ok_at == -math.inf and limit <= _BIG_STEP_UNDER:
+                # The first cut: the count may be wrong (a server whose calls slow as its batch
+                # fills reads as queueing, and only a step past the count tells it from one
+                # whose batch is full), so the first probe past the guard comes after the
+                # rest, not in 30 s (a batch is often done by then). Not for hundreds of calls:
+                # x1.5 from 491 put 481 waiting at a server of 256 seats.
+                self._above_ok_at = now
             view = self.guard.view()
             self.phase = "hold"
             self._pending = None
@@ -434,9 +475,17 @@ class KneeFinder:
             )
             return cap
         if above:
-            self._above_fails = 0  # the probe proved more: probes past the guard may go on
+            # The probe proved more: the next one past the guard may go at once.
+            self._above_fails = 0
+            self._above_ok_at = now
+        pending = self._pending
         wanted = self._decide(epoch, previous)
         if wanted <= limit:
+            return wanted
+        if pending is not None and pending[0] == "down" and wanted == pending[1].limit:
+            # Back to the base a probe down left (it lost throughput there): the base was
+            # held before, and the cap counted at the lower limit (all running, a small
+            # target) would otherwise hold the limit under it.
             return wanted
         if self.phase == "slow start":
             stated = self.guard.stated_cap()
@@ -481,7 +530,13 @@ class KneeFinder:
             return wanted
         if cap >= _SMALLEST_STEP * limit:
             return cap  # the probe goes as far as the guard allows (still pending "up")
+        # No room to probe up, and a queue seen: probe down instead, as at the ceiling. What a
+        # noisy step proved (and lifted the cap to) is taken back if the step down loses
+        # nothing. (With no queue seen, a step down only costs throughput.)
+        pending = self._pending
         self._pending = None
+        if pending is not None and pending[0] == "up" and queued is not None and queued >= 1:
+            return self._probe_down(pending[1])
         self.reason = f"holding {limit}: the guard's cap ({cap}) leaves no room to probe up"
         return limit
 
@@ -546,7 +601,9 @@ class KneeFinder:
             return self._probe_down(base)
         e = elasticity(epoch, base)
         if e < self._elasticity:
-            # Kept the lower limit; the next step goes down again from it.
+            # Kept the lower limit; the next step goes down again from it. Whatever a step up
+            # proved beyond it, the server does not run: the completions say so now.
+            self.guard.disprove(epoch.in_flight or float(limit))
             self.reason = f"{limit} -> {base.limit} bought little (elasticity {e:.2f})"
             return self._probe_down(epoch)
         self.reason = f"held at {base.limit}: {limit} lost throughput (elasticity {e:.2f})"
