@@ -86,6 +86,14 @@ def run(
             waiting.append([float(t), now, float(t)])
             todo -= 1
             in_flight += 1
+        while now >= next_tick:
+            # A tick sees what the client has in flight once the answers of the last step have
+            # been replaced (as a real client's are, at once), at the time it comes: counted
+            # before the sends, a batch of equal calls that finished together read as a limit
+            # left half empty, and the queue guard cut under it.
+            if control.on_idle_period(now, demand=todo > 0, in_flight=in_flight):
+                limits.append((now, control.limit))
+            next_tick += period
         while waiting and len(running) < shape.batch:
             running.append(waiting.popleft())
         if running:
@@ -108,14 +116,6 @@ def run(
             done += 1
             if control.on_outcome(now, "ok", now - seq[1], work=seq[2]):
                 limits.append((now, control.limit))
-        while now >= next_tick:
-            # Calls wait for a slot whenever any are left: the answers of this step free
-            # slots that the next step's sends fill (without this, answers of varied lengths,
-            # which free a slot almost every step, read as a limit the client left unused).
-            demand = todo > 0
-            if control.on_idle_period(next_tick, demand=demand, in_flight=in_flight):
-                limits.append((next_tick, control.limit))
-            next_tick += period
     return Outcome(now, done, refused, limits, area / now if now else 0.0)
 
 

@@ -350,7 +350,13 @@ class KneeFinder:
             if in_flight is None:
                 self._cohort = self._returned
         b = self._b if self._b is not None else now
-        if self._returned < self._cohort and now - b < _MAX_WINDOW_S:
+        # The first epoch of slow start decides nothing by its figure (the next limit is x3 of
+        # the start, or what the server states): it closes once enough of its cohort came back.
+        # Waiting for the last one held a batch of 8- and 300-token items at 0.7 x a stated
+        # batch of 16 for 7.8 s, behind one long call.
+        first = self.phase == "slow start" and self.last is None
+        enough = first and self._returned >= self._needed()
+        if self._returned < self._cohort and now - b < _MAX_WINDOW_S and not enough:
             return None
         count = len(self._latencies)
         if count == 0 or self._busy <= 0:
@@ -448,7 +454,19 @@ class KneeFinder:
         # whose calls slow as its batch fills reads as queueing by Little's count). The next
         # step up from there must prove itself again, and a probe down takes back what noise
         # proved.
-        if cap is not None and limit > cap and not strong and not few and not (proved and not deep):
+        # The cap aims under the target; the cut comes only where the queue the guard counts at
+        # this limit is over the target itself (or the limit passes what the server states): an
+        # epoch whose client left the limit part empty counts all it had in flight as running,
+        # and its cap came out under the limit with no queue seen ("6 of 6 running, queue 0 >
+        # target 3"; cut after cut, a stated batch of 8 fell to 2).
+        stated = self.guard.stated_cap()
+        over = (
+            seen is None
+            or limit - seen > self.guard.target(max(1.0, seen))
+            or (stated is not None and limit > stated)
+        )
+        bought = proved and not deep
+        if cap is not None and limit > cap and over and not strong and not few and not bought:
             if above:
                 # A probe past the guard that proved nothing: wait longer for the next one.
                 self._above_fails += 1
@@ -530,15 +548,25 @@ class KneeFinder:
             return wanted
         if cap >= _SMALLEST_STEP * limit:
             return cap  # the probe goes as far as the guard allows (still pending "up")
-        # No room to probe up, and a queue seen: probe down instead, as at the ceiling. What a
-        # noisy step proved (and lifted the cap to) is taken back if the step down loses
-        # nothing. (With no queue seen, a step down only costs throughput.)
+        # No room to probe up, and the limit stands where only a step's proof allows it (over
+        # Little's count plus the target, or over a batch the server states): probe down
+        # instead, as at the ceiling. What a noisy step proved (and lifted the cap to) is
+        # taken back if the step down loses nothing. (Elsewhere a step down only costs
+        # throughput: a queue within the target, or the batch stated, is what it would test.)
         pending = self._pending
         self._pending = None
-        if pending is not None and pending[0] == "up" and queued is not None and queued >= 1:
+        if pending is not None and pending[0] == "up" and self._doubted(limit):
             return self._probe_down(pending[1])
         self.reason = f"holding {limit}: the guard's cap ({cap}) leaves no room to probe up"
         return limit
+
+    def _doubted(self, limit: int) -> bool:
+        """Whether ``limit`` stands only on what a step proved (see :meth:`_guarded`)."""
+        guard = self.guard
+        if guard.batch is not None:
+            return guard.proven is not None and guard.proven > guard.batch
+        little = guard.running
+        return little is not None and limit - little > guard.target(max(1.0, little))
 
     def _decide(self, epoch: Epoch, previous: Epoch | None) -> int:
         limit = self.limit
