@@ -36,9 +36,7 @@ def _feed(knee: KneeFinder, now: float, limit: int, latency: float, work: float 
         knee.on_completion(now, service_s=latency, work=work)
 
 
-def _epoch(
-    knee: KneeFinder, t: float, latency: float, old: int = 0
-) -> tuple[float, int | None]:
+def _epoch(knee: KneeFinder, t: float, latency: float, old: int = 0) -> tuple[float, int | None]:
     """Hold the knee's limit for one epoch: ticks with demand, completions, until it decides.
     ``old``: requests admitted before the epoch, which come back first (in the hold phase the
     epoch counts only after they have)."""
@@ -71,7 +69,6 @@ def test_slow_start_grows_while_throughput_scales_and_holds_past_the_knee() -> N
     assert seen[:2] == [10, 25]
     assert knee.phase == "hold"
     assert 64 <= knee.limit <= 96, seen  # past 64 only latency grows: near the knee
-
 
 
 def test_an_epoch_without_demand_measures_nothing() -> None:
@@ -311,6 +308,28 @@ def test_the_first_epoch_does_not_wait_for_a_long_call_of_its_cohort() -> None:
     for _ in range(9):
         later.on_release(0.6, admitted_at=0.3, service_s=0.3, work=8)
     assert later.on_tick(0.75, demand=True, in_flight=11) is None
+
+
+def test_the_first_epoch_under_a_stated_batch_closes_on_its_first_answer() -> None:
+    """Where slow start's next limit is the batch the server states anyway (0.7 x 16 = 11, and
+    x3 passes 16 + its target), the first epoch only shows that the server answers: one answer
+    of its cohort closes it. Waiting for eight held a batch's long items at 11 of 16 seats for
+    1.3 s (3.5% of its makespan). Elsewhere the first epoch counts as many as before."""
+
+    def first_epoch(knee: KneeFinder) -> int | None:
+        assert knee.on_tick(0.0, demand=True, in_flight=11) is None  # the window opens
+        knee.on_release(0.1, admitted_at=-1.0, service_s=0.1, work=8)  # before the window
+        assert knee.on_tick(0.12, demand=True, in_flight=11) is None  # one admitted in it
+        knee.on_release(0.25, admitted_at=0.11, service_s=0.14, work=8)  # its answer
+        return knee.on_tick(0.27, demand=True, in_flight=11)
+
+    stated = KneeFinder(start=11, ceiling=64, guard=QueueGuard(batch=16))
+    assert first_epoch(stated) == 24
+    assert stated.reason == "slow start ends at what the server states: limit -> 24"
+    unknown = KneeFinder(start=11, ceiling=64)  # nothing stated: x3 is judged later
+    assert first_epoch(unknown) is None and unknown.limit == 11
+    large = KneeFinder(start=11, ceiling=64, guard=QueueGuard(batch=64))  # x3 stays under it
+    assert first_epoch(large) is None and large.limit == 11
 
 
 def test_the_guard_cuts_no_limit_the_client_left_part_empty_with_no_queue_over_target() -> None:
