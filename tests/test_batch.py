@@ -606,6 +606,33 @@ async def test_shape_order_runs_short_items_while_its_long_ones_wait_for_the_lon
     assert sum(1 for t in shorts if t < first_long_done) >= 20
 
 
+async def test_long_items_read_before_any_short_one_still_leave_workers_to_short_items():
+    # The server says no context: what is long is judged beside the sizes read. Items read
+    # before four short ones were seen are judged under the fallback (1024 tokens); judged
+    # then, the 12 long items at the head of the input counted as short in the hand-out, every
+    # worker took one, and no short item started until the first long one ended.
+    started: dict[str, float] = {}
+    t0 = anyio.current_time()
+
+    def delay(prompt: str) -> float:
+        started.setdefault(prompt, anyio.current_time() - t0)
+        return 0.5 if prompt.startswith("long") else 0.01
+
+    server = EchoServer(delay=delay)
+    server.models = FakeServer(max_model_len=None)
+    items = [{"prompt": f"long {i}", "max_tokens": 300} for i in range(12)]
+    items += [{"prompt": f"short {i}", "max_tokens": 8} for i in range(40)]
+    async with make_client(server, max_num_seqs=8, limit=8) as client:
+        results = await client.map(items, progress=False)
+    assert [r.index for r in results] == list(range(52))
+    assert {r.lane for r in results if r.text.startswith("long")} == {"long"}
+    first = min(started.values())
+    first_long_done = min(t for p, t in started.items() if p.startswith("long")) + 0.5
+    shorts = [t for p, t in started.items() if p.startswith("short")]
+    assert min(shorts) - first < 0.2 < first_long_done - first
+    assert sum(1 for t in shorts if t < first_long_done) >= 20
+
+
 async def test_shape_order_resumes_the_same_ids_exactly_once(tmp_path):
     # A first run in input order that fails some items, resumed in shape order: the ids match,
     # the successes are read back and only the failures are sent again.
