@@ -49,7 +49,8 @@ than two waiting cuts nothing: at limits of 2 or 3 it is off by half either way.
   in proportion (``e >= 0.5``) and nothing waits, up to 2.5 times what the server is seen to
   run, under a limit of :data:`_BIG_STEP_UNDER`; otherwise by 2 while ``e >= ELASTICITY``,
   up to twice what it runs (a step that crosses the batch leaves at most 1.5 batches waiting,
-  one past a queue already seen). It ends at a
+  one past a queue already seen; a step that bought throughput in proportion goes at least
+  x2, and no step is smaller than x1.25, the least an epoch can judge). It ends at a
   batch the server states (plus the target queue), where a queue stands after a step that
   bought little (at the guard's cap), or between the last two limits, nearer the lower the
   flatter the last step was. Where its next limit is a stated batch anyway, its first epoch
@@ -57,11 +58,13 @@ than two waiting cuts nothing: at limits of 2 or 3 it is off by half either way.
 * *Hold*: probe one step up (x1.5, within the guard's cap; past it once per
   :data:`_ABOVE_GUARD_S`, doubling while such probes buy nothing, at once again after one that
   bought throughput; under a limit of :data:`_BIG_STEP_UNDER` the first comes right after the
-  first rest), keep it if ``e >= ELASTICITY`` and probe up again from there; where the cap
+  first rest, and where the server states no batch each next one after the rest too), keep it
+  if ``e >= ELASTICITY`` and probe up again from there; where the cap
   leaves no room to probe up and the limit stands only on what a step proved, probe down
   instead; otherwise (the probe up
   bought nothing) probe one step down, keep it if the
-  step it gave up was worth less than that too and probe down again, else go back to the base
+  step it gave up was worth less than half that (a noisy epoch pair must not ratchet a server
+  whose steps buy e = 0.2-0.4 down) and probe down again, else go back to the base
   and rest there a few epochs (2, then 4, up to 16 while nothing changes) before probing again:
   a probe down a step costs a third of the throughput for its epoch. A server that changes
   (other clients, longer prompts) moves the knee, and the probes follow it.
@@ -78,7 +81,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from ._guard import QueueGuard
+from ._guard import BASE_SAMPLES, QueueGuard
 
 __all__ = ["ELASTICITY", "MIN_SAMPLES", "Epoch", "KneeFinder", "Phase"]
 
@@ -117,6 +120,10 @@ _QUEUED_SHARE: Final = 0.1
 #: A slow-start step proves what the server runs (as a hold phase's probe up does) only if
 #: both its epochs counted this many answers.
 _PROOF_SAMPLES: Final = 8
+#: A probe down is kept only where the step it gave up bought less than this share of
+#: :data:`ELASTICITY`: with x1.5 steps judged on epochs a few percent noisy, a server whose steps
+#: buy e = 0.2-0.4 (transformers') read under 0.15 one probe in four and ratcheted down.
+_KEEP_DOWN: Final = 0.5
 #: The hold phase's step, as a factor of the limit.
 _STEP: Final = 1.5
 #: The smallest step a probe up is judged on: over a step of one call in fifteen, the noise
@@ -153,6 +160,8 @@ class Epoch:
     samples: int
     per_work: float = 0.0
     in_flight: float = 0.0
+    #: The mean service time per unit of work (all service over all work), 0 if unknown.
+    work_time: float = 0.0
 
 
 def elasticity(low: Epoch, high: Epoch) -> float:
@@ -382,6 +391,7 @@ class KneeFinder:
             count,
             per_work=statistics.median(self._per_work),
             in_flight=in_flight_mean,
+            work_time=self._busy / self._work if self._work > 0 else 0.0,
         )
 
     # -- deciding ------------------------------------------------------------------------------
@@ -419,12 +429,18 @@ class KneeFinder:
         ):
             # A step up that bought throughput proves what the server runs. What a noisy
             # epoch proved wrongly, the hold phase's probe down takes back (see _decide).
-            step_from = (low.in_flight or float(low.limit), low.throughput)
+            # (The lower epoch's own time a unit of work too: it had a seat for every call.)
+            filled = low.in_flight >= _FILLED * low.limit and low.samples >= BASE_SAMPLES
+            step_from = (
+                low.in_flight or float(low.limit),
+                low.throughput,
+                low.work_time if filled else 0.0,
+            )
         self.guard.observe(
             limit=epoch.limit,
             in_flight=epoch.in_flight or float(epoch.limit),
             throughput=epoch.throughput,
-            per_work=self._busy / self._work if self._work > 0 else 0.0,
+            per_work=epoch.work_time,
             # An epoch that did not keep its limit full (a batch still being handed out: the
             # client's own start-up slowed its first answers by half) sets no unqueued time.
             samples=epoch.samples if epoch.in_flight >= _FILLED * epoch.limit else 0,
@@ -488,14 +504,15 @@ class KneeFinder:
         ):
             if above:
                 # A probe past the guard that proved nothing: wait longer for the next one.
+                # Where the server states no batch, under a limit of 64, the next comes after
+                # the rest (which doubles at each cut): on transformers' server a probe that
+                # noise failed (x1.5 reads x1.04 where it buys x1.2) held the limit at half
+                # the best for the rest of a batch.
                 self._above_fails += 1
-            elif self._above_ok_at == -math.inf and limit <= _BIG_STEP_UNDER:
-                # The first cut: the count may be wrong (a server whose calls slow as its batch
-                # fills reads as queueing, and only a step past the count tells it from one
-                # whose batch is full), so the first probe past the guard comes after the
-                # rest, not in 30 s (a batch is often done by then). Not for hundreds of calls:
-                # x1.5 from 491 put 481 waiting at a server of 256 seats.
-                self._above_ok_at = now
+                if limit <= _BIG_STEP_UNDER and self.guard.batch is None:
+                    self._above_ok_at = now
+            else:
+                self._probe_above_soon(now, limit)
             view = self.guard.view()
             self.phase = "hold"
             self._pending = None
@@ -542,13 +559,22 @@ class KneeFinder:
             # server runs (at most 1.5 batches waiting, if the batch fills within the step).
             # Otherwise no further than twice what it runs (at most one batch waiting).
             reach = _FREE_REACH if strong and not waits and limit < _BIG_STEP_UNDER else _REACH
-            wanted = min(wanted, max(limit + 1, math.floor(reach * seen)))
+            least = self._judged_step(limit)
+            if strong and limit < _BIG_STEP_UNDER:
+                # A step that bought throughput in proportion (e >= 0.5) shows room, whatever
+                # Little's count says (it reads a server whose calls slow as its batch fills as
+                # running half of what it does): x2 at least, at most one limit waiting at a
+                # server whose batch it just filled. On transformers' server slow start ended
+                # at 7, a third of the best, after 2 -> 5 bought x1.8.
+                least = max(least, math.floor(_DOUBLE * limit))
+            wanted = min(wanted, max(least, math.floor(reach * seen)))
             if cap is not None and wanted > cap and waits and not strong:
                 # A queue stands and the step bought little: the batch filled within it. More
                 # would only queue: no further than the guard's cap. (A step that bought much,
                 # e >= 0.5, went on above: a GPU's answers slow as its batch fills, so Little's
                 # count of what it runs comes out low there while its throughput still scales.)
                 self.phase = "hold"
+                self._probe_above_soon(now, limit)
                 self.reason = (
                     f"slow start ends: the server runs about {seen:.0f} of "
                     f"{epoch.in_flight:.0f} in flight; limit {limit} -> {max(limit, cap)}"
@@ -578,6 +604,24 @@ class KneeFinder:
             return self._probe_down(pending[1])
         self.reason = f"holding {limit}: the guard's cap ({cap}) leaves no room to probe up"
         return limit
+
+    def _probe_above_soon(self, now: float, limit: int) -> None:
+        """Slow start ended under the guard (at its cap, at a knee, or by a cut): the first
+        probe past the guard comes after the first rest, not in :data:`_ABOVE_GUARD_S`. The
+        count may be wrong (a server whose calls slow as its batch fills reads as queueing,
+        and only a step past the count tells it from one whose batch is full; slow start's
+        small epochs may have ended it early), and a batch is often done in 30 s. Not for
+        hundreds of calls: x1.5 from 491 put 481 waiting at a server of 256 seats."""
+        if self._above_ok_at == -math.inf and limit <= _BIG_STEP_UNDER:
+            self._above_ok_at = now
+
+    @staticmethod
+    def _judged_step(limit: int) -> int:
+        """The smallest step up from ``limit`` that slow start takes: one an epoch can judge
+        (x :data:`_SMALLEST_STEP`) under :data:`_BIG_STEP_UNDER`, one more call above it."""
+        if limit >= _BIG_STEP_UNDER:
+            return limit + 1
+        return max(limit + 1, math.ceil(_SMALLEST_STEP * limit))
 
     def _doubted(self, limit: int) -> bool:
         """Whether ``limit`` stands only on what a step proved (see :meth:`_guarded`)."""
@@ -624,10 +668,7 @@ class KneeFinder:
             share = max(0.0, e) / self._elasticity
             knee: float = previous.limit * math.pow(limit / previous.limit, share)
             self.phase = "hold"
-            if self._above_ok_at == -math.inf and limit <= _BIG_STEP_UNDER:
-                # Slow start's small epochs may have ended it early: the first probe past the
-                # guard comes after the first rest, on the hold phase's larger epochs.
-                self._above_ok_at = now
+            self._probe_above_soon(now, limit)
             self.reason = (
                 f"knee between {previous.limit} and {limit}: throughput "
                 f"x{epoch.throughput / previous.throughput:.2f} (elasticity {e:.2f})"
@@ -655,7 +696,7 @@ class KneeFinder:
             # Not worth it: probe below the base.
             return self._probe_down(base)
         e = elasticity(epoch, base)
-        if e < self._elasticity:
+        if e < _KEEP_DOWN * self._elasticity:
             # Kept the lower limit; the next step goes down again from it. Whatever a step up
             # proved beyond it, the server does not run: the completions say so now.
             self.guard.disprove(epoch.in_flight or float(limit))
