@@ -569,6 +569,29 @@ async def test_where_the_context_is_unknown_a_batchs_long_items_take_the_long_la
     assert lanes == {"long": {"long"}, "short": {"short"}}
 
 
+def _long_items_first() -> tuple[EchoServer, dict[str, float], list[dict]]:
+    """A server that takes 0.5 s a long call and 0.01 s a short one, noting when each started,
+    and a batch of 12 long items ahead of 40 short ones."""
+    started: dict[str, float] = {}
+    t0 = anyio.current_time()
+
+    def delay(prompt: str) -> float:
+        started.setdefault(prompt, anyio.current_time() - t0)
+        return 0.5 if prompt.startswith("long") else 0.01
+
+    items = [{"prompt": f"long {i}", "max_tokens": 300} for i in range(12)]
+    items += [{"prompt": f"short {i}", "max_tokens": 8} for i in range(40)]
+    return EchoServer(delay=delay), started, items
+
+
+def _assert_short_items_ran_beside_the_long_ones(started: dict[str, float]) -> None:
+    first = min(started.values())
+    first_long_done = min(t for p, t in started.items() if p.startswith("long")) + 0.5
+    shorts = [t for p, t in started.items() if p.startswith("short")]
+    assert min(shorts) - first < 0.2 < first_long_done - first
+    assert sum(1 for t in shorts if t < first_long_done) >= 20
+
+
 @pytest.mark.parametrize(("via", "servers"), [("map", 1), ("imap", 1), ("map", 2)])
 async def test_shape_order_runs_short_items_while_its_long_ones_wait_for_the_long_lane(
     via, servers
@@ -577,16 +600,7 @@ async def test_shape_order_runs_short_items_while_its_long_ones_wait_for_the_lon
     # one, those beyond the long lane's cap would wait in the client, holding the workers the
     # short items need, and the server would run long items only until the first of them ended.
     # Instead short items start at once beside the long ones.
-    started: dict[str, float] = {}
-    t0 = anyio.current_time()
-
-    def delay(prompt: str) -> float:
-        started.setdefault(prompt, anyio.current_time() - t0)
-        return 0.5 if prompt.startswith("long") else 0.01
-
-    server = EchoServer(delay=delay)
-    items = [{"prompt": f"long {i}", "max_tokens": 300} for i in range(12)]
-    items += [{"prompt": f"short {i}", "max_tokens": 8} for i in range(40)]
+    server, started, items = _long_items_first()
     urls = URL if servers == 1 else [URL, "http://127.0.0.1:8001"]
     client = AsyncClient(
         urls, transport=server.transport, max_num_seqs=8, limit=8, long_threshold=200
@@ -599,11 +613,7 @@ async def test_shape_order_runs_short_items_while_its_long_ones_wait_for_the_lon
             async with contextlib.aclosing(client.imap(items, progress=False)) as outcomes:
                 assert sorted([index async for index, _ in outcomes]) == list(range(52))
     assert server.calls[0].startswith("long")
-    first = min(started.values())
-    first_long_done = min(t for p, t in started.items() if p.startswith("long")) + 0.5
-    shorts = [t for p, t in started.items() if p.startswith("short")]
-    assert min(shorts) - first < 0.2 < first_long_done - first
-    assert sum(1 for t in shorts if t < first_long_done) >= 20
+    _assert_short_items_ran_beside_the_long_ones(started)
 
 
 async def test_long_items_read_before_any_short_one_still_leave_workers_to_short_items():
@@ -611,26 +621,13 @@ async def test_long_items_read_before_any_short_one_still_leave_workers_to_short
     # before four short ones were seen are judged under the fallback (1024 tokens); judged
     # then, the 12 long items at the head of the input counted as short in the hand-out, every
     # worker took one, and no short item started until the first long one ended.
-    started: dict[str, float] = {}
-    t0 = anyio.current_time()
-
-    def delay(prompt: str) -> float:
-        started.setdefault(prompt, anyio.current_time() - t0)
-        return 0.5 if prompt.startswith("long") else 0.01
-
-    server = EchoServer(delay=delay)
+    server, started, items = _long_items_first()
     server.models = FakeServer(max_model_len=None)
-    items = [{"prompt": f"long {i}", "max_tokens": 300} for i in range(12)]
-    items += [{"prompt": f"short {i}", "max_tokens": 8} for i in range(40)]
     async with make_client(server, max_num_seqs=8, limit=8) as client:
         results = await client.map(items, progress=False)
     assert [r.index for r in results] == list(range(52))
     assert {r.lane for r in results if r.text.startswith("long")} == {"long"}
-    first = min(started.values())
-    first_long_done = min(t for p, t in started.items() if p.startswith("long")) + 0.5
-    shorts = [t for p, t in started.items() if p.startswith("short")]
-    assert min(shorts) - first < 0.2 < first_long_done - first
-    assert sum(1 for t in shorts if t < first_long_done) >= 20
+    _assert_short_items_ran_beside_the_long_ones(started)
 
 
 async def test_shape_order_resumes_the_same_ids_exactly_once(tmp_path):

@@ -23,10 +23,7 @@ running 4, and cut it there. An epoch that did not keep its limit full sets noth
 client's own start-up slowed its first answers by half). ``R`` counts what the server is
 *seen* to run: where a request takes longer in a fuller batch (a GPU's step grows with the
 batch) ``R`` comes out under the truth, so the guard errs towards a shorter queue; the knee
-finder lets a step that bought throughput in proportion pass it. Where a step up bought
-throughput, its base had a seat for every call: its own time per unit of work is unqueued too,
-at that batch, and ``s0`` is the larger of the two (on transformers' server Little's count
-from 1 in flight read 12 running as 7).
+finder lets a step that bought throughput in proportion pass it.
 
 **Why it cannot run away.** ``X`` comes from completions, and a flat server's completions do not
 rise with the limit: doubling what is in flight doubles ``L`` and leaves ``R``, so the estimated
@@ -38,10 +35,7 @@ own estimate of ``X`` counts every request of an epoch's cohort, the slow ones i
 that the server runs at least ``min(L2, L1 x X2 / X1)`` at once (a server with room scales in
 proportion; one past its batch does not scale at all). That is *proven*; the guard's running
 count is the larger of Little's and the proven one, so a server whose answers slow as its batch
-fills (its ``s0`` from a smaller batch) still gets every seat its completions pay for. The
-step's own limit, if it is at most x1.5 its base, is *kept*: the cap never falls under it. At
-a server of ``N`` seats it leaves a queue of ``L2 - N < L2 - L1 <= L1 / 2 < N / 2``, within the
-target, whatever the server is; a probe down that loses nothing takes it back.
+fills (its ``s0`` from a smaller batch) still gets every seat its completions pay for.
 
 **What the server states.** A batch it queues behind (vLLM's ``max_num_seqs``, SGLang's
 ``max_running_requests``, llama.cpp's slots) bounds the cap at that batch plus the target
@@ -61,8 +55,6 @@ __all__ = ["BASE_SAMPLES", "GuardView", "QueueGuard"]
 _AIM: Final = 0.8
 #: An epoch sets the unqueued time only if it counted this many answers.
 BASE_SAMPLES: Final = 5
-#: A step up of at most this factor that bought throughput is kept (see :meth:`QueueGuard.cap`).
-_KEPT_STEP: Final = 1.5
 
 
 @dataclass(frozen=True)
@@ -93,10 +85,8 @@ class QueueGuard:
     __slots__ = (
         "_base",
         "_last",
-        "_seated",
         "batch",
         "hard_cap",
-        "kept",
         "last_in_flight",
         "proven",
         "queue_share",
@@ -125,21 +115,12 @@ class QueueGuard:
         self.last_in_flight: float | None = None
         #: The lowest limit measured well and its mean time per unit of work.
         self._base: tuple[int, float] | None = None
-        #: The most in flight a step up showed to have had a seat for every call, and its
-        #: mean time per unit of work there.
-        self._seated: tuple[float, float] | None = None
-        #: The most in flight a step up of at most x1.5 kept (see :meth:`cap`).
-        self.kept: float | None = None
         self._last: float | None = None
 
     @property
     def unqueued(self) -> float | None:
         """The unqueued time per unit of work (seconds): see the module docstring."""
-        if self._base is None:
-            return None
-        if self._seated is not None:
-            return max(self._base[1], self._seated[1])
-        return self._base[1]
+        return self._base[1] if self._base is not None else None
 
     def observe(
         self,
@@ -149,14 +130,13 @@ class QueueGuard:
         throughput: float,
         per_work: float,
         samples: int = BASE_SAMPLES,
-        step_from: tuple[float, float, float] | None = None,
+        step_from: tuple[float, float] | None = None,
     ) -> None:
         """One epoch measured: ``throughput`` units of work a second at ``in_flight`` on
         average (limit ``limit``), ``per_work`` its mean seconds a unit of work over
         ``samples`` answers;
-        ``step_from``: what was in flight, the throughput and the mean time a unit of work
-        (0: not measured well) in the epoch before, where this one is a step up from it that
-        bought throughput (what the step proves)."""
+        ``step_from``: what was in flight and the throughput in the epoch before, where this
+        one is a step up from it that bought throughput (what the step proves)."""
         base = self._base
         well = per_work > 0 and math.isfinite(per_work) and samples >= BASE_SAMPLES
         if well and (base is None or limit <= base[0]):
@@ -170,37 +150,21 @@ class QueueGuard:
             self._last = now
         self.last_in_flight = in_flight
         if step_from is not None:
-            low, low_throughput, low_time = step_from
+            low, low_throughput = step_from
             if low < limit and low_throughput > 0 and throughput > 0:
                 shown = min(in_flight, low * throughput / low_throughput)
                 if shown > low:  # the step bought something: that much is proven
                     self.proven = max(self.proven or 0.0, shown)
-                    # And the step itself, up to x1.5, keeps the queue within its target
-                    # whatever the server is: one of N seats queues at most L2 - N <
-                    # L2 - L1 <= L1 / 2 < N / 2 there.
-                    self.kept = max(self.kept or 0.0, min(in_flight, _KEPT_STEP * low))
-                    # And every call had a seat at ``low``: its time a unit of work was
-                    # unqueued, at a batch of ``low``.
-                    seated = self._seated
-                    well = low_time > 0 and math.isfinite(low_time)
-                    if well and (seated is None or low >= seated[0]):
-                        self._seated = (low, low_time)
 
     def disprove(self, running: float) -> None:
         """A step down to ``running`` in flight lost nothing: the server runs no more than
         that, whatever a step up (a noisy epoch) proved before."""
         if self.proven is not None:
             self.proven = min(self.proven, running)
-        if self.kept is not None:
-            self.kept = min(self.kept, running)
-        if self._seated is not None and self._seated[0] > running:
-            self._seated = None
 
     def forget_proof(self) -> None:
         """The server changed (a refusal, a restart): what steps proved no longer holds."""
         self.proven = None
-        self._seated = None
-        self.kept = None
 
     def seen_running(self) -> float | None:
         """What the server is seen to run: Little's estimate or the proven count, the larger."""
@@ -233,8 +197,6 @@ class QueueGuard:
                 # tried (the estimate is noisy, and a limit of 1 has no target at all), so
                 # one more is always allowed; the knee judges whether it buys anything.
                 bound = max(bound, round(last) + 1)
-        if bound is not None and self.kept is not None:
-            bound = max(bound, math.floor(self.kept + 1e-9))
         stated = self.stated_cap()  # several replicas behind one URL: what a probe proved
         if stated is not None:
             bound = stated if bound is None else min(bound, stated)

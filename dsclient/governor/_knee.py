@@ -58,13 +58,11 @@ than two waiting cuts nothing: at limits of 2 or 3 it is off by half either way.
 * *Hold*: probe one step up (x1.5, within the guard's cap; past it once per
   :data:`_ABOVE_GUARD_S`, doubling while such probes buy nothing, at once again after one that
   bought throughput; under a limit of :data:`_BIG_STEP_UNDER` the first comes right after the
-  first rest, and where the server states no batch each next one after the rest too), keep it
-  if ``e >= ELASTICITY`` and probe up again from there; where the cap
+  first rest), keep it if ``e >= ELASTICITY`` and probe up again from there; where the cap
   leaves no room to probe up and the limit stands only on what a step proved, probe down
   instead; otherwise (the probe up
   bought nothing) probe one step down, keep it if the
-  step it gave up was worth less than half that (a noisy epoch pair must not ratchet a server
-  whose steps buy e = 0.2-0.4 down) and probe down again, else go back to the base
+  step it gave up was worth less than that too and probe down again, else go back to the base
   and rest there a few epochs (2, then 4, up to 16 while nothing changes) before probing again:
   a probe down a step costs a third of the throughput for its epoch. A server that changes
   (other clients, longer prompts) moves the knee, and the probes follow it.
@@ -81,7 +79,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from ._guard import BASE_SAMPLES, QueueGuard
+from ._guard import QueueGuard
 
 __all__ = ["ELASTICITY", "MIN_SAMPLES", "Epoch", "KneeFinder", "Phase"]
 
@@ -120,10 +118,6 @@ _QUEUED_SHARE: Final = 0.1
 #: A slow-start step proves what the server runs (as a hold phase's probe up does) only if
 #: both its epochs counted this many answers.
 _PROOF_SAMPLES: Final = 8
-#: A probe down is kept only where the step it gave up bought less than this share of
-#: :data:`ELASTICITY`: with x1.5 steps judged on epochs a few percent noisy, a server whose steps
-#: buy e = 0.2-0.4 (transformers') read under 0.15 one probe in four and ratcheted down.
-_KEEP_DOWN: Final = 0.5
 #: The hold phase's step, as a factor of the limit.
 _STEP: Final = 1.5
 #: The smallest step a probe up is judged on: over a step of one call in fifteen, the noise
@@ -429,13 +423,7 @@ class KneeFinder:
         ):
             # A step up that bought throughput proves what the server runs. What a noisy
             # epoch proved wrongly, the hold phase's probe down takes back (see _decide).
-            # (The lower epoch's own time a unit of work too: it had a seat for every call.)
-            filled = low.in_flight >= _FILLED * low.limit and low.samples >= BASE_SAMPLES
-            step_from = (
-                low.in_flight or float(low.limit),
-                low.throughput,
-                low.work_time if filled else 0.0,
-            )
+            step_from = (low.in_flight or float(low.limit), low.throughput)
         self.guard.observe(
             limit=epoch.limit,
             in_flight=epoch.in_flight or float(epoch.limit),
@@ -504,13 +492,7 @@ class KneeFinder:
         ):
             if above:
                 # A probe past the guard that proved nothing: wait longer for the next one.
-                # Where the server states no batch, under a limit of 64, the next comes after
-                # the rest (which doubles at each cut): on transformers' server a probe that
-                # noise failed (x1.5 reads x1.04 where it buys x1.2) held the limit at half
-                # the best for the rest of a batch.
                 self._above_fails += 1
-                if limit <= _BIG_STEP_UNDER and self.guard.batch is None:
-                    self._above_ok_at = now
             else:
                 self._probe_above_soon(now, limit)
             view = self.guard.view()
@@ -696,7 +678,7 @@ class KneeFinder:
             # Not worth it: probe below the base.
             return self._probe_down(base)
         e = elasticity(epoch, base)
-        if e < _KEEP_DOWN * self._elasticity:
+        if e < self._elasticity:
             # Kept the lower limit; the next step goes down again from it. Whatever a step up
             # proved beyond it, the server does not run: the completions say so now.
             self.guard.disprove(epoch.in_flight or float(limit))
