@@ -367,6 +367,33 @@ def test_the_first_epoch_under_a_stated_batch_closes_on_its_first_answer() -> No
     assert first_epoch(large) is None and large.limit == 11
 
 
+def test_a_strong_step_from_one_call_does_not_double_past_what_the_server_is_seen_to_run() -> None:
+    """One call at a time leaves the server idle for each round trip: any server gains from a
+    second call. llama.cpp's server of one seat, with the client's cores busy, read 1 -> 2 as
+    x1.45 (e 0.54), and slow start's x2 after a step in proportion went to 4: three calls
+    waiting behind one, for the rest of a short batch. From 2 it goes no further than 2.5x
+    what Little's count sees running (1.45 of 2): 3."""
+    knee = KneeFinder(start=1, ceiling=1024)
+
+    def epoch(t: float, latency: float) -> tuple[float, int | None]:
+        """The knee's limit held full, ``knee.limit / latency`` answers a second, till it
+        decides: enough answers for the guard's unqueued time (from the epoch at 1)."""
+        wanted = knee.on_tick(t, demand=True, in_flight=knee.limit)
+        while wanted is None:
+            for _ in range(round(0.25 * knee.limit / latency)):
+                knee.on_completion(t + 0.25, service_s=latency, work=10.0)
+            t += 0.25
+            wanted = knee.on_tick(t, demand=True, in_flight=knee.limit)
+        return t, wanted
+
+    t, wanted = epoch(0.0, latency=0.05)
+    assert wanted == 2, knee.reason
+    t, wanted = epoch(t, latency=0.069)  # 2 in flight: x1.45 the throughput at 1
+    assert knee.reason.startswith("slow start: throughput x1.45"), knee.reason
+    assert knee.guard.seen_running() == pytest.approx(1.45, abs=0.01)
+    assert wanted == 3, knee.reason
+
+
 def test_the_guard_cuts_no_limit_the_client_left_part_empty_with_no_queue_over_target() -> None:
     """An epoch whose client kept 6 of a limit of 9 in flight, all running: its cap (6 running,
     a target of 3, aimed at 2: 8) is under the limit, but the queue at the limit (9 - 6 = 3) is

@@ -50,7 +50,8 @@ than two waiting cuts nothing: at limits of 2 or 3 it is off by half either way.
   run, under a limit of :data:`_BIG_STEP_UNDER`; otherwise by 2 while ``e >= ELASTICITY``,
   up to twice what it runs (a step that crosses the batch leaves at most 1.5 batches waiting,
   one past a queue already seen; a step that bought throughput in proportion goes at least
-  x2, and no step is smaller than x1.25, the least an epoch can judge). It ends at a
+  x2, but for the step from 1, which any server pays for, and no step is smaller than x1.25,
+  the least an epoch can judge). It ends at a
   batch the server states (plus the target queue), where a queue stands after a step that
   bought little (at the guard's cap), or between the last two limits, nearer the lower the
   flatter the last step was. Where its next limit is a stated batch anyway, its first epoch
@@ -542,12 +543,16 @@ class KneeFinder:
             # Otherwise no further than twice what it runs (at most one batch waiting).
             reach = _FREE_REACH if strong and not waits and limit < _BIG_STEP_UNDER else _REACH
             least = self._judged_step(limit)
-            if strong and limit < _BIG_STEP_UNDER:
+            paired = previous is not None and previous.limit >= 2
+            if strong and paired and limit < _BIG_STEP_UNDER:
                 # A step that bought throughput in proportion (e >= 0.5) shows room, whatever
                 # Little's count says (it reads a server whose calls slow as its batch fills as
                 # running half of what it does): x2 at least, at most one limit waiting at a
                 # server whose batch it just filled. On transformers' server slow start ended
-                # at 7, a third of the best, after 2 -> 5 bought x1.8.
+                # at 7, a third of the best, after 2 -> 5 bought x1.8. Not the step from 1: one
+                # call at a time leaves the server idle for each round trip, and any server,
+                # one of one seat too, gains from a second call (llama.cpp's of one seat read
+                # 1 -> 2 as x1.45 with the client's cores busy, and x2 put 3 calls waiting).
                 least = max(least, math.floor(_DOUBLE * limit))
             wanted = min(wanted, max(least, math.floor(reach * seen)))
             if cap is not None and wanted > cap and waits and not strong:
