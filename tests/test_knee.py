@@ -367,6 +367,21 @@ def test_the_first_epoch_under_a_stated_batch_closes_on_its_first_answer() -> No
     assert first_epoch(large) is None and large.limit == 11
 
 
+def _held(
+    knee: KneeFinder, t: float, latency: float, until: float = 30.0
+) -> tuple[float, int | None]:
+    """The knee's limit held full, ``knee.limit / latency`` answers a second, till it decides
+    (or ``until`` seconds passed): epochs of many answers, as on a real server."""
+    began = t
+    wanted = knee.on_tick(t, demand=True, in_flight=knee.limit)
+    while wanted is None and t < began + until:
+        for _ in range(round(0.25 * knee.limit / latency)):
+            knee.on_completion(t + 0.25, service_s=latency, work=10.0)
+        t += 0.25
+        wanted = knee.on_tick(t, demand=True, in_flight=knee.limit)
+    return t, wanted
+
+
 def test_a_strong_step_from_one_call_does_not_double_past_what_the_server_is_seen_to_run() -> None:
     """One call at a time leaves the server idle for each round trip: any server gains from a
     second call. llama.cpp's server of one seat, with the client's cores busy, read 1 -> 2 as
@@ -374,24 +389,28 @@ def test_a_strong_step_from_one_call_does_not_double_past_what_the_server_is_see
     waiting behind one, for the rest of a short batch. From 2 it goes no further than 2.5x
     what Little's count sees running (1.45 of 2): 3."""
     knee = KneeFinder(start=1, ceiling=1024)
-
-    def epoch(t: float, latency: float) -> tuple[float, int | None]:
-        """The knee's limit held full, ``knee.limit / latency`` answers a second, till it
-        decides: enough answers for the guard's unqueued time (from the epoch at 1)."""
-        wanted = knee.on_tick(t, demand=True, in_flight=knee.limit)
-        while wanted is None:
-            for _ in range(round(0.25 * knee.limit / latency)):
-                knee.on_completion(t + 0.25, service_s=latency, work=10.0)
-            t += 0.25
-            wanted = knee.on_tick(t, demand=True, in_flight=knee.limit)
-        return t, wanted
-
-    t, wanted = epoch(0.0, latency=0.05)
+    t, wanted = _held(knee, 0.0, latency=0.05)
     assert wanted == 2, knee.reason
-    t, wanted = epoch(t, latency=0.069)  # 2 in flight: x1.45 the throughput at 1
+    t, wanted = _held(knee, t, latency=0.069)  # 2 in flight: x1.45 the throughput at 1
     assert knee.reason.startswith("slow start: throughput x1.45"), knee.reason
     assert knee.guard.seen_running() == pytest.approx(1.45, abs=0.01)
     assert wanted == 3, knee.reason
+
+
+def test_the_first_epoch_after_a_rise_of_hundreds_of_calls_is_measured_again() -> None:
+    """A rise of hundreds of calls opens as many connections, and the calls admitted meanwhile
+    on the connections answers freed reach the server first: their cohort read 282 -> 553 on
+    a server of 256 seats as x1.96, and the limit stood at 553 for half a batch. The first
+    epoch after such a rise decides nothing; the second, its queue steady, does."""
+    knee = KneeFinder(start=140, ceiling=1024)
+    t, wanted = _held(knee, 0.0, latency=0.5)  # the server runs all 140
+    assert wanted == 280 and knee.phase == "slow start", knee.reason
+    t, wanted = _held(knee, t, latency=0.5, until=1.0)  # x2: what the first cohort reads
+    assert wanted is None and knee.limit == 280, knee.reason
+    assert knee.reason == "measuring 280 again: the first epoch after a rise"
+    t, wanted = _held(knee, t, latency=1.0)  # the steady queue: flat, the server runs 140
+    assert knee.phase == "hold" and wanted is not None and wanted < 280, knee.reason
+    assert knee.last is not None and knee.last.throughput == pytest.approx(2800, rel=0.05)
 
 
 def test_the_guard_cuts_no_limit_the_client_left_part_empty_with_no_queue_over_target() -> None:

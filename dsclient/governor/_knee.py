@@ -29,7 +29,11 @@ of 10 seats to 448 in flight. Now the epoch closes only once the last call of it
 come back, whatever the spread of service times. The cohort also leaves out the burst admitted
 the moment the limit rose (those calls queue behind fewer than the new limit makes): it starts
 at the first tick after the rise, when each call admitted has the whole new limit beside it.
-After a cut, it starts once what is in flight has drained to the new limit.
+After a cut, it starts once what is in flight has drained to the new limit. After a rise of
+:data:`_SETTLE_RISE` calls or more, the first epoch is measured again: the rise opens as many
+new connections, and the calls admitted meanwhile on connections that answers freed reach the
+server before them (on a server of 256 seats that first cohort read Little's count as 284-333
+running; measured again, 252-266).
 
 **The queue guard** (:class:`~dsclient.governor._guard.QueueGuard`) reads every epoch too: what
 the server is seen to run (throughput times the unqueued time per unit of work) and the queue
@@ -107,6 +111,9 @@ _FREE_REACH: Final = 2.5
 #: its batch as elastic (256 seats: 179 -> 446 read x2.42, and the next step went to 1024 in
 #: flight, a queue of three batches, in 2 of 6 runs).
 _BIG_STEP_UNDER: Final = 64
+#: After a rise of this many calls or more the first epoch is measured again (see
+#: :meth:`KneeFinder.on_tick`).
+_SETTLE_RISE: Final = 128
 #: An epoch sets the guard's unqueued time only if its mean in flight reached this share of
 #: its limit.
 _FILLED: Final = 0.9
@@ -211,6 +218,7 @@ class KneeFinder:
         "_rest",
         "_rest_next",
         "_returned",
+        "_settling",
         "_stage",
         "_ticks",
         "_work",
@@ -263,6 +271,7 @@ class KneeFinder:
         self._rest = 0
         self._rest_next = _REST_FIRST
         self._confirming = False
+        self._settling = False
         self._begin(now=None, drained=True)
 
     # -- epochs -----------------------------------------------------------------------------
@@ -401,6 +410,17 @@ class KneeFinder:
             # not the server. Measure again; the limit stays.
             self._begin(now, drained=True)
             return None
+        if self._settling:
+            # The first epoch after a rise of hundreds of calls: those calls open as many new
+            # connections, and the calls admitted meanwhile on the connections the answers
+            # freed reach the server first, past the queue the rise put there. Their cohort
+            # read 282 -> 553 on a server of 256 seats as x1.96, and Little's count as 500
+            # running: the limit stood at 553 (queue p90 290) for half a batch. Measured again
+            # at the same limit, the queue is steady.
+            self._settling = False
+            self.reason = f"measuring {self.limit} again: the first epoch after a rise"
+            self._begin(now, drained=True)
+            return None
         self.epochs = [*self.epochs[-2:], epoch]
         previous, self.last = self.last, epoch
         step_from = None
@@ -440,6 +460,7 @@ class KneeFinder:
         self._begin(now, drained=wanted >= self.limit)
         if wanted == self.limit:
             return None
+        self._settling = wanted - self.limit >= _SETTLE_RISE
         self.limit = wanted
         return wanted
 
