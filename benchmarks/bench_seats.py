@@ -126,19 +126,44 @@ def goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def newest_per_server(
+    records: Sequence[dict[str, Any]],
+) -> list[tuple[int, str, list[dict[str, Any]], dict[str, Any]]]:
+    """Per server (seats, states): the rows of the newest invocation that ran it, and that
+    invocation. An invocation of some sizes (``--sizes 64,256``) replaces those servers only."""
+    found: dict[tuple[int, str], tuple[list[dict[str, Any]], dict[str, Any]]] = {}
+    for record in records:  # oldest first: the newest wins
+        for key in {(int(r["seats"]), str(r["states"])) for r in record["rows"]}:
+            rows = report_.select(record["rows"], seats=key[0], states=key[1])
+            found[key] = ([dict(r) for r in rows], record)
+    order = {"none": 0, "vllm": 1}
+    return [
+        (seats, states, rows, record)
+        for (seats, states), (rows, record) in sorted(
+            found.items(), key=lambda item: (item[0][0], order.get(item[0][1], 2))
+        )
+    ]
+
+
 def render(records: Sequence[dict[str, Any]]) -> str:
-    """The newest invocation: one table per server (median and range over runs), then goals."""
-    record = report_.latest(records)
-    assert record is not None
-    rows = record["rows"]
+    """Per server, the newest invocation that ran it: one table each (median and range over
+    runs; the file named where the tables come from several), then the goals, then where the
+    figures come from."""
+    servers = newest_per_server(records)
+    assert servers
+    used: list[dict[str, Any]] = []
+    for *_, record in servers:
+        if not any(record is u for u in used):
+            used.append(record)
     parts = []
-    for seats in sorted({r["seats"] for r in rows}):
-        for states in ("none", "vllm"):
-            mine = report_.select(rows, seats=seats, states=states)
-            if mine:
-                said = "states its batch" if states == "vllm" else "states nothing"
-                title = f"**{seats} seats, {mine[0]['service_s']} s a call, {said}**"
-                parts.append(title + "\n\n" + report_.leg_table(mine, TABLE, about=ABOUT))
+    rows: list[dict[str, Any]] = []
+    for seats, states, mine, record in servers:
+        said = "states its batch" if states == "vllm" else "states nothing"
+        title = f"**{seats} seats, {mine[0]['service_s']} s a call, {said}**"
+        if len(used) > 1:
+            title += f" (`{record.get('_file')}`)"
+        parts.append(title + "\n\n" + report_.leg_table(mine, TABLE, about=ABOUT))
+        rows += mine
     checks = goals(rows)
     if checks:
         names = [k for k in checks[0] if k not in ("seats", "states", "run")]
@@ -150,7 +175,11 @@ def render(records: Sequence[dict[str, Any]]) -> str:
             cells = " | ".join("yes" if c.get(k) else "**no**" for k in names)
             lines.append(f"| {c['seats']} | {c['states']} | {c['run']} | {cells} |")
         parts.append("Goals of issue 41, per run:\n\n" + "\n".join(lines))
-    parts.append(report_.conditions(record, records))
+    used.sort(key=lambda r: str(r.get("_file")))
+    for record in used[:-1]:
+        parts.append(report_.conditions(record))
+    # The newest lists the invocations kept but shown nowhere.
+    parts.append(report_.conditions(used[-1], [r for r in records if r not in used[:-1]]))
     return "\n\n".join(parts)
 
 

@@ -65,3 +65,24 @@ def test_render_shows_each_server_and_the_goals() -> None:
     assert "**8 seats, 0.1 s a call, states nothing**" in page
     assert "Goals of issue 41, per run:" in page
     assert "| 8 | none | 1 | yes | yes | yes | yes |" in page
+
+
+def test_an_invocation_of_some_sizes_replaces_those_servers_only() -> None:
+    """``--sizes 64,256`` after a run of every size: the page keeps the other sizes from the
+    older file and names the file of each table."""
+
+    def record(name: str, seats: int, p90: int) -> dict[str, Any]:
+        rows = [
+            {**_row("fixed = seats", steady=80.0, p90=0, peak=1, urgent=0.2), "seats": seats},
+            {**_row("dsclient", steady=78.0, p90=p90, peak=16, urgent=0.3), "seats": seats},
+        ]
+        return {"benchmark": "seats", "_file": name, "code": {}, "host": {}, "rows": rows}
+
+    old = record("1.json", 8, 3)
+    old["rows"] += record("1.json", 256, 290)["rows"]
+    page = render([old, record("2.json", 256, 99)])
+    assert "**8 seats, 0.1 s a call, states nothing** (`1.json`)" in page
+    assert "**256 seats, 0.1 s a call, states nothing** (`2.json`)" in page
+    assert "| 8 | none | 1 | yes |" in page and "| 256 | none | 1 | yes |" in page
+    assert page.count("From `benchmarks/results/seats/") == 2
+    assert "| 290 |" not in page  # the older 256 run is replaced, not shown
