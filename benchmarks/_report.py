@@ -588,6 +588,9 @@ def placement_line(record: Mapping[str, Any]) -> str:
     found = {k.removeprefix("placement").strip(): v for k, v in facts.items()
              if k.startswith("placement") and isinstance(v, Mapping)}  # fmt: skip
     if not found:
+        planned = [v for k, v in facts.items() if k.startswith("placement") and isinstance(v, str)]
+        if planned:  # older files: the plan, not where the threads were found
+            return f"Placement planned, not checked: {'; '.join(planned)}."
         return (
             "**Placement not recorded:** the client may have shared the server's CPUs, taking "
             "CPU the server would have had on two hosts."

@@ -33,7 +33,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks import _report as report_
-from benchmarks._common import default_placement, pin_process, say
+from benchmarks._common import (
+    Placement,
+    default_placement,
+    pin_process,
+    placement_facts,
+    say,
+    server_group,
+)
 from benchmarks._results import Run
 from tests.seat_server import SeatServer, Shape, run_leg
 
@@ -71,9 +78,13 @@ def _p99(values: Sequence[float]) -> float | None:
     return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
-async def _server(run: Run, seats: int, states: str, runs: int, cpus: set[int] | None) -> None:
+async def _server(run: Run, seats: int, states: str, runs: int, placement: Placement) -> None:
     service, n = SIZES[seats]
-    with SeatServer(Shape(seats=seats, service=service, states=states), cpus=cpus) as server:
+    shape = Shape(seats=seats, service=service, states=states)
+    with SeatServer(shape, cpus=set(placement.server)) as server:
+        # Where the client and this server's process were found to run (the first server's
+        # finding stands for the rest: each is started the same way).
+        run.facts.setdefault("placement", placement_facts(placement, [server_group(server.url)]))
         for r in range(1, runs + 1):
             for leg, options in (
                 ("fixed = seats", {"limit": seats}),
@@ -197,10 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     placement = default_placement()
     pin_process(placement.client)
     run = Run.begin("seats", params={"sizes": sizes, "states": args.states, "runs": args.runs})
-    run.fact("placement", placement.note)
     for seats in sizes:
         for states in args.states.split(","):
-            asyncio.run(_server(run, seats, states, args.runs, set(placement.server)))
+            asyncio.run(_server(run, seats, states, args.runs, placement))
     if not args.no_save:
         say(f"results: {run.save()}")
     return 0

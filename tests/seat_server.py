@@ -504,6 +504,10 @@ class SeatServer:
             env=env,
             cwd=root,
             preexec_fn=pin if cpus else None,
+            # Placed on CPUs of its own, it is a process group of its own too: the benchmarks'
+            # placement check reads where a server's group runs, and the caller's group holds
+            # the client.
+            start_new_session=bool(cpus),
         )
         assert self._proc.stdout is not None
         line = self._proc.stdout.readline()

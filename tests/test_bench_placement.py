@@ -109,3 +109,5 @@ def test_the_page_says_where_each_side_ran_and_flags_a_run_that_did_not_record_i
     two = placement_line({"facts": {"placement nginx-vllm": apart, "placement x": shared}})
     assert "nginx-vllm: client on CPU 0" in two and "x: **not apart**" in two
     assert placement_line({"facts": {}}).startswith("**Placement not recorded:**")
+    planned = placement_line({"facts": {"placement": "server on CPU 1, client on CPU 0"}})
+    assert planned == "Placement planned, not checked: server on CPU 1, client on CPU 0."
