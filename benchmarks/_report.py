@@ -511,6 +511,15 @@ HOME_CAVEAT = (
 )
 
 
+def raw_file(path: str, root: str, text: str) -> str:
+    """A raw result file named on a page: a link from the README (``root`` ``""``: the
+    repository shows it), its path in code on a docs page (``root`` ``"../"``): the site has no
+    address for files outside ``docs/``, and mkdocs' strict build refuses such a link."""
+    if root == "":
+        return f"[{text}]({path})"
+    return f"{text}: `{path}`"
+
+
 def home_block(lines: Sequence[Versus], docs: str = "", root: str = "../") -> str:
     """The home page's table: each pick against its (hardest) peer, median ratio and range
     over the runs, linked to its section and its raw files.
@@ -533,9 +542,7 @@ def home_block(lines: Sequence[Versus], docs: str = "", root: str = "../") -> st
         v = found[0]
         what = f"[{pick.what}]({docs}benchmarks.md#{pick.anchor})"
         named = pick.peer_text if isinstance(pick.peer, str) else f"{pick.peer_text}: `{peer}`"
-        raw = " ".join(
-            f"[{n}]({root}{path})" for n, path in enumerate(v.files, 1)
-        ) or NONE
+        raw = " ".join(raw_file(path, root, str(n)) for n, path in enumerate(v.files, 1)) or NONE
         cell = ratio_cell(v.ratios) + (", higher is better" if v.higher_better else "")
         out.append(f"| {what} | {cell} | {named} | {len(v.ratios)} | {raw} |")
     if len(out) == 2:
@@ -723,7 +730,7 @@ def provenance(names: Sequence[str], root: Path) -> str:
             load = f"load {min(found):.2f}-{max(found):.2f}" if found else "load not recorded"
             commit = (record.get("code", {}).get("commit") or "unknown")[:10]
             parts.append(
-                f"[`{record.get('_file')}`](../benchmarks/results/{name}/{record.get('_file')}) "
+                f"`benchmarks/results/{name}/{record.get('_file')}` "
                 f"(commit `{commit}`, {load}" + (", busy machine" if busy(record) else "") + ")"
             )
         cores = pooled.get("host", {}).get("cores")
